@@ -1,0 +1,1 @@
+"""Models served through the megakernel."""

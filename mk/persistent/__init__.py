@@ -1,0 +1,1 @@
+"""The persistent runtime: task descriptors, event counters, megakernel generation."""

@@ -1,0 +1,1 @@
+"""The planner: op DAG, shared-memory and cost models, search, lowering."""
