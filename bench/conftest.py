@@ -1,0 +1,98 @@
+"""Benchmark harness: GPU only; every figure goes to bench/results/ with its peers.
+
+Each benchmark times its op with pytest-benchmark (wall time of a CUDA-graph replay of
+many calls, so regressions show in `--benchmark-compare`) and records the event-timed
+per-call figure with `record(...)`. At the end of the session the records of each suite
+are written to ``bench/results/<suite>-<device>-<date>.json`` together with the device,
+the Triton/torch versions, the commit, the date and the copy bandwidth of the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import mk  # noqa: F401
+from mk.tasks import INTERPRET
+
+HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+RESULTS_DIR = Path(__file__).parent / "results"
+_records: dict[str, list[dict]] = defaultdict(list)
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="benchmarks need a CUDA GPU")
+    for item in items:
+        item.add_marker(skip)
+
+
+def _commit() -> str:
+    if os.environ.get("MK_COMMIT"):
+        return os.environ["MK_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+@pytest.fixture(scope="session")
+def gpu_env() -> dict:
+    """Device, versions, commit, date and the copy bandwidth measured in this run."""
+    import triton
+
+    from mk.timing import copy_bandwidth
+
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    env.update(copy_bandwidth())
+    return env
+
+
+@pytest.fixture
+def record(gpu_env):
+    """record(suite, **figures): keep one result row for bench/results/<suite>-....json."""
+
+    def _record(suite: str, **figures):
+        _records[suite].append(figures)
+
+    return _record
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _records:
+        return
+    env = session.config._mk_gpu_env if hasattr(session.config, "_mk_gpu_env") else None
+    if env is None:
+        return
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
+    day = env["date"][:10]
+    for suite, rows in _records.items():
+        path = RESULTS_DIR / f"{suite}-{slug}-{day}.json"
+        path.write_text(json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n")
+        print(f"\nmk: wrote {path}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _keep_env_for_results(request):
+    """Hand the session's gpu_env to pytest_sessionfinish (only when a GPU is there)."""
+    if HAS_CUDA:
+        request.config._mk_gpu_env = request.getfixturevalue("gpu_env")
+    yield

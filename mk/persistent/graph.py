@@ -1,0 +1,263 @@
+"""Task graphs and their lowering to per-worker queues of int32 descriptors.
+
+A :class:`TaskGraph` is a list of tasks in program order; each task is an :class:`OpSpec`
+bound to named buffers plus integer arguments. Dependencies are derived, not declared:
+a task depends on every earlier task whose writes intersect its reads (read after
+write), or whose reads or writes intersect its writes (write after read / write). They
+are exact at tile granularity because the regions are tiles.
+
+:func:`lower` turns a graph into a :class:`Program`: events (counters), waits with
+per-launch counts, static per-worker queues, and the descriptor table the megakernel and
+the VM both execute.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .ops import TL_DTYPES, OpSpec, Region
+
+#: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
+HEADER_WORDS = 4
+
+
+@dataclass
+class Task:
+    index: int
+    op: OpSpec
+    bind: dict[str, str]
+    args: dict[str, int]
+    name: str
+
+    def reads(self) -> list[Region]:
+        return self.op.reads(self.args, self.bind) if self.op.reads else []
+
+    def writes(self) -> list[Region]:
+        return self.op.writes(self.args, self.bind) if self.op.writes else []
+
+
+class TaskGraph:
+    """Buffers (named tensors) and tasks in program order."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.tasks: list[Task] = []
+
+    def buffer(self, name: str, tensor: torch.Tensor) -> str:
+        """Add (or replace) a named buffer; returns its name."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"buffer {name!r} must be a tensor")
+        if tensor.dtype not in TL_DTYPES:
+            raise TypeError(f"buffer {name!r} has unsupported dtype {tensor.dtype}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"buffer {name!r} must be contiguous")
+        self.buffers[name] = tensor
+        return name
+
+    def add(self, op: OpSpec, name: str | None = None, **bindings_and_args) -> int:
+        """Append a task: every operand role of ``op`` bound to a buffer name, every arg an int."""
+        bind, args = {}, {}
+        for role in op.operands:
+            if role not in bindings_and_args:
+                raise ValueError(f"task {name or op.name}: operand {role!r} not bound")
+            buf = bindings_and_args.pop(role)
+            if buf not in self.buffers:
+                raise ValueError(f"task {name or op.name}: operand {role!r} names unknown buffer {buf!r}")
+            bind[role] = buf
+        for arg in op.args:
+            if arg not in bindings_and_args:
+                raise ValueError(f"task {name or op.name}: argument {arg!r} missing")
+            value = bindings_and_args.pop(arg)
+            if isinstance(value, bool) or not isinstance(value, int) or not -2**31 <= value < 2**31:
+                raise ValueError(f"task {name or op.name}: argument {arg!r} must be an int32, got {value!r}")
+            args[arg] = value
+        if bindings_and_args:
+            raise ValueError(f"task {name or op.name}: unexpected {sorted(bindings_and_args)}")
+        index = len(self.tasks)
+        self.tasks.append(Task(index, op, bind, args, name or f"{op.name}#{index}"))
+        return index
+
+    def dependencies(self) -> list[list[int]]:
+        """For each task, the earlier tasks it must wait for (sorted)."""
+        # Per buffer, the regions touched so far: only tasks on the same buffer are compared.
+        written: dict[str, list[tuple[Region, int]]] = defaultdict(list)
+        read: dict[str, list[tuple[Region, int]]] = defaultdict(list)
+        deps: list[list[int]] = []
+        for task in self.tasks:
+            mine: set[int] = set()
+            r_regions, w_regions = task.reads(), task.writes()
+            for region in r_regions:  # read after write
+                mine.update(t for reg, t in written[region.buffer] if reg.intersects(region))
+            for region in w_regions:  # write after read, write after write
+                mine.update(t for reg, t in read[region.buffer] if reg.intersects(region))
+                mine.update(t for reg, t in written[region.buffer] if reg.intersects(region))
+            mine.discard(task.index)
+            deps.append(sorted(mine))
+            for region in r_regions:
+                read[region.buffer].append((region, task.index))
+            for region in w_regions:
+                written[region.buffer].append((region, task.index))
+        return deps
+
+
+@dataclass
+class Program:
+    """A lowered graph: what one megakernel launch executes.
+
+    ``desc`` rows are in queue order (worker 0's queue, then worker 1's, ...);
+    ``queue_starts[w]:queue_starts[w+1]`` is worker w's slice. Each row: opcode, signal
+    event, number of waits, task index, (event, count) × max_waits, buffer slots, args.
+    A wait is satisfied when ``counters[event] >= count * (launches so far + 1)``.
+    """
+
+    graph: TaskGraph
+    variants: list[tuple[OpSpec, tuple[torch.dtype, ...]]]
+    buffer_names: list[str]
+    desc: torch.Tensor
+    queue_starts: torch.Tensor
+    num_workers: int
+    num_events: int
+    event_counts: list[int]
+    event_signallers: list[list[int]]
+    task_waits: list[list[tuple[int, int]]]
+    task_signal: list[int]
+    queues: list[list[int]]
+    max_waits: int
+    max_slots: int
+    max_args: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def desc_words(self) -> int:
+        return self.desc.shape[1]
+
+    @property
+    def slot_base(self) -> int:
+        return HEADER_WORDS + 2 * self.max_waits
+
+    @property
+    def arg_base(self) -> int:
+        return self.slot_base + self.max_slots
+
+    def summary(self) -> dict:
+        return {"tasks": len(self.graph.tasks), "workers": self.num_workers, "events": self.num_events,
+                "max_waits": self.max_waits, "desc_words": self.desc_words,
+                "variants": [spec.key for spec, _ in self.variants], **self.meta}
+
+    def to_json(self) -> str:
+        return json.dumps({**self.summary(), "queues": self.queues,
+                           "tasks": [{"name": t.name, "op": t.op.key, "args": t.args, "bind": t.bind,
+                                      "waits": self.task_waits[t.index], "signal": self.task_signal[t.index]}
+                                     for t in self.graph.tasks]}, indent=1)
+
+
+SCHEDULES = ("round_robin", "zigzag", "list")
+
+
+def assign_workers(num_tasks: int, deps: list[list[int]], num_workers: int, schedule: str,
+                   cost: list[float] | None = None) -> list[list[int]]:
+    """Static queues: each worker's tasks in program order (so no queue waits on itself).
+
+    round_robin: task i → worker i mod W. zigzag: W-1..0 on odd passes. list: greedy list
+    scheduling, each task to the worker that can start it earliest given its producers'
+    finish times under ``cost`` (unit cost by default).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    queues: list[list[int]] = [[] for _ in range(num_workers)]
+    if schedule == "round_robin":
+        for i in range(num_tasks):
+            queues[i % num_workers].append(i)
+    elif schedule == "zigzag":
+        for i in range(num_tasks):
+            lap, pos = divmod(i, num_workers)
+            queues[pos if lap % 2 == 0 else num_workers - 1 - pos].append(i)
+    else:
+        cost = cost or [1.0] * num_tasks
+        free_at = [0.0] * num_workers
+        finish = [0.0] * num_tasks
+        for i in range(num_tasks):
+            ready = max((finish[d] for d in deps[i]), default=0.0)
+            w = min(range(num_workers), key=lambda k: (max(free_at[k], ready), k))
+            finish[i] = max(free_at[w], ready) + cost[i]
+            free_at[w] = finish[i]
+            queues[w].append(i)
+    return queues
+
+
+def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
+          cost: list[float] | None = None) -> Program:
+    """Lower ``graph`` to a :class:`Program` for ``num_workers`` workers."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    tasks = graph.tasks
+    deps = graph.dependencies()
+    consumers: list[list[int]] = [[] for _ in tasks]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            consumers[d].append(i)
+
+    # Producers with the same set of consumers share one event: every consumer of the
+    # event needs all of its producers, so "count reached" means exactly "inputs ready".
+    event_of_signature: dict[tuple[int, ...], int] = {}
+    task_signal = [-1] * len(tasks)
+    event_signallers: list[list[int]] = []
+    for i in range(len(tasks)):
+        if not consumers[i]:
+            continue
+        sig = tuple(consumers[i])
+        if sig not in event_of_signature:
+            event_of_signature[sig] = len(event_signallers)
+            event_signallers.append([])
+        ev = event_of_signature[sig]
+        task_signal[i] = ev
+        event_signallers[ev].append(i)
+    event_counts = [len(s) for s in event_signallers]
+    task_waits = []
+    for i in range(len(tasks)):
+        evs = sorted({task_signal[d] for d in deps[i]})
+        task_waits.append([(ev, event_counts[ev]) for ev in evs])
+
+    variants: list[tuple[OpSpec, tuple[torch.dtype, ...]]] = []
+    variant_of: dict = {}
+    opcodes = []
+    for t in tasks:
+        dtypes = tuple(graph.buffers[t.bind[r]].dtype for r in t.op.operands)
+        key = (t.op.key, dtypes)
+        if key not in variant_of:
+            variant_of[key] = len(variants)
+            variants.append((t.op, dtypes))
+        opcodes.append(variant_of[key])
+
+    buffer_names = list(graph.buffers)
+    slot_of = {n: i for i, n in enumerate(buffer_names)}
+    max_waits = max([len(w) for w in task_waits] + [1])
+    max_slots = max([len(t.op.operands) for t in tasks] + [1])
+    max_args = max([len(t.op.args) for t in tasks] + [1])
+    words = HEADER_WORDS + 2 * max_waits + max_slots + max_args
+
+    queues = assign_workers(len(tasks), deps, num_workers, schedule, cost)
+    order = [i for q in queues for i in q]
+    desc = torch.zeros(max(len(order), 1), words, dtype=torch.int32)
+    for row, i in enumerate(order):
+        t = tasks[i]
+        rec = [opcodes[i], task_signal[i], len(task_waits[i]), i]
+        for ev, cnt in task_waits[i]:
+            rec += [ev, cnt]
+        rec += [0, 0] * (max_waits - len(task_waits[i]))
+        rec += [slot_of[t.bind[r]] for r in t.op.operands] + [0] * (max_slots - len(t.op.operands))
+        rec += [t.args[a] for a in t.op.args] + [0] * (max_args - len(t.op.args))
+        desc[row] = torch.tensor(rec, dtype=torch.int32)
+    starts = [0]
+    for q in queues:
+        starts.append(starts[-1] + len(q))
+    return Program(graph=graph, variants=variants, buffer_names=buffer_names, desc=desc,
+                   queue_starts=torch.tensor(starts, dtype=torch.int32), num_workers=num_workers,
+                   num_events=len(event_signallers), event_counts=event_counts,
+                   event_signallers=event_signallers, task_waits=task_waits, task_signal=task_signal,
+                   queues=queues, max_waits=max_waits, max_slots=max_slots, max_args=max_args,
+                   meta={"schedule": schedule})

@@ -1,0 +1,192 @@
+"""Launch a lowered program as one persistent megakernel; errors, residency and traces.
+
+``Megakernel(program)`` generates and compiles the kernel for the program's op
+variants, uploads the descriptors, queues and the buffer address table, and launches
+one program per worker. Counters are never reset between launches (thresholds grow with
+the launch count kept on the device), so launches can be enqueued back to back, or
+captured in a CUDA graph, with no host work in between.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mk.tasks import INTERPRET
+
+from .codegen import generate_source, load_kernel
+from .graph import HEADER_WORDS, Program
+from .sync import ERROR_WORDS
+
+
+class MegakernelError(RuntimeError):
+    """The megakernel cannot be launched as planned."""
+
+
+class MegakernelTimeout(MegakernelError):
+    """A dependency wait exceeded its bound; the kernel exited instead of hanging."""
+
+    def __init__(self, worker: int, task: int, task_name: str, event: int, seen: int, expected: int):
+        self.worker, self.task, self.task_name = worker, task, task_name
+        self.event, self.seen, self.expected = event, seen, expected
+        super().__init__(f"megakernel wait timed out: worker {worker}, task {task} ({task_name}) waited on "
+                         f"event {event}, saw {seen} of {expected}")
+
+
+@dataclass(frozen=True)
+class Residency:
+    """How many programs of the compiled kernel fit on the GPU at once, and why."""
+
+    n_regs: int
+    n_spills: int
+    shared_bytes: int
+    num_warps: int
+    blocks_per_sm: int
+    sm_count: int
+
+    @property
+    def max_workers(self) -> int:
+        return self.blocks_per_sm * self.sm_count
+
+
+def blocks_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
+    """Resident blocks per SM allowed by registers, shared memory and threads."""
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    regs_per_warp = math.ceil(max(n_regs, 1) * 32 / 256) * 256
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_smem = smem_per_sm // shared_bytes if shared_bytes else 32
+    by_threads = threads_per_sm // (32 * num_warps)
+    return max(0, min(by_regs, by_smem, by_threads, 32))
+
+
+class Megakernel:
+    """One compiled persistent kernel running a :class:`Program`.
+
+    Args:
+        program: the lowered graph (its buffers must live on mk's device).
+        timeout_s: bound of every dependency wait on the GPU.
+        trace: record each task's start/end time (GPU global timer).
+        interpret_polls: bound of a wait under the interpreter, in polls.
+    """
+
+    def __init__(self, program: Program, *, timeout_s: float = 1.0, trace: bool = False,
+                 interpret_polls: int = 2000):
+        self.program = program
+        buffers = [program.graph.buffers[n] for n in program.buffer_names]
+        devices = {b.device for b in buffers}
+        if len(devices) > 1:
+            raise MegakernelError(f"buffers are on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        if INTERPRET and program.num_workers != 1:
+            raise MegakernelError("under the Triton interpreter programs run one after another: "
+                                  "lower the graph for num_workers=1 (use the VM for more workers)")
+        self.source = generate_source(program)
+        self.kernel, self.digest = load_kernel(self.source)
+        dev = self.device
+        self.desc = program.desc.to(dev)
+        self.queue_starts = program.queue_starts.to(dev)
+        self.table = torch.tensor([b.data_ptr() for b in buffers] or [0], dtype=torch.int64, device=dev)
+        self.counters = torch.zeros(max(program.num_events, 1), dtype=torch.int32, device=dev)
+        self.state = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
+        self.trace_enabled = trace
+        self.trace_buf = torch.zeros(max(self.desc.shape[0] * 2, 2), dtype=torch.int64, device=dev)
+        self.num_warps = max(spec.num_warps for spec, _ in program.variants) if program.variants else 4
+        self.timeout = interpret_polls if INTERPRET else int(timeout_s * 1e9)
+        self._residency: Residency | None = None
+
+    # -- launching -------------------------------------------------------------------
+    def _args(self):
+        p = self.program
+        return ((self.desc, self.queue_starts, self.table, self.counters, self.state, self.error, self.trace_buf,
+                 p.num_workers, self.timeout),
+                dict(DESC_WORDS=p.desc_words, HEADER=HEADER_WORDS, MAX_WAITS=p.max_waits, SLOT_BASE=p.slot_base,
+                     ARG_BASE=p.arg_base, TRACE=self.trace_enabled, USE_TIMER=not INTERPRET,
+                     num_warps=self.num_warps))
+
+    def residency(self) -> Residency:
+        """Compile (once) and read registers and shared memory off the compiled kernel."""
+        if self._residency is None:
+            if INTERPRET:
+                self._residency = Residency(0, 0, 0, self.num_warps, 1, 1)
+            else:
+                args, kw = self._args()
+                compiled = self.kernel.warmup(*args, grid=(self.program.num_workers,), **kw)
+                if hasattr(compiled, "_init_handles"):
+                    compiled._init_handles()
+                props = torch.cuda.get_device_properties(self.device)
+                shared = int(getattr(compiled.metadata, "shared", 0))
+                n_regs = int(getattr(compiled, "n_regs", 0))
+                self._residency = Residency(n_regs, int(getattr(compiled, "n_spills", 0)), shared, self.num_warps,
+                                            blocks_per_sm(n_regs, shared, self.num_warps, props),
+                                            props.multi_processor_count)
+        return self._residency
+
+    def launch(self) -> None:
+        """Enqueue one launch (no host sync). Raises before launching if workers can't all be resident."""
+        res = self.residency()
+        if not INTERPRET and self.program.num_workers > res.max_workers:
+            raise MegakernelError(
+                f"{self.program.num_workers} workers cannot all be resident: the kernel uses {res.n_regs} registers "
+                f"and {res.shared_bytes} B of shared memory with {res.num_warps} warps, so at most "
+                f"{res.blocks_per_sm} per SM × {res.sm_count} SMs = {res.max_workers}")
+        args, kw = self._args()
+        self.kernel[(self.program.num_workers,)](*args, **kw)
+
+    def check(self) -> None:
+        """Synchronise and raise :class:`MegakernelTimeout` if a wait timed out (then reset)."""
+        err = self.error.tolist()
+        if err[0]:
+            worker, task, event, seen, expected = err[1:6]
+            self.reset()
+            name = self.program.graph.tasks[task].name if 0 <= task < len(self.program.graph.tasks) else "?"
+            raise MegakernelTimeout(worker, task, name, event, seen, expected)
+
+    def run(self) -> None:
+        """Launch once and check for errors."""
+        self.launch()
+        self.check()
+
+    def reset(self) -> None:
+        """Zero counters, launch count and error (needed only after a failed launch)."""
+        self.counters.zero_()
+        self.state.zero_()
+        self.error.zero_()
+
+    # -- inspection -------------------------------------------------------------------
+    def dump_source(self, path: str | Path) -> Path:
+        """Write the generated kernel source to ``path``."""
+        path = Path(path)
+        path.write_text(self.source)
+        return path
+
+    def trace_events(self) -> list[dict]:
+        """Per task of the last traced launch: worker, task name, start and end (µs from the first start)."""
+        if not self.trace_enabled:
+            raise MegakernelError("tracing is off: build the Megakernel with trace=True")
+        times = self.trace_buf.view(-1, 2)[: self.desc.shape[0]].tolist()
+        t0 = min((s for s, _ in times), default=0)
+        events = []
+        for w, queue in enumerate(self.program.queues):
+            base = int(self.program.queue_starts[w])
+            for j, task in enumerate(queue):
+                start, end = times[base + j]
+                events.append({"worker": w, "task": task, "name": self.program.graph.tasks[task].name,
+                               "op": self.program.graph.tasks[task].op.name,
+                               "start_us": (start - t0) / 1e3, "end_us": (end - t0) / 1e3})
+        return events
+
+    def save_trace(self, json_path: str | Path, png_path: str | Path | None = None) -> None:
+        """Chrome-trace JSON (opens in Perfetto) and, if matplotlib is there, a PNG Gantt chart."""
+        from .trace import gantt_png, to_chrome_trace
+
+        events = self.trace_events()
+        Path(json_path).write_text(json.dumps(to_chrome_trace(events)))
+        if png_path is not None:
+            gantt_png(events, png_path, num_workers=self.program.num_workers)

@@ -1,0 +1,38 @@
+"""Timelines of a megakernel launch: Chrome-trace JSON and a PNG Gantt chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def to_chrome_trace(events: list[dict]) -> dict:
+    """Chrome trace format ("X" complete events, one thread per worker); opens in Perfetto."""
+    return {"traceEvents": [
+        {"name": e["name"], "cat": e["op"], "ph": "X", "ts": e["start_us"],
+         "dur": max(e["end_us"] - e["start_us"], 0.0), "pid": 0, "tid": e["worker"]}
+        for e in events], "displayTimeUnit": "ns"}
+
+
+def gantt_png(events: list[dict], path: str | Path, num_workers: int, title: str = "megakernel") -> None:
+    """Workers (rows) over time (µs), one bar per task, coloured by op. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # optional dependency
+        raise RuntimeError("the PNG Gantt chart needs matplotlib (pip install matplotlib)") from err
+    ops = sorted({e["op"] for e in events})
+    colours = {op: plt.cm.tab20(i % 20) for i, op in enumerate(ops)}
+    fig, ax = plt.subplots(figsize=(14, max(3, num_workers * 0.06 + 2)))
+    for e in events:
+        ax.barh(e["worker"], max(e["end_us"] - e["start_us"], 1e-3), left=e["start_us"], height=0.8,
+                color=colours[e["op"]], linewidth=0)
+    ax.set_xlabel("µs")
+    ax.set_ylabel("worker")
+    ax.set_title(title)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[o]) for o in ops], labels=ops,
+              loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
