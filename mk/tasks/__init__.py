@@ -8,9 +8,28 @@ kernel calls; it touches only its own tile), a standalone launcher (the op), and
 from . import _device  # first: picks compiled CUDA or the interpreter before any @triton.jit
 from ._cost import TaskCost
 from ._device import INTERPRET, SUPPORTED_DTYPES, default_device, default_dtype
+from .argmax import argmax, argmax_partial_tile, argmax_reduce_tile, argmax_ref
+from .decode_attention import (decode_attention, decode_attention_merge_tile, decode_attention_partial_tile,
+                               decode_attention_ref)
+from .embedding import embedding, embedding_ref, embedding_tile
+from .linear import (LinearConfig, interleave_gate_up, linear, linear_config, linear_partial_tile, linear_ref,
+                     linear_splitk_reduce_tile, linear_tile)
+from .prefill_attention import prefill_attention, prefill_attention_ref, prefill_attention_tile
 from .rmsnorm import rmsnorm, rmsnorm_ref, rmsnorm_tile
+from .rope import rope, rope_inv_freq, rope_kv, rope_kv_ref, rope_kv_tile, rope_ref
+from .sample import gumbel_noise, sample, sample_ref
+from .silu_mul import silu_mul, silu_mul_ref, silu_mul_tile
 
 __all__ = [
     "INTERPRET", "SUPPORTED_DTYPES", "TaskCost", "default_device", "default_dtype",
+    "argmax", "argmax_partial_tile", "argmax_reduce_tile", "argmax_ref",
+    "decode_attention", "decode_attention_merge_tile", "decode_attention_partial_tile", "decode_attention_ref",
+    "embedding", "embedding_ref", "embedding_tile",
+    "LinearConfig", "interleave_gate_up", "linear", "linear_config", "linear_partial_tile", "linear_ref",
+    "linear_splitk_reduce_tile", "linear_tile",
+    "prefill_attention", "prefill_attention_ref", "prefill_attention_tile",
     "rmsnorm", "rmsnorm_ref", "rmsnorm_tile",
+    "rope", "rope_inv_freq", "rope_kv", "rope_kv_ref", "rope_kv_tile", "rope_ref",
+    "gumbel_noise", "sample", "sample_ref",
+    "silu_mul", "silu_mul_ref", "silu_mul_tile",
 ]

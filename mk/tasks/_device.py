@@ -111,3 +111,12 @@ def check_positive_int(name: str, value: object, *, maximum: int | None = None) 
         bound = f" and <= {maximum}" if maximum is not None else ""
         raise ValueError(f"{name} must be >= 1{bound}, got {value}")
     return value
+
+
+def is_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on ``t``'s device.
+
+    Checks that read tensor values back to the host (token ids in range, lengths within
+    the cache) would break the capture; launchers skip them then and trust the values.
+    """
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()

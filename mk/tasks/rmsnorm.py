@@ -45,12 +45,16 @@ def rmsnorm_tile(
         h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             h += tl.load(res_row + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(res_out_row + cols, h.to(res_out_ptr.dtype.element_ty), mask=mask)
-            # Re-read what was stored so that out is computed from the rounded h,
-            # exactly as a separate add followed by a norm would.
-            h = tl.load(res_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+            h_stored = h.to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_row + cols, h_stored, mask=mask)
+            # Statistics of the rounded h, exactly as a separate add then norm would see
+            # it. Rounded in registers: reading the store back is unsafe, the loop
+            # pipeliner may hoist that load above the store.
+            h = h_stored.to(tl.float32)
         sum_sq += h * h
     rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / N + eps)
+    if HAS_RESIDUAL:
+        tl.debug_barrier()  # pass two reads h that other threads of this block stored
 
     for start in range(0, N, BLOCK_N):
         cols = start + offs

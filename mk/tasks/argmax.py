@@ -1,0 +1,211 @@
+"""Argmax over the vocabulary: the greedy next-token choice, as chunk partials plus a reduce.
+
+    out[b] = min { i : x[b, i] = max_j x[b, j] }
+
+with torch.argmax's conventions: the lowest index wins a tie, NaN counts as larger than
+everything, -0.0 equals +0.0. Inside the megakernel the LM head's output tiles can feed
+``argmax_partial_tile`` chunk by chunk (one (row, chunk) pair per call, writing one
+value and one index), and one ``argmax_reduce_tile`` per row combines the chunks. The
+result is exact and deterministic: values are compared through an order-preserving
+integer image of their float32 bits (:func:`order_key`), so no rounding or scheduling
+order can change which index wins.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cost import TaskCost
+from ._device import check_tensor
+
+#: Default widest vocabulary chunk one partial tile covers.
+MAX_BLOCK_V = 2048
+#: Widest block of chunk partials the reduce loads at once; more chunks loop.
+MAX_BLOCK_C = 1024
+
+_INT32_MIN = tl.constexpr(-2147483648)
+_INT32_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def order_key(x):
+    """int32 image of float32 ``x`` that orders like x (as torch.argmax sees it).
+
+    Non-negative floats keep their bits; negative floats get their magnitude bits
+    flipped, so integer order equals float order. -0.0 is mapped to +0.0 first (they
+    compare equal), and every NaN to the largest key (torch.argmax picks NaN).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 has only the sign bit set
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(x != x, _INT32_MAX, key)
+
+
+@triton.jit
+def argmax_block(x, cols, valid, SENTINEL):
+    """(value, index) of the largest valid element of block ``x`` (float32), lowest index on ties.
+
+    ``cols`` are the elements' global indices (int32). With no valid element the result
+    is (-inf, SENTINEL); pick SENTINEL above every real index so that any real
+    candidate, even a -inf one, wins over it in :func:`argmax_reduce_tile`.
+    """
+    key = tl.where(valid, order_key(x), _INT32_MIN)  # real keys are > INT32_MIN (-inf's is not)
+    best = tl.max(key, axis=0)
+    idx = tl.min(tl.where(valid & (key == best), cols, SENTINEL), axis=0)
+    # Exactly one element matches idx, so the sum is that element's value, NaN or inf included.
+    val = tl.sum(tl.where(cols == idx, x, 0.0), axis=0)
+    val = tl.where(idx == SENTINEL, float("-inf"), val)
+    return val, idx
+
+
+@triton.jit
+def argmax_partial_tile(
+    logits_ptr, part_val_ptr, part_idx_ptr,
+    row, chunk, V, stride_row, stride_part,
+    BLOCK_V: tl.constexpr,
+):
+    """Max and its index over logits[row, chunk*BLOCK_V : (chunk+1)*BLOCK_V] (clipped at V).
+
+    Writes part_val[row, chunk] (float32 value) and part_idx[row, chunk] (int32 global
+    index); the partial arrays have row stride ``stride_part`` and unit chunk stride.
+    """
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = cols < V
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
+    val, idx = argmax_block(x, cols, valid, V)
+    tl.store(part_val_ptr + row * stride_part + chunk, val)
+    tl.store(part_idx_ptr + row * stride_part + chunk, idx)
+
+
+@triton.jit
+def argmax_reduce_tile(
+    part_val_ptr, part_idx_ptr, out_idx_ptr, out_val_ptr,
+    row, n_chunks, stride_part,
+    BLOCK_C: tl.constexpr,
+):
+    """Combine a row's ``n_chunks`` partials: out_idx[row] (int64) and out_val[row] (float32).
+
+    Each lane keeps the best of the chunks congruent to it mod BLOCK_C (larger key, then
+    lower index), then the lanes are reduced the same way: a fixed order, so the result
+    is the same however the partial tiles were scheduled.
+    """
+    offs = tl.arange(0, BLOCK_C)
+    best_key = tl.full([BLOCK_C], _INT32_MIN, tl.int32)
+    best_idx = tl.full([BLOCK_C], _INT32_MAX, tl.int32)
+    best_val = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for start in range(0, n_chunks, BLOCK_C):
+        c = start + offs
+        m = c < n_chunks
+        v = tl.load(part_val_ptr + row * stride_part + c, mask=m, other=float("-inf"))
+        i = tl.load(part_idx_ptr + row * stride_part + c, mask=m, other=_INT32_MAX)
+        k = tl.where(m, order_key(v), _INT32_MIN)
+        take = (k > best_key) | ((k == best_key) & (i < best_idx))
+        best_key = tl.where(take, k, best_key)
+        best_idx = tl.where(take, i, best_idx)
+        best_val = tl.where(take, v, best_val)
+    top = tl.max(best_key, axis=0)
+    idx = tl.min(tl.where(best_key == top, best_idx, _INT32_MAX), axis=0)
+    # Read the winner's value from one lane (a sum of one term keeps NaN and inf as they are).
+    lane = tl.min(tl.where((best_key == top) & (best_idx == idx), offs, BLOCK_C), axis=0)
+    val = tl.sum(tl.where(offs == lane, best_val, 0.0), axis=0)
+    tl.store(out_idx_ptr + row, idx.to(tl.int64))
+    tl.store(out_val_ptr + row, val)
+
+
+@triton.jit
+def argmax_partial_kernel(
+    logits_ptr, part_val_ptr, part_idx_ptr, V, stride_row, stride_part,
+    BLOCK_V: tl.constexpr,
+):
+    argmax_partial_tile(logits_ptr, part_val_ptr, part_idx_ptr, tl.program_id(1), tl.program_id(0),
+                        V, stride_row, stride_part, BLOCK_V=BLOCK_V)
+
+
+@triton.jit
+def argmax_reduce_kernel(
+    part_val_ptr, part_idx_ptr, out_idx_ptr, out_val_ptr, n_chunks, stride_part,
+    BLOCK_C: tl.constexpr,
+):
+    argmax_reduce_tile(part_val_ptr, part_idx_ptr, out_idx_ptr, out_val_ptr, tl.program_id(0),
+                       n_chunks, stride_part, BLOCK_C=BLOCK_C)
+
+
+def argmax_block_v(v: int, max_block_v: int = MAX_BLOCK_V) -> int:
+    """Chunk width for a vocabulary of v: the whole row when it fits, else max_block_v."""
+    return min(triton.next_power_of_2(max(v, 16)), max_block_v)
+
+
+def argmax_block_c(n_chunks: int) -> int:
+    """How many chunk partials the reduce loads at once."""
+    return min(triton.next_power_of_2(max(n_chunks, 1)), MAX_BLOCK_C)
+
+
+def check_block_v(block_v: object) -> int:
+    """A chunk width: a power of two from 16 to 65536 (``tl.arange`` needs a power of two)."""
+    if isinstance(block_v, bool) or not isinstance(block_v, int):
+        raise TypeError(f"block_v must be an int, got {type(block_v).__name__}")
+    if block_v < 16 or block_v > 65536 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two in [16, 65536], got {block_v}")
+    return block_v
+
+
+def check_logits(logits: object) -> torch.Tensor:
+    """``[B, V]`` logits with V >= 1, unit stride along V and int32-addressable rows."""
+    check_tensor("logits", logits, ndim=2, contiguous=False, last_dim_contiguous=True)
+    rows, v = logits.shape
+    if v < 1:
+        raise ValueError(f"logits must have at least one column, got shape {tuple(logits.shape)}")
+    if rows and (rows - 1) * logits.stride(0) + v >= 2**31:
+        raise ValueError(f"logits is too large for int32 offsets: shape {tuple(logits.shape)}")
+    return logits
+
+
+def argmax(logits: torch.Tensor, *, block_v: int | None = None) -> torch.Tensor:
+    """Index of the largest logit of each row, as torch.argmax(logits, -1).
+
+    Args:
+        logits: ``[B, V]``; rows may be strided, the last dim must be contiguous.
+        block_v: chunk width (a power of two); default :func:`argmax_block_v`.
+
+    Returns:
+        int64 ``[B]``. Ties go to the lowest index, NaN wins, deterministic.
+    """
+    check_logits(logits)
+    rows, v = logits.shape
+    block_v = argmax_block_v(v) if block_v is None else check_block_v(block_v)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    n_chunks = triton.cdiv(v, block_v)
+    part_val = torch.empty(rows, n_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(rows, n_chunks, dtype=torch.int32, device=logits.device)
+    out_val = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    argmax_partial_kernel[(n_chunks, rows)](
+        logits, part_val, part_idx, v, logits.stride(0), part_val.stride(0),
+        BLOCK_V=block_v, num_warps=4,
+    )
+    argmax_reduce_kernel[(rows,)](
+        part_val, part_idx, out, out_val, n_chunks, part_val.stride(0),
+        BLOCK_C=argmax_block_c(n_chunks), num_warps=4,
+    )
+    return out
+
+
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dim, in float32 (the reference the kernels are tested against)."""
+    return logits.float().argmax(dim=-1)
+
+
+def argmax_cost(rows: int, v: int, dtype_bytes: int = 2, block_v: int | None = None) -> TaskCost:
+    """Bytes and flops of one argmax over ``rows`` rows of v logits (partials and reduce)."""
+    n_chunks = triton.cdiv(v, block_v or argmax_block_v(v))
+    partials = rows * n_chunks * 8  # float32 value + int32 index per chunk
+    return TaskCost(bytes_read=rows * v * dtype_bytes + partials,
+                    bytes_written=partials + rows * 12, flops=rows * (v + n_chunks))
+
+
+def argmax_smem_bytes(block_v: int, num_warps: int = 4) -> int:
+    """Shared memory of the tiles: cross-warp scratch for a max and a min over int32."""
+    return 2 * 4 * num_warps

@@ -1,0 +1,444 @@
+"""Decode attention: one query token per sequence against its KV cache (split-KV, GQA).
+
+For sequence b, query head h and its KV head ``kv = h // G`` (G = Hq / Hkv, the
+grouping of Hugging Face's ``repeat_interleave``), over the ``L = seqlens[b]`` cached
+positions:
+
+    s[j]   = scale * q[b, h] · k_cache[b, kv, j]           j < L
+    out    = Σ_j softmax(s)[j] * v_cache[b, kv, j]
+
+The KV length is cut into ``num_splits`` slices (flash-decoding). The partial task
+``(b, kv, split)`` loads each K/V block once for all G query heads of the group and
+writes, per query head, the slice's normalised output and its log-sum-exp:
+
+    o_part[b, h, split, :]  float32, Σ_j∈slice p_j v_j / Σ_j∈slice p_j   (0 for an empty slice)
+    lse[b, h, split]        float32, natural log of Σ_j∈slice exp(s_j)   (-inf for an empty slice)
+
+The merge task ``(b, h)`` combines them: ``out = Σ_s exp(lse_s - M) o_s / Σ_s exp(lse_s - M)``
+with ``M = max_s lse_s``; an empty slice has weight exp(-inf) = 0. Slices are cut per
+sequence: ``ceil(L / num_splits)`` rounded up to whole BLOCK_N blocks, so a short
+sequence fills the first slices and leaves the others empty.
+
+KV cache layout (shared with :mod:`mk.tasks.rope`): ``[B, Hkv, S_max, D]``; positions
+``>= seqlens[b]`` are never read, so they may hold anything (even NaN).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import mma
+
+from ._cost import TaskCost
+from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing
+
+#: Most KV splits one call may use (the merge holds [num_splits, D] float32 in registers).
+MAX_NUM_SPLITS = 128
+
+#: tl.dot needs every dimension >= 16, so the query-head group is padded up to this.
+MIN_DOT_DIM = 16
+
+_SEQLEN_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Tile sizes of the partial task (what its shared memory and registers depend on)."""
+
+    block_g: int        # query heads of one group, padded to a power of 2 >= 16 for tl.dot
+    block_n: int        # KV positions per loop step
+    block_d: int        # head_dim padded to a power of 2 >= 16
+    num_warps: int = 4
+    num_stages: int = 2
+    dtype_bytes: int = 2  # of q and the KV cache
+
+
+def decode_attention_config(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                            dtype_bytes: int = 2) -> DecodeAttentionConfig:
+    """Default tile sizes for a model shape (pure; the planner may search around it)."""
+    group = num_q_heads // num_kv_heads
+    block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    # Two [BLOCK_N, BLOCK_D] operand tiles per stage: keep them near 16 KiB each in bf16.
+    block_n = 64 if block_d <= 128 else 32
+    return DecodeAttentionConfig(
+        block_g=max(MIN_DOT_DIM, triton.next_power_of_2(group)), block_n=block_n, block_d=block_d,
+        num_warps=4, num_stages=2, dtype_bytes=dtype_bytes)
+
+
+def decode_attention_num_splits(batch: int, num_kv_heads: int, max_seqlen: int, *, num_sms: int,
+                                block_n: int = 64, min_blocks_per_split: int = 2,
+                                max_splits: int = MAX_NUM_SPLITS) -> int:
+    """How many KV splits to use (pure heuristic).
+
+    Enough partial tasks (batch × num_kv_heads × splits) to give every SM about one,
+    but no slice shorter than ``min_blocks_per_split`` blocks: below that the merge
+    and the per-task overhead cost more than the parallelism gains.
+    """
+    tasks = max(1, batch * num_kv_heads)
+    wanted = -(-num_sms // tasks)
+    useful = -(-max(1, max_seqlen) // (block_n * min_blocks_per_split))
+    return max(1, min(wanted, useful, max_splits))
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def decode_attention_partial_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
+    b, kv_head, split, num_splits, sm_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Slice ``split`` of sequence b's KV for the GROUP query heads of ``kv_head``.
+
+    Writes ``o_ptr[b, h, split, :]`` (normalised over the slice, cast to o's dtype) and
+    ``lse_ptr[b, h, split]`` (natural-log log-sum-exp) for ``h = kv_head*GROUP + g``; nothing
+    else. With ``num_splits == 1`` o may point straight at the final output.
+    """
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    # Padded group rows load as zeros: their scores are 0 (finite) and they are never stored.
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    seqlen = tl.load(seqlens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seqlen)
+
+    k_base = k_cache_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_cache_ptr + b * stride_vb + kv_head * stride_vh
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e): softmax in base 2, exp2 is native
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    # Every block this loop visits holds at least one valid position, so m_i turns finite
+    # on the first step; an empty slice skips the loop and keeps l_i = 0.
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + offs_n
+        mask_n = offs < end
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        # Masked loads never read positions >= seqlen, so garbage (even NaN) there can't leak.
+        k = tl.load(k_base + offs[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    log2_sum = m_i + tl.log2(tl.where(has_keys, l_i, 1.0))
+    lse = tl.where(has_keys, log2_sum * 0.6931471805599453, float("-inf"))  # ln(2): back to base e
+    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=mask_g)
+
+
+@triton.jit
+def decode_attention_merge_tile(
+    o_part_ptr, lse_ptr, out_ptr,
+    b, q_head, num_splits,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[b, q_head] = the log-sum-exp weighted mean of the ``num_splits`` partials.
+
+    Empty splits carry lse = -inf and weigh 0. Touches out[b, q_head] only.
+    """
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + b * stride_lb + q_head * stride_lh + offs_s * stride_ls,
+                  mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    # Split 0 always has a key (seqlen >= 1), so m is finite; the guard only keeps a bad
+    # seqlen from turning into NaN (-inf - -inf).
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    o = tl.load(o_part_ptr + b * stride_pb + q_head * stride_ph + offs_s[:, None] * stride_ps
+                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + q_head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=mask_d)
+
+
+@triton.jit
+def decode_attention_partial_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
+    num_kv_heads, num_splits, sm_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Grid (B * Hkv, num_splits).
+    pid = tl.program_id(0)
+    decode_attention_partial_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
+        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_splits, sm_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+
+
+@triton.jit
+def decode_attention_merge_kernel(
+    o_part_ptr, lse_ptr, out_ptr, num_q_heads, num_splits,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Grid (B * Hq,).
+    pid = tl.program_id(0)
+    decode_attention_merge_tile(
+        o_part_ptr, lse_ptr, out_ptr, pid // num_q_heads, pid % num_q_heads, num_splits,
+        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
+        HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter runs programs one by one: a small stand-in still exercises splitting.
+    return 4
+
+
+def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits):
+    """Validate decode_attention's arguments (nothing is written before); returns the scale."""
+    check_tensor("q", q, ndim=3, contiguous=False, last_dim_contiguous=True)
+    batch, hq, d = q.shape
+    check_tensor("k_cache", k_cache, ndim=4, contiguous=False, last_dim_contiguous=True)
+    hkv, max_seq = k_cache.shape[1], k_cache.shape[2]
+    check_tensor("k_cache", k_cache, shape=(batch, hkv, max_seq, d), contiguous=False)
+    check_tensor("v_cache", v_cache, shape=(batch, hkv, max_seq, d), contiguous=False,
+                 last_dim_contiguous=True)
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q has {hq} heads, not a multiple of k_cache's {hkv} KV heads")
+    if d < 1 or max_seq < 1:
+        raise ValueError(f"k_cache must have head_dim >= 1 and S_max >= 1, got shape {tuple(k_cache.shape)}")
+    check_tensor("seqlens", seqlens, shape=(batch,), dtype=_SEQLEN_DTYPES, contiguous=False)
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if num_splits is not None:
+        check_positive_int("num_splits", num_splits, maximum=MAX_NUM_SPLITS)
+    # The only host sync: the standalone op checks the lengths (a fused kernel trusts them).
+    # Not possible while a CUDA graph is being captured, so then they are trusted too.
+    if batch and not is_capturing(seqlens):
+        lo, hi = int(seqlens.min()), int(seqlens.max())
+        if lo < 1 or hi > max_seq:
+            raise ValueError(f"seqlens must lie in [1, {max_seq}] (S_max of the cache), got {lo} to {hi}")
+    return float(scale)
+
+
+def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale):
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    num_splits = lse.shape[2]
+    cfg = decode_attention_config(hq, hkv, d, q.element_size())
+    decode_attention_partial_kernel[(batch * hkv, num_splits)](
+        q, k_cache, v_cache, seqlens, o_part, lse, hkv, num_splits, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_G=cfg.block_g, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _default_splits(q, k_cache):
+    # From shapes only (S_max, not the actual lengths): no host sync, and a captured CUDA
+    # graph stays right when replayed with other lengths. Splits past a short sequence
+    # are empty programs that return at once.
+    batch, hq, d = q.shape
+    _, hkv, max_seq, _ = k_cache.shape
+    cfg = decode_attention_config(hq, hkv, d, q.element_size())
+    return decode_attention_num_splits(batch, hkv, max_seq, num_sms=_num_sms(q.device), block_n=cfg.block_n)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, *,
+    scale: float | None = None, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached keys and values.
+
+    Args:
+        q: ``[B, Hq, D]``, last dim contiguous.
+        k_cache, v_cache: ``[B, Hkv, S_max, D]`` in q's dtype, last dim contiguous;
+            Hq must be a multiple of Hkv (query head h reads KV head h // (Hq / Hkv)).
+        seqlens: ``[B]`` int32/int64, valid cached positions per sequence, in ``[1, S_max]``.
+        scale: score scale, default ``1 / sqrt(D)``.
+        num_splits: KV splits (1..:data:`MAX_NUM_SPLITS`); default from
+            :func:`decode_attention_num_splits` on the cache length S_max. With 1 the
+            partial task writes the output directly and no merge runs.
+
+    Lengths are checked on the host (one sync), except while a CUDA graph is captured.
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype.
+    """
+    scale = _check_args(q, k_cache, v_cache, seqlens, scale, num_splits)
+    batch, hq, d = q.shape
+    out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
+    if batch == 0 or hq == 0:
+        return out
+    if num_splits is None:
+        num_splits = _default_splits(q, k_cache)
+    lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    # One split: the partial is already the answer, write it straight into out.
+    o_part = out[:, :, None, :] if num_splits == 1 else torch.empty(
+        (batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale)
+    if num_splits > 1:
+        decode_attention_merge(o_part, lse, out=out)
+    return out
+
+
+def decode_attention_partials(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, *,
+    scale: float | None = None, num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Only the partial tasks of :func:`decode_attention` (same arguments).
+
+    Returns the float32 workspace ``(o_part [B, Hq, num_splits, D], lse [B, Hq, num_splits])``:
+    each split's normalised output and natural-log log-sum-exp; an empty split gives
+    zeros and -inf. :func:`decode_attention_merge` turns it into the output.
+    """
+    scale = _check_args(q, k_cache, v_cache, seqlens, scale, num_splits)
+    batch, hq, d = q.shape
+    if num_splits is None:
+        num_splits = _default_splits(q, k_cache) if batch else 1
+    o_part = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    if batch and hq:
+        _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale)
+    return o_part, lse
+
+
+def decode_attention_merge(o_part: torch.Tensor, lse: torch.Tensor, *, out: torch.Tensor | None = None,
+                           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Merge a split workspace (from :func:`decode_attention_partials`) into ``[B, Hq, D]``.
+
+    Writes into ``out`` when given, else into a new tensor of ``dtype`` (default float32).
+    """
+    check_tensor("o_part", o_part, ndim=4, dtype=torch.float32, contiguous=False, last_dim_contiguous=True)
+    batch, hq, num_splits, d = o_part.shape
+    check_tensor("lse", lse, shape=(batch, hq, num_splits), dtype=torch.float32, contiguous=False)
+    if num_splits > MAX_NUM_SPLITS:
+        raise ValueError(f"o_part has {num_splits} splits, more than MAX_NUM_SPLITS={MAX_NUM_SPLITS}")
+    if out is None:
+        out = torch.empty((batch, hq, d), dtype=dtype or torch.float32, device=o_part.device)
+    else:
+        check_tensor("out", out, shape=(batch, hq, d), contiguous=False, last_dim_contiguous=True)
+    check_same_device(o_part=o_part, lse=lse, out=out)
+    if out.numel() and num_splits:
+        decode_attention_merge_kernel[(batch * hq,)](
+            o_part, lse, out, hq, num_splits,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d),
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain float32 torch decode attention: explicit softmax over the valid positions."""
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty((batch, hq, d), dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        n = int(seqlens[b])
+        k = k_cache[b, :, :n].float().repeat_interleave(hq // hkv, dim=0)   # [Hq, n, D]
+        v = v_cache[b, :, :n].float().repeat_interleave(hq // hkv, dim=0)
+        scores = torch.einsum("hd,hnd->hn", q[b].float(), k) * scale
+        probs = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        out[b] = torch.einsum("hn,hnd->hd", probs, v)
+    return out
+
+
+# --------------------------------------------------------------------------- planner hooks
+
+
+def decode_attention_cost(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          seqlens: int | Sequence[int], num_splits: int = 1,
+                          dtype_bytes: int = 2) -> TaskCost:
+    """Bytes and flops of one decode attention (partials and merge together).
+
+    ``seqlens`` is one length for every sequence or one per sequence.
+    """
+    total_len = seqlens * batch if isinstance(seqlens, int) else sum(seqlens)
+    kv_bytes = 2 * num_kv_heads * total_len * head_dim * dtype_bytes
+    q_bytes = batch * num_q_heads * head_dim * dtype_bytes
+    seqlen_bytes = batch * 4
+    # float32 partial outputs and lse, written by the partials and read by the merge.
+    workspace = batch * num_q_heads * num_splits * (head_dim + 1) * 4 if num_splits > 1 else 0
+    out_bytes = batch * num_q_heads * head_dim * dtype_bytes
+    # 2 flops per multiply-add for QK and PV; ~5 for scaling, max, exp2 and sum per score.
+    flops = num_q_heads * total_len * (4 * head_dim + 5)
+    if num_splits > 1:
+        flops += batch * num_q_heads * num_splits * (2 * head_dim + 3)
+    return TaskCost(kv_bytes + q_bytes + seqlen_bytes + workspace, workspace + out_bytes, flops)
+
+
+def decode_attention_smem_bytes(config: DecodeAttentionConfig) -> int:
+    """Shared memory of the partial task: staged K and V tiles plus the dot operands.
+
+    K and V blocks ``[BLOCK_N, BLOCK_D]`` per pipeline stage, q ``[BLOCK_G, BLOCK_D]``
+    and p ``[BLOCK_G, BLOCK_N]`` as tl.dot operands. An estimate to prune the search:
+    the compiled kernel's ``shared`` metadata is the truth.
+    """
+    c = config
+    kv = c.num_stages * 2 * c.block_n * c.block_d * c.dtype_bytes
+    operands = (c.block_g * c.block_d + c.block_g * c.block_n) * c.dtype_bytes
+    return kv + operands

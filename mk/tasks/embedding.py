@@ -1,0 +1,105 @@
+"""Token embedding lookup:
+
+    out[n, :] = table[token_ids[n], :]
+
+for every position n of ``token_ids`` (any shape), with ``table`` of shape ``[V, H]``.
+A pure copy: the output has the table's dtype and its exact values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cost import TaskCost
+from ._device import check_same_device, check_tensor, is_capturing
+
+#: Widest column block of one tile; wider rows are split over several tiles.
+MAX_BLOCK_H = 1024
+
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def embedding_tile(
+    ids_ptr, table_ptr, out_ptr,
+    row, col_block, H,
+    stride_table, stride_out,
+    BLOCK_H: tl.constexpr,
+):
+    """out[row, cols] = table[ids[row], cols] for cols in block ``col_block``.
+
+    ``row`` and ``col_block`` are int32 scalars. The id is trusted to lie in [0, V):
+    the standalone launcher checks that on the host; a persistent kernel feeds ids from
+    its own argmax/sampling tasks.
+    """
+    cols = col_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    # 64-bit: V * H passes 2**31 elements for large vocabularies (128k x 16k).
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    vals = tl.load(table_ptr + token * stride_table + cols, mask=mask)
+    tl.store(out_ptr + tl.cast(row, tl.int64) * stride_out + cols, vals.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def embedding_kernel(
+    ids_ptr, table_ptr, out_ptr, H,
+    stride_table, stride_out,
+    BLOCK_H: tl.constexpr,
+):
+    embedding_tile(ids_ptr, table_ptr, out_ptr, tl.program_id(0), tl.program_id(1), H,
+                   stride_table, stride_out, BLOCK_H=BLOCK_H)
+
+
+def embedding_block_h(h: int) -> int:
+    """Column block for rows of h elements: the whole row when it fits in MAX_BLOCK_H."""
+    return min(triton.next_power_of_2(max(h, 1)), MAX_BLOCK_H)
+
+
+def embedding_num_warps(block_h: int) -> int:
+    # 4-8 contiguous elements per thread: wide enough for vector loads, no more.
+    return max(1, min(8, block_h // 256))
+
+
+def embedding(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of ``table`` picked by ``token_ids``.
+
+    Args:
+        token_ids: int32 or int64, any shape, contiguous; every id in ``[0, V)``
+            (checked on the host before launch, which synchronises with the device;
+            skipped while a CUDA graph is captured).
+        table: ``[V, H]``, unit stride in the last dim (rows may be strided).
+
+    Returns:
+        ``[*token_ids.shape, H]`` contiguous, dtype of table.
+    """
+    check_tensor("token_ids", token_ids, dtype=ID_DTYPES)
+    check_tensor("table", table, ndim=2, contiguous=False, last_dim_contiguous=True)
+    check_same_device(token_ids=token_ids, table=table)
+    vocab, hidden = table.shape
+    ids = token_ids.reshape(-1)
+    if ids.numel() and not is_capturing(ids):  # a value check would break graph capture
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token_ids holds {bad}, outside the table's vocabulary [0, {vocab})")
+    out = torch.empty((ids.numel(), hidden), dtype=table.dtype, device=table.device)
+    if ids.numel() and hidden:
+        block_h = embedding_block_h(hidden)
+        embedding_kernel[(ids.numel(), triton.cdiv(hidden, block_h))](
+            ids, table, out, hidden, table.stride(0), out.stride(0),
+            BLOCK_H=block_h, num_warps=embedding_num_warps(block_h),
+        )
+    return out.reshape(*token_ids.shape, hidden)
+
+
+def embedding_ref(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Plain torch reference: ``table[token_ids]`` (exact, in the table's dtype)."""
+    return table[token_ids.long()]
+
+
+def embedding_cost(rows: int, hidden: int, dtype_bytes: int = 2, id_bytes: int = 4) -> TaskCost:
+    """Bytes of gathering ``rows`` rows of ``hidden`` elements (no flops: a copy)."""
+    return TaskCost(bytes_read=rows * (hidden * dtype_bytes + id_bytes),
+                    bytes_written=rows * hidden * dtype_bytes, flops=0)

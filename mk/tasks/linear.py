@@ -1,0 +1,651 @@
+"""Linear layer ``y = x @ W.T`` with the fusions a Llama block needs.
+
+    h   = rmsnorm(x) = x / sqrt(mean(x**2) + eps) * norm_weight   (with norm_weight, else h = x)
+    acc = h @ W.T                                                  (W is [N, K], Hugging Face layout)
+    y   = acc + residual                                           (with a residual)
+    y   = silu(acc[:, 0::2]) * acc[:, 1::2]                        (with silu_mul; see interleave_gate_up)
+
+Accumulation is in float32 whatever the storage dtype; y is rounded once, at the store.
+The RMSNorm statistics are float32 too; the tl.dot body rounds the normalised x to the
+weight dtype before the MMA (as an unfused rmsnorm -> linear would), the GEMV body keeps
+it in float32.
+
+One tile body serves every shape; ``BLOCK_M`` (a constexpr) picks how it multiplies:
+
+* ``BLOCK_M == 1`` — the GEMV body, for batch-1 decode (memory-bound). A program owns
+  BLOCK_N weight rows and streams them in [BLOCK_N, BLOCK_K] chunks, contiguous along K
+  so the loads are full-width vectors. It keeps a float32 [BLOCK_N, BLOCK_K]
+  accumulator of element-wise products (plain FMAs, no cross-thread traffic in the
+  loop) and reduces it across K once, after the loop.
+* ``BLOCK_M >= 16`` — the ``tl.dot`` body, for M = 2..16 (decode batches; BLOCK_M=16)
+  and prefill (BLOCK_M = 64/128). For skinny M each weight tile is loaded once and
+  used by all M rows in one tensor-core MMA; rows beyond M are padding the MMA pays
+  for in (idle) compute, not in memory traffic. A static loop over rows would re-run
+  the FMA stream M times and turn compute-bound near M = 16; the MMA's cost is flat in M.
+
+Split-K (``split_k > 1``): K is cut into contiguous ranges of whole BLOCK_K chunks
+(:func:`linear_k_splits`); each (tile, split) program writes float32 partials into a
+workspace ``[split_k, M, N]``, and a reduce step sums them in split order 0, 1, 2, …
+(bitwise repeatable) and applies the epilogue. The reduce uses the same (BLOCK_M,
+BLOCK_N) tiling, so each reduce tile depends on exactly ``split_k`` partial tiles.
+
+Device functions for a persistent kernel: :func:`linear_tile`, :func:`linear_partial_tile`,
+:func:`linear_splitk_reduce_tile` (plus :func:`linear_split_range`). They never read
+``tl.program_id`` and write only their own tile. Offsets are int32: weights must hold
+fewer than 2**31 elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import mma
+
+from ._cost import TaskCost
+from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor
+
+#: Largest M served by the skinny (decode) configs; above it, prefill tiles.
+SKINNY_MAX_M = 16
+
+#: Tile rows grouped together in the prefill launch order, for L2 reuse of weight tiles.
+GROUP_M = 8
+
+#: tl.dot needs every tile dim to be at least this.
+DOT_MIN = 16
+
+#: Widest global load of one thread (bytes): ld.global.v4.b32.
+VEC_BYTES = 16
+
+
+# ---------------------------------------------------------------------------------------
+# Device functions
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_x(x_rows, cols, k_hi, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x[rows, cols] in its storage dtype: a [BLOCK_K] vector for the GEMV body (x_rows is then
+    a scalar pointer), a [BLOCK_M, BLOCK_K] tile for the dot body."""
+    if BLOCK_M == 1:
+        # 1-D, so that the broadcast over weight rows takes the weight tile's layout and
+        # only this small vector is rearranged, never the weight chunk.
+        if MASKED:
+            xt = tl.load(x_rows + cols, mask=cols < k_hi, other=0.0)
+        else:
+            xt = tl.load(x_rows + cols)
+    else:
+        if MASKED:
+            xt = tl.load(x_rows + cols[None, :], mask=(cols < k_hi)[None, :], other=0.0)
+        else:
+            xt = tl.load(x_rows + cols[None, :])
+    return xt
+
+
+@triton.jit
+def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1/sqrt(mean(x**2) + eps) of the tile's rows over all of K ([BLOCK_M], a scalar if BLOCK_M == 1)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        xt = _load_x(x_rows, k + offs_k, K, MASKED=True, BLOCK_M=BLOCK_M).to(tl.float32)
+        sum_sq += xt * xt
+    if BLOCK_M == 1:
+        total = tl.sum(sum_sq, axis=0)
+    else:
+        total = tl.sum(sum_sq, axis=1)
+    return 1.0 / tl.sqrt(total / K + eps)
+
+
+@triton.jit
+def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
+                 HAS_NORM: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Add one BLOCK_K chunk (columns ``cols``) of the product to ``acc``."""
+    # GEMV weights are read once per call: evict them first, keep x and partials in L2.
+    # Prefill tiles share weight tiles across GROUP_M row tiles, so they keep the default.
+    if MASKED:
+        w = tl.load(w_rows + cols[None, :], mask=(cols < k_hi)[None, :], other=0.0,
+                    eviction_policy="evict_first" if BLOCK_M == 1 else "")
+    else:
+        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first" if BLOCK_M == 1 else "")
+    xt = _load_x(x_rows, cols, k_hi, MASKED=MASKED, BLOCK_M=BLOCK_M)
+    if HAS_NORM:
+        if MASKED:
+            nw = tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+        else:
+            nw = tl.load(norm_w_ptr + cols).to(tl.float32)
+        if BLOCK_M == 1:
+            xt = xt.to(tl.float32) * rstd * nw
+        else:
+            xt = xt.to(tl.float32) * rstd[:, None] * nw[None, :]
+    if BLOCK_M == 1:
+        # Element-wise products into the [BLOCK_N, BLOCK_K] accumulator: FMAs only, no
+        # cross-thread reduction inside the weight stream.
+        acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
+    else:
+        acc = mma(xt.to(w.dtype), tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _linear_acc(
+    x_ptr, w_ptr, norm_w_ptr,
+    pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
+    HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past the edge read the last valid row instead of being masked: the loads stay
+    # unmasked full-width vectors, and the epilogue's masked store drops those rows.
+    if BLOCK_M == 1:
+        x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
+    else:
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    if HAS_NORM:
+        # x is small next to W (M*K vs N*K), so every tile recomputes its rows' rstd over
+        # the full K rather than waiting on another task for it.
+        rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    else:
+        rstd = 1.0  # unused
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # Whole chunks unmasked, then at most one masked tail chunk.
+    k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    for k in range(k_lo, k_full, BLOCK_K):
+        acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k + offs_k, k_hi,
+                           HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M)
+    if k_full < k_hi:
+        acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k_full + offs_k, k_hi,
+                           HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M)
+    if BLOCK_M == 1:
+        # The one cross-thread reduction of the GEMV, after the weight stream.
+        acc = tl.sum(acc, axis=1)[None, :]
+    return acc
+
+
+@triton.jit
+def _linear_epilogue(
+    acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+    HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SILU_MUL:
+        # Interleaved rows (2i = gate_i, 2i+1 = up_i): adjacent accumulator columns pair up,
+        # so the split stays inside the tile whatever BLOCK_N (even) is.
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_out = N // 2
+    else:
+        y = acc
+        offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_out = N
+    mask = (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
+    if HAS_RESIDUAL:
+        y += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_o[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_o[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def linear_tile(
+    x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr,
+    pid_m, pid_n, M, N, K, k_lo, k_hi,
+    stride_xm, stride_wn, stride_rm, stride_om, eps,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One output tile of y over the K range [k_lo, k_hi), epilogue included.
+
+    Tile (pid_m, pid_n) covers rows pid_m*BLOCK_M.. of x and weight rows pid_n*BLOCK_N..;
+    it writes out[rows, pid_n*BLOCK_N ..] (or ``.. pid_n*BLOCK_N/2`` with SILU_MUL) and nothing
+    else. For the full product pass k_lo=0, k_hi=K. ``K`` is the full row length, used by
+    the RMSNorm prologue (HAS_NORM) for its statistics. BLOCK_M == 1 selects the GEMV
+    body (one x row, FMAs); BLOCK_M >= 16 the tl.dot body. SILU_MUL needs an even BLOCK_N
+    and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
+    """
+    acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
+                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@triton.jit
+def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
+    """K range [k_lo, k_hi) of split ``split`` of ``split_k``: whole BLOCK_K chunks, balanced to
+    within one chunk, the ragged end in the last split (same as :func:`linear_k_splits`)."""
+    n_chunks = tl.cdiv(K, BLOCK_K)
+    k_lo = (split * n_chunks // split_k) * BLOCK_K
+    k_hi = tl.minimum(((split + 1) * n_chunks // split_k) * BLOCK_K, K)
+    return k_lo, k_hi
+
+
+@triton.jit
+def linear_partial_tile(
+    x_ptr, w_ptr, norm_w_ptr, ws_ptr,
+    pid_m, pid_n, split, M, N, K, k_lo, k_hi,
+    stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
+    HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Split-K partial: float32 h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T into ws[split, rows, cols].
+
+    The workspace is float32 ``[split_k, M, N]`` with strides (stride_ws_split, stride_ws_m, 1).
+    No epilogue here: :func:`linear_splitk_reduce_tile` applies it after summing the splits.
+    """
+    acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
+                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(ws_ptr + split * stride_ws_split + offs_m[:, None] * stride_ws_m + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def linear_splitk_reduce_tile(
+    ws_ptr, res_ptr, out_ptr,
+    pid_m, pid_n, M, N, split_k,
+    stride_ws_split, stride_ws_m, stride_rm, stride_om,
+    HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Sum the split_k partials of tile (pid_m, pid_n) in split order, then the epilogue.
+
+    The fixed order makes the result bitwise repeatable run to run. Partials are read with
+    ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs.
+    """
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, split_k):
+        acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+    _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@triton.jit
+def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program id -> (pid_m, pid_n), GROUP_M row tiles at a time so their weight tiles share L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def linear_kernel(
+    x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    linear_tile(x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
+                stride_xm, stride_wn, stride_rm, stride_om, eps,
+                HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+@triton.jit
+def linear_partial_kernel(
+    x_ptr, w_ptr, norm_w_ptr, ws_ptr,
+    M, N, K, split_k, stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
+    HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    k_lo, k_hi = linear_split_range(split, split_k, K, BLOCK_K=BLOCK_K)
+    linear_partial_tile(x_ptr, w_ptr, norm_w_ptr, ws_ptr, pid_m, pid_n, split, M, N, K, k_lo, k_hi,
+                        stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
+                        HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+@triton.jit
+def linear_splitk_reduce_kernel(
+    ws_ptr, res_ptr, out_ptr,
+    M, N, split_k, stride_ws_split, stride_ws_m, stride_rm, stride_om,
+    HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    linear_splitk_reduce_tile(ws_ptr, res_ptr, out_ptr, pid // num_pid_n, pid % num_pid_n, M, N, split_k,
+                              stride_ws_split, stride_ws_m, stride_rm, stride_om,
+                              HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+# ---------------------------------------------------------------------------------------
+# Planner hooks: pure functions
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tile sizes and launch settings of one linear.
+
+    block_m: rows of x per tile; 1 selects the GEMV (FMA) body, a power of two >= 16 the
+        tl.dot body.
+    block_n: weight rows (output columns before silu_mul) per tile; a power of two.
+    block_k: K chunk streamed per loop iteration; a power of two.
+    split_k: K splits (1 = none); each split covers whole block_k chunks.
+    num_warps, num_stages: passed to Triton (stages = software-pipelined loads in flight).
+    group_m: row tiles launched together for L2 reuse (matters only when M spans tiles).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = GROUP_M
+
+    def __str__(self) -> str:
+        return (f"LinearConfig(BM={self.block_m} BN={self.block_n} BK={self.block_k} split_k={self.split_k} "
+                f"warps={self.num_warps} stages={self.num_stages} group_m={self.group_m})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _is_pow2(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
+
+
+def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 1) -> LinearConfig:
+    """Heuristic config for an [M, K] x [N, K]^T product in ``dtype`` with ``split_k`` splits.
+
+    * M == 1, the GEMV body: 8 weight rows x BLOCK_K = (16 B / dtype) x 32 lanes x 4 warps
+      (1024 at bf16) per iteration. Each thread loads one 16 B vector of each of the 8 rows
+      (128 B in flight) into 64 float32 accumulators, about 120 registers. Keeping
+      BLOCK_K = vector x 32 x num_warps puts all warps along K, so x's chunk already has the
+      layout the broadcast needs; other shapes make the compiler shuffle x through
+      shared memory every iteration. num_stages does nothing here (these loads are not
+      pipelined through shared memory), hence 1.
+    * M <= 16: tl.dot body with BLOCK_M = 16, so one weight tile serves the whole batch;
+      16 x 16 x 512 B tiles, 4 stages (48 KiB): narrow so that even N = 4096 makes 256
+      tiles for ~132 SMs.
+    * M > 16: prefill tiles, 64 or 128 x 128 x 128 B of K.
+
+    Block sizes are capped by the problem (no 1024-wide chunk for K = 200) and block_k so
+    that K holds at least ``split_k`` chunks. Starting points, to be tuned on the GPU.
+    """
+    db = _dtype_bytes(dtype)
+    vec = max(VEC_BYTES // db, 1)
+    if M <= 1:
+        bm, bn, bk, warps, stages = 1, 8, vec * 32 * 4, 4, 1
+    elif M <= SKINNY_MAX_M:
+        bm, bn, bk, warps, stages = 16, 16, 512 // db, 4, 4
+    else:
+        bm = 64 if M <= 64 else 128
+        bn, bk, warps, stages = 128, 128 // db, (4 if bm == 64 else 8), 3
+    floor = 1 if bm == 1 else DOT_MIN
+    # Even block_n >= 2 keeps silu_mul's gate/up pairs inside a tile.
+    bn = max(min(bn, triton.next_power_of_2(N)), 2 if bm == 1 else DOT_MIN)
+    bk = min(bk, triton.next_power_of_2(K))
+    if split_k > 1:
+        bk = min(bk, _prev_pow2(K // split_k))  # at least split_k chunks in K
+    bk = max(bk, floor)
+    if bm == 1:
+        warps = max(1, min(warps, bk // (vec * 32)))  # keep the warps along K for short K
+    return LinearConfig(bm, bn, bk, split_k, warps, stages)
+
+
+def linear_k_splits(K: int, block_k: int, split_k: int) -> list[tuple[int, int]]:
+    """The K range [k_lo, k_hi) of each split, as the kernels cut them (linear_split_range).
+
+    Contiguous, in order, each a whole number of block_k chunks except the last one's
+    ragged end; chunk counts differ by at most one. Empty ranges appear only when split_k
+    exceeds the chunk count (the launcher refuses that).
+    """
+    n_chunks = -(-K // block_k)
+    return [((s * n_chunks // split_k) * block_k, min(((s + 1) * n_chunks // split_k) * block_k, K))
+            for s in range(split_k)]
+
+
+def _tile_rows(config: LinearConfig, M: int) -> int:
+    """Rows per tile as launched: block_m, cut down to what M needs (never below tl.dot's 16)."""
+    if config.block_m == 1:
+        return 1
+    return max(DOT_MIN, min(config.block_m, triton.next_power_of_2(max(M, 1))))
+
+
+def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int:
+    """Shared memory one tile needs, from the 3-D tile (rows x block_n x block_k).
+
+    tl.dot body: the software-pipelined operand ring, num_stages x (x chunk [rows, block_k]
+    + weight chunk [block_n, block_k]) x dtype_bytes, where rows is block_m capped by M as
+    the launcher does. Exact for Hopper's wgmma tiles (block_m >= 64) on Triton 3.9; the
+    mma.sync tiles (block_m 16/32) compile to num_stages - 1 buffers, and the RMSNorm
+    prologue moves a few KiB either way, so treat it as an upper bound within ~30%.
+
+    GEMV body (block_m == 1): its loads go straight to registers, not through a ring. What
+    remains is the cross-warp reduction (block_n x num_warps float32) and, when block_k is
+    not (16 B / dtype) x 32 x num_warps, a float32 shuffle of x's chunk each iteration.
+
+    With split_k > 1, plus one float32 [rows, block_n] partial tile staged for the
+    workspace store. The planner checks all of this against the compiled kernel's
+    ``shared`` metadata.
+    """
+    rows = _tile_rows(config, M)
+    if config.block_m == 1:
+        vec = max(VEC_BYTES // dtype_bytes, 1)
+        shuffle = 0 if config.block_k == vec * 32 * config.num_warps else config.block_k * 4
+        body = config.block_n * config.num_warps * 4 + shuffle
+    else:
+        body = config.num_stages * (rows + config.block_n) * config.block_k * dtype_bytes
+    partial = rows * config.block_n * 4 if config.split_k > 1 else 0
+    return body + partial
+
+
+def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool = False, norm: bool = False,
+                silu_mul: bool = False, split_k: int = 1) -> TaskCost:
+    """Device-memory bytes and flops of one linear (N = weight rows, interleaved with silu_mul).
+
+    Counts W, x, the norm weight and residual once each (per-tile re-reads of x hit L2),
+    the output, and with split_k > 1 the float32 workspace written and read back.
+    Flops: 2*M*N*K for the product, plus the prologue/epilogue's elementwise work.
+    """
+    n_out = N // 2 if silu_mul else N
+    read = N * K * dtype_bytes + M * K * dtype_bytes
+    written = M * n_out * dtype_bytes
+    flops = 2 * M * N * K
+    if norm:
+        read += K * dtype_bytes
+        flops += 4 * M * K
+    if residual:
+        read += M * n_out * dtype_bytes
+        flops += M * n_out
+    if silu_mul:
+        flops += 5 * M * n_out
+    if split_k > 1:
+        written += split_k * M * N * 4
+        read += split_k * M * N * 4
+        flops += (split_k - 1) * M * N
+    return TaskCost(read, written, flops)
+
+
+# ---------------------------------------------------------------------------------------
+# Weight layout, launcher, reference
+# ---------------------------------------------------------------------------------------
+
+
+def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Pack gate and up projections ([I, K] each) into one [2I, K] weight for silu_mul.
+
+    Layout: row 2i is w_gate[i], row 2i+1 is w_up[i]. It does not depend on any tile size:
+    every tile with an even BLOCK_N holds whole (gate, up) pairs, and the epilogue
+    splits its accumulator's adjacent columns in registers. Returns a new contiguous tensor
+    with the inputs' dtype and device.
+    """
+    for name, t in (("w_gate", w_gate), ("w_up", w_up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must have 2 dims [I, K], got shape {tuple(t.shape)}")
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate and w_up shapes differ: {tuple(w_gate.shape)} vs {tuple(w_up.shape)}")
+    check_same_dtype(w_gate=w_gate, w_up=w_up)
+    check_same_device(w_gate=w_gate, w_up=w_up)
+    return torch.stack((w_gate, w_up), dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
+
+
+def _check_config(config: object, K: int, silu_mul: bool) -> LinearConfig:
+    if not isinstance(config, LinearConfig):
+        raise TypeError(f"config must be a LinearConfig, got {type(config).__name__}")
+    for field in ("block_m", "block_n", "block_k", "num_warps"):
+        if not _is_pow2(getattr(config, field)):
+            raise ValueError(f"config.{field} must be a power of two, got {getattr(config, field)!r}")
+    if config.num_warps > 32:
+        raise ValueError(f"config.num_warps must be <= 32, got {config.num_warps}")
+    if config.block_m != 1 and config.block_m < DOT_MIN:
+        raise ValueError(f"config.block_m must be 1 (GEMV) or >= {DOT_MIN} (tl.dot), got {config.block_m}")
+    if config.block_m >= DOT_MIN and min(config.block_n, config.block_k) < DOT_MIN:
+        raise ValueError(f"config.block_n and config.block_k must be >= {DOT_MIN} with block_m >= {DOT_MIN}, "
+                         f"got {config.block_n}, {config.block_k}")
+    if silu_mul and config.block_n < 2:
+        raise ValueError("config.block_n must be even (>= 2) with silu_mul")
+    check_positive_int("config.num_stages", config.num_stages)
+    check_positive_int("config.group_m", config.group_m)
+    check_positive_int("config.split_k", config.split_k)
+    n_chunks = -(-K // config.block_k)
+    if config.split_k > n_chunks:
+        raise ValueError(f"split_k={config.split_k} exceeds the {n_chunks} chunks of block_k={config.block_k} "
+                         f"in K={K}; use a smaller split_k or block_k")
+    return config
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    silu_mul: bool = False,
+    split_k: int = 1,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """``y = x @ weight.T``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
+
+    Args:
+        x: ``[..., K]``; rows may be strided, the last dim must be contiguous.
+        weight: ``[N, K]`` contiguous (Hugging Face layout), same dtype as x. With
+            ``silu_mul`` the gate/up rows interleaved by :func:`interleave_gate_up`.
+        residual: optional ``[..., N]`` added to the product (not with silu_mul).
+        norm_weight: optional ``[K]``: x is replaced by rmsnorm(x) (float32 statistics).
+        norm_eps: the RMSNorm epsilon.
+        silu_mul: return ``silu(gate) * up``, ``[..., N/2]``.
+        split_k: K splits, summed by a deterministic reduce. With a config, config.split_k
+            is used, and split_k must be 1 or equal to it.
+        config: tile sizes; :func:`linear_config` picks them when None.
+
+    Returns:
+        ``[..., N]`` (``[..., N/2]`` with silu_mul) in x's dtype.
+    """
+    check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
+    K = x.shape[-1]
+    check_tensor("weight", weight, ndim=2)
+    if weight.shape[1] != K:
+        raise ValueError(f"weight must have shape (N, {K}) to match x's last dim, got {tuple(weight.shape)}")
+    N = weight.shape[0]
+    if N == 0 or K == 0:
+        raise ValueError(f"weight must have at least one row and one column, got shape {tuple(weight.shape)}")
+    if weight.numel() >= 2**31:
+        raise ValueError(f"weight has {weight.numel()} elements; the kernels index with int32 (< 2**31)")
+    check_same_dtype(x=x, weight=weight)
+    check_same_device(x=x, weight=weight)
+    if not isinstance(silu_mul, bool):
+        raise TypeError(f"silu_mul must be a bool, got {type(silu_mul).__name__}")
+    if silu_mul and N % 2:
+        raise ValueError(f"silu_mul needs an even number of weight rows (gate/up pairs), got N={N}")
+    if silu_mul and residual is not None:
+        raise ValueError("residual and silu_mul cannot be combined")
+    n_out = N // 2 if silu_mul else N
+    if residual is not None:
+        check_tensor("residual", residual, shape=(*x.shape[:-1], N), contiguous=False, last_dim_contiguous=True)
+        check_same_dtype(x=x, residual=residual)
+        check_same_device(x=x, residual=residual)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, shape=(K,))
+        check_same_device(x=x, norm_weight=norm_weight)
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
+        raise ValueError(f"norm_eps must be a non-negative number, got {norm_eps!r}")
+    check_positive_int("split_k", split_k)
+    M = x.numel() // K
+    if config is None:
+        config = linear_config(M, N, K, x.dtype, split_k=split_k)
+    elif isinstance(config, LinearConfig) and split_k != 1 and split_k != config.split_k:
+        raise ValueError(f"split_k={split_k} conflicts with config.split_k={config.split_k}")
+    config = _check_config(config, K, silu_mul)
+
+    x2 = x.reshape(M, K)
+    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*x.shape[:-1], n_out)
+    res2 = residual.reshape(M, N) if residual is not None else out
+    norm_w = norm_weight if norm_weight is not None else weight
+    bm, bn, bk = _tile_rows(config, M), config.block_n, config.block_k
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.split_k == 1:
+        linear_kernel[(tiles,)](
+            x2, weight, norm_w, res2, out, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),
+            float(norm_eps), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+            SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **launch)
+    else:
+        ws = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
+        linear_partial_kernel[(tiles, config.split_k)](
+            x2, weight, norm_w, ws, M, N, K, config.split_k, x2.stride(0), weight.stride(0),
+            ws.stride(0), ws.stride(1), float(norm_eps),
+            HAS_NORM=norm_weight is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **launch)
+        linear_splitk_reduce_kernel[(tiles,)](
+            ws, res2, out, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
+            HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=config.num_warps)
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+def linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """Plain torch float32 reference of :func:`linear` (same arguments, float32 result).
+
+    With silu_mul the interleaved weight is de-interleaved by slicing (even rows gate,
+    odd rows up), independently of the kernel's in-register split.
+    """
+    h = x.float()
+    if norm_weight is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
+    w = weight.float()
+    if silu_mul:
+        gate, up = h @ w[0::2].T, h @ w[1::2].T
+        return torch.nn.functional.silu(gate) * up
+    y = h @ w.T
+    return y if residual is None else y + residual.float()

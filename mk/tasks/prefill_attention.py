@@ -1,0 +1,326 @@
+"""Causal attention over a prompt (prefill), flash-attention style, with grouped queries.
+
+For batch row b, query head h (its key/value head is h // (Hq / Hkv)) and query t < L_b:
+
+    s_j     = scale * <q[b, t, h], k[b, j, h_kv]>          for j <= t and j < L_b
+    out[t]  = sum_j softmax(s)_j * v[b, j, h_kv]
+
+L_b = seqlens[b] is the valid length of row b (prompts are right-padded to T); padded
+query rows come out as zeros and padded keys are never attended.
+
+The tile walks key blocks left to right keeping a running max and running sum per query
+row (online softmax), so no [T, T] score matrix exists; scores, sums and the output
+accumulator are float32 whatever the storage dtype. Key blocks wholly above the causal
+diagonal or past L_b are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dot import mma
+
+from ._cost import TaskCost
+from ._device import INTERPRET, check_same_device, check_same_dtype, check_tensor, is_capturing
+
+#: Widest head the tile keeps in registers ([BLOCK_M, HEAD_DIM] float32 accumulator).
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class PrefillAttentionConfig:
+    """Tile shape and launch settings of one attention tile.
+
+    ``head_dim`` is part of the tile (it is the K dim of ``q @ k^T`` and the N dim of
+    ``p @ v``), so the shared-memory model can be computed from the config alone.
+    """
+
+    head_dim: int
+    block_m: int = 64
+    block_n: int = 64
+    num_stages: int = 2
+    num_warps: int = 4
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def prefill_attention_config(seq_len: int, head_dim: int) -> PrefillAttentionConfig:
+    """Default tile for prompts of ``seq_len`` tokens and heads of ``head_dim``.
+
+    On a GPU: 128 query rows per tile (64 for short prompts or 256-wide heads) against
+    64-key blocks, the shape the Triton flash-attention tutorial settles on for Hopper.
+    Under the interpreter every op costs the same whatever its size, so larger blocks
+    simply mean fewer programs.
+    """
+    fit = max(16, triton.next_power_of_2(max(seq_len, 1)))
+    if INTERPRET:
+        block = min(64, fit)
+        return PrefillAttentionConfig(head_dim, block, block, num_stages=1, num_warps=4)
+    block_m = min(128 if head_dim <= 128 else 64, fit)
+    block_n = min(64 if head_dim <= 128 else 32, fit)
+    num_warps = 8 if head_dim * block_m >= 128 * 128 else 4
+    num_stages = 3 if head_dim <= 64 else 2
+    return PrefillAttentionConfig(head_dim, block_m, block_n, num_stages, num_warps)
+
+
+@triton.jit
+def _online_softmax_update(acc, m_i, l_i, qk, v):
+    """Fold one key block into the running (acc, max, sum); qk is in log2 units, -inf where masked."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row that has seen no visible key yet has m_new == -inf; subtracting 0 instead
+    # keeps exp2 at exactly 0 where -inf - -inf would give NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # p is rounded to the storage dtype for the second dot, as flash attention does:
+    # bf16 x bf16 products accumulate in float32 on the tensor cores.
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def prefill_attention_tile(
+    q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
+    b, q_head, tile_m, T,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Attention output for queries [tile_m*BLOCK_M, (tile_m+1)*BLOCK_M) of batch row b, head q_head.
+
+    ``b``, ``q_head``, ``tile_m`` are int32 scalars (tensors); the key/value head is
+    ``q_head // GROUP``. All tensors have unit stride in their last (head) dim. With
+    HAS_SEQLENS the row's valid length is ``seqlens_ptr[b]`` (clamped to T), else T.
+    Writes exactly this tile's rows of out (zeros for rows at or past the valid length).
+    """
+    kv_head = q_head // GROUP
+    if HAS_SEQLENS:
+        seqlen = tl.minimum(tl.load(seqlens_ptr + b).to(tl.int32), T)
+    else:
+        seqlen = T
+    m_start = tile_m * BLOCK_M
+    # Keys this tile may see: [0, hi). Keys [0, lo_full) lie below every query row of
+    # the tile and inside the valid length, so those blocks need no mask at all.
+    hi = tl.where(m_start < seqlen, tl.minimum(seqlen, m_start + BLOCK_M), 0)
+    lo_full = tl.minimum((tl.minimum(m_start, seqlen) // BLOCK_N) * BLOCK_N, hi)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # 64-bit batch offsets: b * stride_b passes 2**31 elements for long batched prompts.
+    b64 = tl.cast(b, tl.int64)
+    q_base = q_ptr + b64 * stride_qb + q_head * stride_qh
+    k_base = k_ptr + b64 * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b64 * stride_vb + kv_head * stride_vh
+    o_base = out_ptr + b64 * stride_ob + q_head * stride_oh
+
+    row_valid = offs_m < seqlen
+    # Padded query rows load as 0 so whatever the caller left there (even NaN) cannot
+    # reach the softmax; their output is overwritten with zeros below anyway.
+    q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]: k transposed
+    v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]   # [BLOCK_N, HEAD_DIM]
+    # exp(x) == exp2(x * log2(e)): the tile works in base 2, one hardware op on the GPU.
+    qk_scale = scale * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    for start_n in range(0, lo_full, BLOCK_N):
+        kt = tl.load(kt_ptrs + start_n * stride_kt)
+        v = tl.load(v_ptrs + start_n * stride_vt)
+        qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)) * qk_scale
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v)
+
+    # The diagonal block(s) and the last valid block: causal and length masks. Keys at
+    # or past the valid length are not even loaded (other=0), so NaN padding in k or v
+    # cannot leak through 0 * NaN in the dots.
+    for start_n in range(lo_full, hi, BLOCK_N):
+        cols = start_n + offs_n
+        key_valid = cols < seqlen
+        kt = tl.load(kt_ptrs + start_n * stride_kt, mask=key_valid[None, :], other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vt, mask=key_valid[:, None], other=0.0)
+        qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)) * qk_scale
+        visible = (cols[None, :] <= offs_m[:, None]) & key_valid[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out = tl.where(row_valid[:, None], out, 0.0)
+    tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(offs_m < T)[:, None])
+
+
+@triton.jit
+def prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
+    T, num_q_heads,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Axis 0 runs over query tiles last-first: later tiles see more keys, so starting
+    # them first shortens the tail of the grid.
+    tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    prefill_attention_tile(
+        q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
+        bh // num_q_heads, bh % num_q_heads, tile_m, T,
+        stride_qb, stride_qt, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_ob, stride_ot, stride_oh,
+        scale,
+        GROUP=GROUP, HAS_SEQLENS=HAS_SEQLENS, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )
+
+
+def _check_config(config: object, head_dim: int) -> PrefillAttentionConfig:
+    if not isinstance(config, PrefillAttentionConfig):
+        raise TypeError(f"config must be a PrefillAttentionConfig, got {type(config).__name__}")
+    if config.head_dim != head_dim:
+        raise ValueError(f"config.head_dim is {config.head_dim} but q has head_dim {head_dim}")
+    for name in ("block_m", "block_n"):
+        value = getattr(config, name)
+        # tl.dot needs every dim >= 16; tl.arange needs powers of two.
+        if not (isinstance(value, int) and _is_pow2(value) and value >= 16):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {value!r}")
+    return config
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    config: PrefillAttentionConfig | None = None,
+) -> torch.Tensor:
+    """Causal grouped-query attention over right-padded prompts.
+
+    Args:
+        q: ``[B, T, Hq, D]``, unit stride in the last dim (other dims may be strided,
+            e.g. a slice of a fused QKV projection).
+        k, v: ``[B, T, Hkv, D]``, same dtype as q; Hq must be a multiple of Hkv.
+        seqlens: optional ``[B]`` int32 (or int64) valid length of each row, in
+            ``[0, T]``; None means every row is T long. Checked on the host, which
+            synchronises with the device.
+        scale: score scale, default ``1 / sqrt(D)``.
+        config: tile settings (default :func:`prefill_attention_config`).
+
+    D must be a power of two in [16, 256].
+
+    Returns:
+        ``[B, T, Hq, D]`` contiguous, dtype of q; rows at or past ``seqlens[b]`` are 0.
+    """
+    check_tensor("q", q, ndim=4, contiguous=False, last_dim_contiguous=True)
+    batch, seq_len, num_q_heads, head_dim = q.shape
+    check_tensor("k", k, ndim=4, shape=(batch, seq_len, None, head_dim), contiguous=False, last_dim_contiguous=True)
+    check_tensor("v", v, shape=tuple(k.shape), contiguous=False, last_dim_contiguous=True)
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v)
+    if not (_is_pow2(head_dim) and 16 <= head_dim <= MAX_HEAD_DIM):
+        raise ValueError(f"q has head_dim {head_dim}; expected a power of two in [16, {MAX_HEAD_DIM}]")
+    num_kv_heads = k.shape[2]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"k has {num_kv_heads} heads, which must divide the {num_q_heads} heads of q")
+    if seqlens is not None:
+        check_tensor("seqlens", seqlens, shape=(batch,), dtype=(torch.int32, torch.int64))
+        check_same_device(q=q, seqlens=seqlens)
+        if batch and not is_capturing(seqlens) and (int(seqlens.min()) < 0 or int(seqlens.max()) > seq_len):
+            raise ValueError(f"seqlens must lie in [0, {seq_len}], got {seqlens.tolist()}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    config = _check_config(prefill_attention_config(seq_len, head_dim) if config is None else config, head_dim)
+
+    out = torch.empty((batch, seq_len, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    grid = (triton.cdiv(seq_len, config.block_m), batch * num_q_heads)
+    prefill_attention_kernel[grid](
+        q, k, v, out, seqlens if seqlens is not None else out,
+        seq_len, num_q_heads,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        float(scale),
+        GROUP=num_q_heads // num_kv_heads, HAS_SEQLENS=seqlens is not None,
+        HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain float32 torch reference: explicit scores, causal and length masks, softmax.
+
+    Returns float32 ``[B, T, Hq, D]`` with padded query rows set to 0. Padded keys are
+    removed with ``where`` before and after the softmax, so NaN padding does not leak.
+    """
+    batch, seq_len, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    lens = (torch.full((batch,), seq_len, device=q.device) if seqlens is None else seqlens).long()
+    pos = torch.arange(seq_len, device=q.device)
+    valid = pos[None, :] < lens[:, None]                                   # [B, T]
+    qf = torch.where(valid[:, :, None, None], q.float(), 0.0)
+    kf = torch.where(valid[:, :, None, None], k.float(), 0.0).repeat_interleave(group, dim=2)
+    vf = torch.where(valid[:, :, None, None], v.float(), 0.0).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", qf, kf) * scale               # [B, Hq, T, T]
+    visible = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # fully masked rows: NaN -> 0
+    out = torch.einsum("bhts,bshd->bthd", probs, vf)
+    return torch.where(valid[:, :, None, None], out, 0.0)
+
+
+def prefill_attention_cost(
+    batch: int, seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2
+) -> TaskCost:
+    """Bytes and flops of one causal prefill over ``batch`` full rows of ``seq_len`` tokens.
+
+    Bytes count q, k, v read once and out written once (the ideal: K/V re-reads by
+    successive query tiles of a head are assumed to hit in L2). Flops count the two
+    matmuls over the causal triangle, 2 * 2 * D per (query, visible key) pair.
+    """
+    q_elems = batch * seq_len * num_q_heads * head_dim
+    kv_elems = 2 * batch * seq_len * num_kv_heads * head_dim
+    pairs = batch * num_q_heads * seq_len * (seq_len + 1) // 2
+    return TaskCost(bytes_read=(q_elems + kv_elems) * dtype_bytes, bytes_written=q_elems * dtype_bytes,
+                    flops=4 * head_dim * pairs)
+
+
+def prefill_attention_smem_bytes(config: PrefillAttentionConfig, dtype_bytes: int = 2) -> int:
+    """Shared memory of one tile: the K and V blocks, once per pipeline stage, and the Q tile."""
+    kv = 2 * config.block_n * config.head_dim * dtype_bytes * max(1, config.num_stages)
+    q = config.block_m * config.head_dim * dtype_bytes
+    return kv + q

@@ -1,0 +1,422 @@
+"""Rotary position embedding (Llama, Hugging Face half-split layout), fused with the KV append.
+
+For a head vector x of even size D, with x1 = x[:D/2] and x2 = x[D/2:]:
+
+    angle[i] = position * inv_freq[i]                 (float32, i < D/2)
+    out      = cat(x1 * cos(angle) - x2 * sin(angle),
+                   x2 * cos(angle) + x1 * sin(angle))
+
+which is Hugging Face's ``x * cos + rotate_half(x) * sin`` with ``cos = cat(cos, cos)``.
+``rope_kv`` rotates q and k of each new token, returns the rotated q, and writes the
+rotated k and the untouched v into the KV cache at the token's position.
+
+KV cache layout (shared with :mod:`mk.tasks.decode_attention`)::
+
+    k_cache, v_cache: [B, Hkv, S_max, D]   row (b, h, s) holds position s of head h
+
+so one head's cached rows are contiguous and decode attention streams them.
+Rotation math runs in float32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cost import TaskCost
+from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
+
+#: Elements of one half-head tile [BLOCK_H, BLOCK_HALF] a program holds at once.
+MAX_TILE_ELEMENTS = 2048
+
+_POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- frequencies
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping | None = None) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, float32 ``[head_dim // 2]`` on the CPU.
+
+    Default Llama: ``inv_freq[i] = theta ** (-2i / head_dim)``.
+
+    ``rope_scaling`` is the ``rope_scaling`` dict of a Hugging Face config. Supported:
+    ``None`` or rope type ``"default"`` (no scaling) and ``"llama3"`` (Llama 3.1/3.2),
+    which needs ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings``. With wavelength ``w = 2π / inv_freq`` and
+    ``L = original_max_position_embeddings``:
+
+    - ``w < L / high_freq_factor`` (high frequencies): kept;
+    - ``w > L / low_freq_factor`` (low frequencies): divided by ``factor``;
+    - in between: ``(1 - s) * f / factor + s * f`` with
+      ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+
+    Computed in float64 and rounded once to float32 (Hugging Face computes in float32;
+    the two differ by at most about one float32 ulp). Raises ValueError on an unknown
+    rope type or bad parameters.
+    """
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even int >= 2, got {head_dim!r}")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"theta must be a positive number, got {theta!r}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (float(theta) ** exponents)
+
+    rope_type = _rope_type(rope_scaling)
+    if rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope_scaling)
+    return inv_freq.to(torch.float32)
+
+
+def _rope_type(rope_scaling: Mapping | None) -> str:
+    if rope_scaling is None:
+        return "default"
+    if not isinstance(rope_scaling, Mapping):
+        raise ValueError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
+    # Hugging Face configs spell it "rope_type" (new) or "type" (old).
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(
+            f"rope_scaling has rope type {rope_type!r}; mk supports 'default' and 'llama3'")
+    return rope_type
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope_scaling: Mapping) -> torch.Tensor:
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope_scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type 'llama3' lacks {', '.join(missing)}")
+    factor, low, high, old_len = (float(rope_scaling[k]) for k in keys)
+    if not (factor > 0 and old_len > 0 and 0 < low < high):
+        raise ValueError(
+            "rope_scaling 'llama3' needs factor > 0, original_max_position_embeddings > 0 and "
+            f"0 < low_freq_factor < high_freq_factor; got {dict(rope_scaling)}")
+    wavelen = 2 * math.pi / inv_freq
+    low_band = wavelen > old_len / low      # long wavelengths: stretched by factor
+    high_band = wavelen < old_len / high    # short wavelengths: kept as they are
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(low_band, inv_freq / factor, torch.where(high_band, inv_freq, mid))
+
+
+# --------------------------------------------------------------------------- device code
+
+
+@triton.jit
+def rope_cos_sin(inv_freq_ptr, position, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin of ``position * inv_freq`` as float32 ``[BLOCK_HALF]`` (0 / 0 past HALF)."""
+    offs = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+    angle = position.to(tl.float32) * inv_freq
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rope_rotate_heads(
+    x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos, sin,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr,
+):
+    """Heads ``0..num_heads`` of one token: out[h] = rope(x[h]) (or a plain copy if not ROTATE).
+
+    ``x_ptr`` / ``out_ptr`` point at head 0 of the token; rows are ``stride_*h`` apart and
+    contiguous inside. ``cos`` / ``sin`` come from :func:`rope_cos_sin`.
+    """
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + offs_h
+        mask = (heads < num_heads)[:, None] & (offs_c < HALF)[None, :]
+        x1_ptrs = x_ptr + heads[:, None] * stride_xh + offs_c[None, :]
+        o1_ptrs = out_ptr + heads[:, None] * stride_oh + offs_c[None, :]
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0)
+        x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0)
+        if ROTATE:
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+            o1 = x1 * cos[None, :] - x2 * sin[None, :]
+            o2 = x2 * cos[None, :] + x1 * sin[None, :]
+        else:
+            o1 = x1
+            o2 = x2
+        tl.store(o1_ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o1_ptrs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_tile(
+    x_ptr, pos_ptr, inv_freq_ptr, out_ptr,
+    b, t, num_heads,
+    stride_xb, stride_xt, stride_xh,
+    stride_pb, stride_pt,
+    stride_ob, stride_ot, stride_oh,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Rotate all heads of token (b, t) of x into out; touches out[b, t] only."""
+    position = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
+    cos, sin = rope_cos_sin(inv_freq_ptr, position, HALF, BLOCK_HALF)
+    rope_rotate_heads(x_ptr + b * stride_xb + t * stride_xt, out_ptr + b * stride_ob + t * stride_ot,
+                      stride_xh, stride_oh, num_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+
+
+@triton.jit
+def rope_kv_tile(
+    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    b, t, num_q_heads, num_kv_heads, max_seq,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_pb, stride_pt,
+    stride_qob, stride_qot, stride_qoh,
+    stride_kcb, stride_kch, stride_kcs,
+    stride_vcb, stride_vch, stride_vcs,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Token (b, t): q_out[b, t] = rope(q[b, t]); caches[b, :, pos] = rope(k[b, t]), v[b, t].
+
+    ``pos = positions[b, t]``. Touches only q_out[b, t] and the cache rows at pos; a
+    position outside ``[0, max_seq)`` writes no cache row (launchers reject it first, this
+    guard only keeps a bad position in a fused kernel from corrupting memory).
+    """
+    position = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
+    cos, sin = rope_cos_sin(inv_freq_ptr, position, HALF, BLOCK_HALF)
+    rope_rotate_heads(q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_qob + t * stride_qot,
+                      stride_qh, stride_qoh, num_q_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+    # A head count of 0 makes the cache loops empty: no branch on a tensor condition needed.
+    kv_heads = tl.where((position >= 0) & (position < max_seq), num_kv_heads, 0)
+    rope_rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
+                      k_cache_ptr + b * stride_kcb + position * stride_kcs,
+                      stride_kh, stride_kch, kv_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+    rope_rotate_heads(v_ptr + b * stride_vb + t * stride_vt,
+                      v_cache_ptr + b * stride_vcb + position * stride_vcs,
+                      stride_vh, stride_vch, kv_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=False)
+
+
+@triton.jit
+def rope_kernel(
+    x_ptr, pos_ptr, inv_freq_ptr, out_ptr, T, num_heads,
+    stride_xb, stride_xt, stride_xh, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rope_tile(x_ptr, pos_ptr, inv_freq_ptr, out_ptr, pid // T, pid % T, num_heads,
+              stride_xb, stride_xt, stride_xh, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
+              HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
+
+
+@triton.jit
+def rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    T, num_q_heads, num_kv_heads, max_seq,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_pb, stride_pt,
+    stride_qob, stride_qot, stride_qoh,
+    stride_kcb, stride_kch, stride_kcs,
+    stride_vcb, stride_vch, stride_vcs,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rope_kv_tile(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                 pid // T, pid % T, num_q_heads, num_kv_heads, max_seq,
+                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                 stride_vb, stride_vt, stride_vh, stride_pb, stride_pt,
+                 stride_qob, stride_qot, stride_qoh,
+                 stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def rope_blocks(head_dim: int, num_heads: int) -> tuple[int, int]:
+    """``(BLOCK_H, BLOCK_HALF)``: the half-head width padded to a power of 2, and as many
+    heads per step as fit in :data:`MAX_TILE_ELEMENTS` (at most the head count, padded)."""
+    block_half = triton.next_power_of_2(max(head_dim // 2, 1))
+    block_h = min(triton.next_power_of_2(max(num_heads, 1)), max(1, MAX_TILE_ELEMENTS // block_half))
+    return block_h, block_half
+
+
+def rope_num_warps(block_h: int, block_half: int) -> int:
+    """Warps for a [BLOCK_H, BLOCK_HALF] tile: 4 cover the usual 2048 elements."""
+    return 4 if block_h * block_half <= 2048 else 8
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _check_positions(positions: object, batch: int, tokens: int) -> torch.Tensor:
+    return check_tensor("positions", positions, shape=(batch, tokens), dtype=_POSITION_DTYPES,
+                        contiguous=False)
+
+
+def _check_inv_freq(inv_freq: object, half: int) -> torch.Tensor:
+    return check_tensor("inv_freq", inv_freq, shape=(half,), dtype=torch.float32)
+
+
+def _check_head_dim(name: str, t: torch.Tensor) -> int:
+    d = t.shape[-1]
+    if d < 2 or d % 2:
+        raise ValueError(f"{name} has head_dim {d}; rotary embedding needs an even head_dim >= 2")
+    return d
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` (no cache).
+
+    Args:
+        x: ``[B, T, H, D]``, D even; last dim contiguous (a slice of a fused QKV output works).
+        positions: ``[B, T]`` int32/int64, the position of each token.
+        inv_freq: float32 ``[D // 2]``, from :func:`rope_inv_freq`.
+
+    Returns:
+        A new contiguous ``[B, T, H, D]`` tensor in x's dtype.
+    """
+    check_tensor("x", x, ndim=4, contiguous=False, last_dim_contiguous=True)
+    batch, tokens, heads, d = x.shape
+    _check_head_dim("x", x)
+    _check_positions(positions, batch, tokens)
+    _check_inv_freq(inv_freq, d // 2)
+    check_same_device(x=x, positions=positions, inv_freq=inv_freq)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        block_h, block_half = rope_blocks(d, heads)
+        rope_kernel[(batch * tokens,)](
+            x, positions, inv_freq, out, tokens, heads,
+            x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            num_warps=rope_num_warps(block_h, block_half),
+        )
+    return out
+
+
+def rope_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k at ``positions``, append k and v to the KV cache, return the rotated q.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, T, Hkv, D]``. D even; the last dim must be
+            contiguous (views into a fused QKV output are fine). T = 1 for decode.
+        positions: ``[B, T]`` int32/int64, each in ``[0, S_max)`` and distinct within a row
+            (two tokens of one sequence cannot share a cache slot).
+        inv_freq: float32 ``[D // 2]``, from :func:`rope_inv_freq`.
+        k_cache, v_cache: ``[B, Hkv, S_max, D]`` in k's dtype, last dim contiguous.
+
+    Writes ``k_cache[b, h, positions[b, t]] = rope(k[b, t, h])`` and
+    ``v_cache[b, h, positions[b, t]] = v[b, t, h]``; no other cache row changes.
+
+    Returns:
+        Rotated q, a new contiguous ``[B, T, Hq, D]`` tensor in q's dtype.
+
+    Every argument is checked before anything is written (position values only outside
+    CUDA graph capture, where reading them back is impossible).
+    """
+    check_tensor("q", q, ndim=4, contiguous=False, last_dim_contiguous=True)
+    batch, tokens, hq, d = q.shape
+    _check_head_dim("q", q)
+    check_tensor("k", k, ndim=4, contiguous=False, last_dim_contiguous=True)
+    hkv = k.shape[2]
+    check_tensor("k", k, shape=(batch, tokens, hkv, d), contiguous=False)
+    check_tensor("v", v, shape=(batch, tokens, hkv, d), contiguous=False, last_dim_contiguous=True)
+    _check_positions(positions, batch, tokens)
+    _check_inv_freq(inv_freq, d // 2)
+    check_tensor("k_cache", k_cache, ndim=4, contiguous=False, last_dim_contiguous=True)
+    max_seq = k_cache.shape[2]
+    check_tensor("k_cache", k_cache, shape=(batch, hkv, max_seq, d), contiguous=False)
+    check_tensor("v_cache", v_cache, shape=(batch, hkv, max_seq, d), contiguous=False,
+                 last_dim_contiguous=True)
+    check_same_dtype(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    check_same_device(q=q, k=k, v=v, positions=positions, inv_freq=inv_freq, k_cache=k_cache,
+                      v_cache=v_cache)
+    # Range checks need the values on the host: not possible while a CUDA graph is
+    # captured, so then positions are trusted (the kernel still skips out-of-range rows).
+    if positions.numel() and not is_capturing(positions):
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= max_seq:
+            raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "
+                             f"got values from {lo} to {hi}")
+        if tokens > 1:
+            ordered = positions.sort(dim=1).values
+            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                raise ValueError("positions repeat within a row: two tokens would write one cache slot")
+
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch * tokens and hq + hkv:
+        block_h, block_half = rope_blocks(d, max(hq, hkv))
+        rope_kv_kernel[(batch * tokens,)](
+            q, k, v, positions, inv_freq, q_out, k_cache, v_cache,
+            tokens, hq, hkv, max_seq,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            positions.stride(0), positions.stride(1),
+            q_out.stride(0), q_out.stride(1), q_out.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            num_warps=rope_num_warps(block_h, block_half),
+        )
+    return q_out
+
+
+# --------------------------------------------------------------------------- references
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Plain torch rotary embedding in float32, written as Hugging Face's rotate_half form."""
+    angle = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)   # [B, T, D/2]
+    emb = torch.cat([angle, angle], dim=-1)[:, :, None, :]                        # [B, T, 1, D]
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return xf * emb.cos() + rotated_half * emb.sin()
+
+
+def rope_kv_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference for :func:`rope_kv`; changes nothing it is given.
+
+    Returns float32 ``(q_rot, k_cache_after, v_cache_after)``: the caches are float32
+    copies with the new rows written.
+    """
+    q_rot = rope_ref(q, positions, inv_freq)
+    k_rot = rope_ref(k, positions, inv_freq)
+    k_after, v_after = k_cache.float().clone(), v_cache.float().clone()
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            pos = int(positions[b, t])
+            k_after[b, :, pos] = k_rot[b, t]
+            v_after[b, :, pos] = v[b, t].float()
+    return q_rot, k_after, v_after
+
+
+# --------------------------------------------------------------------------- planner hooks
+
+
+def rope_kv_cost(batch: int, tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype_bytes: int = 2) -> TaskCost:
+    """Bytes and flops of one :func:`rope_kv` call (positions and inv_freq included)."""
+    n = batch * tokens
+    elems = n * (num_q_heads + 2 * num_kv_heads) * head_dim
+    reads = elems * dtype_bytes + n * 8 + (head_dim // 2) * 4
+    # 6 flops per rotated (x1, x2) pair (4 mul, 2 add), i.e. 3 per element of q and k, plus the angles.
+    flops = n * (num_q_heads + num_kv_heads) * head_dim * 3 + n * head_dim // 2
+    return TaskCost(reads, elems * dtype_bytes, flops)
+
+
+def rope_kv_smem_bytes(block_h: int, block_half: int, num_warps: int) -> int:
+    """Shared memory the tile needs: none (elementwise, no reduction, no layout change)."""
+    return 0

@@ -1,0 +1,102 @@
+"""SiLU-gated product, the activation of a Llama MLP:
+
+    out = silu(gate) * up = gate * sigmoid(gate) * up
+
+elementwise over ``[..., I]``. Computed in float32 and rounded once to the storage dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._cost import TaskCost
+from ._device import check_same_device, check_same_dtype, check_tensor
+
+#: Widest column block of one tile; wider rows are split over several tiles.
+MAX_BLOCK_I = 1024
+
+#: Flops per element: negate, exp, add, divide (the sigmoid), two multiplies.
+FLOPS_PER_ELEMENT = 6
+
+
+@triton.jit
+def silu_mul_tile(
+    gate_ptr, up_ptr, out_ptr,
+    row, col_block, I,
+    stride_gate, stride_up, stride_out,
+    BLOCK_I: tl.constexpr,
+):
+    """out[row, cols] = silu(gate[row, cols]) * up[row, cols] for cols in block ``col_block``.
+
+    ``row`` and ``col_block`` are int32 scalars; each tensor has unit stride along I and
+    row stride ``stride_*`` (gate and up may be two halves of one fused projection).
+    """
+    cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < I
+    row64 = tl.cast(row, tl.int64)  # rows * I can pass 2**31 elements for long prompts
+    g = tl.load(gate_ptr + row64 * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row64 * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    # g / (1 + exp(-g)) is -0 for g -> -inf and g for g -> +inf: no NaN at either end.
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row64 * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, I,
+    stride_gate, stride_up, stride_out,
+    BLOCK_I: tl.constexpr,
+):
+    silu_mul_tile(gate_ptr, up_ptr, out_ptr, tl.program_id(0), tl.program_id(1), I,
+                  stride_gate, stride_up, stride_out, BLOCK_I=BLOCK_I)
+
+
+def silu_mul_block_i(i: int) -> int:
+    """Column block for rows of i elements: the whole row when it fits in MAX_BLOCK_I."""
+    return min(triton.next_power_of_2(max(i, 1)), MAX_BLOCK_I)
+
+
+def silu_mul_num_warps(block_i: int) -> int:
+    # 4-8 contiguous elements per thread: wide enough for vector loads, no more.
+    return max(1, min(8, block_i // 256))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` elementwise.
+
+    Args:
+        gate: ``[..., I]``, unit stride in the last dim (rows may be strided).
+        up: same shape and dtype as gate, same layout rules.
+
+    Returns:
+        A new contiguous tensor shaped and typed like gate.
+    """
+    check_tensor("gate", gate, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
+    check_tensor("up", up, shape=tuple(gate.shape), contiguous=False, last_dim_contiguous=True)
+    check_same_dtype(gate=gate, up=up)
+    check_same_device(gate=gate, up=up)
+    n = gate.shape[-1]
+    gate2, up2 = gate.reshape(-1, n), up.reshape(-1, n)
+    out = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
+    rows = gate2.shape[0]
+    if rows and n:
+        block_i = silu_mul_block_i(n)
+        silu_mul_kernel[(rows, triton.cdiv(n, block_i))](
+            gate2, up2, out, n, gate2.stride(0), up2.stride(0), out.stride(0),
+            BLOCK_I=block_i, num_warps=silu_mul_num_warps(block_i),
+        )
+    return out.reshape(gate.shape)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Plain torch reference in float32."""
+    return torch.nn.functional.silu(gate.float()) * up.float()
+
+
+def silu_mul_cost(rows: int, i: int, dtype_bytes: int = 2) -> TaskCost:
+    """Bytes and flops of silu_mul over ``rows`` rows of i elements."""
+    elems = rows * i
+    return TaskCost(bytes_read=2 * elems * dtype_bytes, bytes_written=elems * dtype_bytes,
+                    flops=FLOPS_PER_ELEMENT * elems)

@@ -1,0 +1,164 @@
+import math
+
+import pytest
+import torch
+
+from mk.tasks.decode_attention import (
+    MAX_NUM_SPLITS, DecodeAttentionConfig, decode_attention, decode_attention_config,
+    decode_attention_cost, decode_attention_merge, decode_attention_num_splits,
+    decode_attention_partials, decode_attention_ref, decode_attention_smem_bytes,
+)
+from tests.conftest import DTYPES, assert_close
+
+SEQLENS = [1, 37, 100]  # one key, a partial block, and a cache filled to the end
+
+
+def make_inputs(seqlens, hq, hkv, head_dim, dtype, device, max_seq=None):
+    """q and caches whose positions at or past each seqlen hold NaN (they must never be read)."""
+    batch = len(seqlens)
+    max_seq = max_seq or max(seqlens)
+    q = torch.randn(batch, hq, head_dim, device=device).to(dtype)
+    k_cache = torch.randn(batch, hkv, max_seq, head_dim, device=device).to(dtype)
+    v_cache = torch.randn(batch, hkv, max_seq, head_dim, device=device).to(dtype)
+    for b, n in enumerate(seqlens):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2), (8, 1)], ids=["g1", "g3", "g4", "g8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_matches_reference(hq, hkv, head_dim, num_splits, dtype, device):
+    q, k_cache, v_cache, lens = make_inputs(SEQLENS, hq, hkv, head_dim, dtype, device)
+    out = decode_attention(q, k_cache, v_cache, lens, num_splits=num_splits)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 5, 16, MAX_NUM_SPLITS, None])
+def test_decode_attention_split_counts(num_splits, dtype, device):
+    # 16 and more splits than the 2 blocks of the longest sequence: most slices are empty.
+    q, k_cache, v_cache, lens = make_inputs(SEQLENS, 8, 2, 64, dtype, device, max_seq=130)
+    out = decode_attention(q, k_cache, v_cache, lens, num_splits=num_splits)
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens), dtype)
+
+
+def test_decode_attention_scale_and_int64_seqlens(device):
+    q, k_cache, v_cache, lens = make_inputs([5, 70], 4, 2, 64, torch.float32, device)
+    lens = lens.long()
+    out = decode_attention(q, k_cache, v_cache, lens, scale=0.3, num_splits=2)
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens, scale=0.3), torch.float32)
+
+
+def test_decode_attention_single_key_returns_its_value(device):
+    # With one cached position the softmax is 1: the output is that value row, for every head.
+    q, k_cache, v_cache, lens = make_inputs([1, 1], 6, 2, 64, torch.float32, device, max_seq=9)
+    out = decode_attention(q, k_cache, v_cache, lens, num_splits=4)
+    expected = v_cache[:, :, 0].repeat_interleave(3, dim=1)
+    assert_close(out, expected, torch.float32)
+
+
+def test_decode_attention_strided_q_and_cache(device):
+    # q a view into a fused projection output, the cache a slice of a longer allocation.
+    batch, hq, hkv, d = 2, 4, 2, 64
+    qkv = torch.randn(batch, hq + 2 * hkv, d, device=device)
+    q = qkv[:, :hq]
+    big_k = torch.randn(batch, hkv, 80, d, device=device)
+    big_v = torch.randn(batch, hkv, 80, d, device=device)
+    k_cache, v_cache = big_k[:, :, :50], big_v[:, :, :50]
+    lens = torch.tensor([50, 17], dtype=torch.int32, device=device)
+    out = decode_attention(q, k_cache, v_cache, lens, num_splits=2)
+    assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens), torch.float32)
+
+
+def test_partials_workspace_contract(device):
+    # Per split: the normalised partial output and its log-sum-exp; empty splits are
+    # exactly (0, -inf) so the merge gives them weight 0 without NaN.
+    q, k_cache, v_cache, lens = make_inputs([1, 100], 4, 2, 64, torch.float32, device)
+    num_splits = 4
+    o_part, lse = decode_attention_partials(q, k_cache, v_cache, lens, num_splits=num_splits)
+    assert o_part.shape == (2, 4, num_splits, 64) and lse.shape == (2, 4, num_splits)
+    block_n = decode_attention_config(4, 2, 64, 4).block_n
+    kf = k_cache.repeat_interleave(2, dim=1)
+    vf = v_cache.repeat_interleave(2, dim=1)
+    scale = 1 / math.sqrt(64)
+    for b, n in enumerate([1, 100]):
+        split_len = math.ceil(math.ceil(n / num_splits) / block_n) * block_n
+        for s in range(num_splits):
+            lo, hi = s * split_len, min((s + 1) * split_len, n)
+            if lo >= hi:
+                assert torch.equal(o_part[b, :, s], torch.zeros_like(o_part[b, :, s]))
+                assert torch.isneginf(lse[b, :, s]).all()
+                continue
+            scores = torch.einsum("hd,hnd->hn", q[b], kf[b, :, lo:hi]) * scale
+            assert_close(lse[b, :, s], torch.logsumexp(scores, dim=-1), torch.float32, "lse")
+            assert_close(o_part[b, :, s], torch.einsum("hn,hnd->hd", scores.softmax(-1), vf[b, :, lo:hi]),
+                         torch.float32, "o_part")
+    merged = decode_attention_merge(o_part, lse)
+    assert_close(merged, decode_attention_ref(q, k_cache, v_cache, lens), torch.float32)
+
+
+def test_decode_attention_rejects_bad_input(device):
+    q, k_cache, v_cache, lens = make_inputs([3, 8], 4, 2, 16, torch.float32, device)
+
+    def call(num_splits=None, scale=None, **over):
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=lens)
+        args.update(over)
+        return decode_attention(**args, num_splits=num_splits, scale=scale)
+
+    bad = [
+        (ValueError, "q", dict(q=q[0])),
+        (TypeError, "q", dict(q=q.to(torch.int32))),
+        (TypeError, "q", dict(q=q.tolist())),
+        (ValueError, "q", dict(q=q.transpose(1, 2))),
+        (ValueError, "q", dict(q=torch.randn(2, 3, 16, device=device))),     # 3 heads over 2 KV heads
+        (ValueError, "k_cache", dict(k_cache=k_cache[..., :8])),
+        (ValueError, "k_cache", dict(k_cache=k_cache[:1])),
+        (ValueError, "v_cache", dict(v_cache=v_cache[:, :1])),
+        (TypeError, "v_cache", dict(v_cache=v_cache.double())),
+        (ValueError, "k_cache", dict(k_cache=torch.empty(k_cache.shape, device="meta"))),
+        (ValueError, "seqlens", dict(seqlens=torch.tensor([0, 8], dtype=torch.int32, device=device))),
+        (ValueError, "seqlens", dict(seqlens=torch.tensor([3, 9], dtype=torch.int32, device=device))),
+        (ValueError, "seqlens", dict(seqlens=lens[:1])),
+        (TypeError, "seqlens", dict(seqlens=lens.float())),
+        (ValueError, "num_splits", dict(num_splits=0)),
+        (ValueError, "num_splits", dict(num_splits=MAX_NUM_SPLITS + 1)),
+        (TypeError, "num_splits", dict(num_splits=2.0)),
+        (ValueError, "scale", dict(scale=float("nan"))),
+    ]
+    for exc, name, over in bad:
+        with pytest.raises(exc, match=name):
+            call(**over)
+    if device.type == "cpu":
+        with pytest.raises(TypeError, match="q"):
+            call(q=q.to(torch.bfloat16))
+
+
+def test_num_splits_heuristic():
+    # Fill the SMs when sequences are long, never cut slices below 2 blocks, cap the count.
+    assert decode_attention_num_splits(1, 8, 8192, num_sms=132) == 17
+    assert decode_attention_num_splits(1, 8, 300, num_sms=132) == 3
+    assert decode_attention_num_splits(1, 8, 1, num_sms=132) == 1
+    assert decode_attention_num_splits(16, 8, 8192, num_sms=132) == 2
+    assert decode_attention_num_splits(64, 8, 8192, num_sms=132) == 1
+    assert decode_attention_num_splits(1, 1, 10**7, num_sms=10**4) == MAX_NUM_SPLITS
+
+
+def test_config_smem_and_cost():
+    cfg = decode_attention_config(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert (cfg.block_g, cfg.block_d) == (16, 128) and cfg.block_n >= 16
+    assert decode_attention_config(48, 1, 64).block_g == 64
+    smem = decode_attention_smem_bytes(cfg)
+    assert smem >= cfg.num_stages * 2 * cfg.block_n * 128 * 2
+    bigger = DecodeAttentionConfig(**{**cfg.__dict__, "num_stages": cfg.num_stages + 1})
+    assert decode_attention_smem_bytes(bigger) > smem
+
+    one = decode_attention_cost(1, 32, 8, 128, 1000, num_splits=1)
+    # K and V of 8 heads × 1000 positions × 128 × 2 bytes dominate.
+    assert one.bytes_read >= 2 * 8 * 1000 * 128 * 2 and one.flops >= 4 * 32 * 1000 * 128
+    split = decode_attention_cost(1, 32, 8, 128, [1000], num_splits=4)
+    assert split.bytes > one.bytes and split.flops > one.flops

@@ -1,0 +1,336 @@
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mk.tasks.linear import (
+    LinearConfig,
+    interleave_gate_up,
+    linear,
+    linear_config,
+    linear_cost,
+    linear_k_splits,
+    linear_partial_tile,
+    linear_ref,
+    linear_smem_bytes,
+    linear_split_range,
+    linear_splitk_reduce_tile,
+    linear_tile,
+)
+from tests.conftest import DTYPES, assert_close
+
+VARIANTS = ["plain", "residual", "norm", "silu_mul", "norm_silu_mul", "norm_residual"]
+
+
+def make_inputs(M, N, K, variant, dtype, device, lead=None):
+    """x [M, K] (or lead + [K]), weight [N, K] and the keyword arguments of one variant."""
+    shape = (M,) if lead is None else lead
+    x = torch.randn(*shape, K, device=device).to(dtype)
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    kw = {}
+    if "residual" in variant:
+        kw["residual"] = torch.randn(*shape, N, device=device).to(dtype)
+    if "norm" in variant:
+        kw["norm_weight"] = (1 + 0.1 * torch.randn(K, device=device)).to(dtype)
+        kw["norm_eps"] = 1e-5
+    if "silu_mul" in variant:
+        kw["silu_mul"] = True
+    return x, w, kw
+
+
+# --- against the reference --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16, 40])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_linear_default_config(M, split_k, variant, dtype, device):
+    N, K = (38 if "silu_mul" in variant else 37), 200  # odd sizes; silu_mul needs an even N
+    x, w, kw = make_inputs(M, N, K, variant, dtype, device)
+    got = linear(x, w, split_k=split_k, **kw)
+    ref = linear_ref(x, w, **kw)
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert_close(got, ref, dtype)
+
+
+# Explicit tiles: several K chunks plus a ragged tail, several row and column tiles,
+# GEMV over several rows, grouped launch order, tiny K chunks.
+CONFIGS = [
+    pytest.param(1, LinearConfig(1, 64, 32, num_warps=1, num_stages=1), id="gemv-64x32"),
+    pytest.param(3, LinearConfig(1, 128, 64, num_warps=2, num_stages=1), id="gemv-rows"),
+    pytest.param(3, LinearConfig(16, 64, 32, num_warps=4, num_stages=2), id="skinny-16x64x32"),
+    pytest.param(40, LinearConfig(16, 128, 64, num_warps=4, num_stages=3, group_m=2), id="prefill-16x128x64"),
+    pytest.param(40, LinearConfig(64, 256, 16, num_warps=4, num_stages=3), id="prefill-64x256x16"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, config", CONFIGS)
+@pytest.mark.parametrize("split_k, variant", [(1, "plain"), (1, "norm_residual"), (3, "residual"),
+                                              (3, "norm_silu_mul")])
+def test_linear_explicit_config(M, config, split_k, variant, dtype, device):
+    N, K = 1000, 200
+    x, w, kw = make_inputs(M, N, K, variant, dtype, device)
+    cfg = LinearConfig(**{**config.to_dict(), "split_k": split_k})
+    got = linear(x, w, config=cfg, **kw)
+    assert_close(got, linear_ref(x, w, **kw), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_leading_dims_and_strided_rows(dtype, device):
+    x, w, kw = make_inputs(6, 48, 80, "residual", dtype, device, lead=(2, 3))
+    got = linear(x, w, **kw)
+    assert got.shape == (2, 3, 48)
+    assert_close(got, linear_ref(x, w, **kw), dtype)
+    base = torch.randn(5, 120, device=device).to(dtype)
+    xs = base[:, :80]  # rows strided, last dim contiguous
+    assert_close(linear(xs, w, split_k=2), linear_ref(xs, w), dtype)
+    assert linear(x[:, :0], w).shape == (2, 0, 48)  # M = 0: nothing to do
+
+
+def test_linear_1d_input(device):
+    x, w, _ = make_inputs(1, 24, 40, "plain", torch.float32, device)
+    got = linear(x[0], w)
+    assert got.shape == (24,)
+    assert_close(got, linear_ref(x[0], w), torch.float32)
+
+
+# --- split-K ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 16])
+def test_linear_split_k_is_deterministic(M, dtype, device):
+    x, w, kw = make_inputs(M, 96, 200, "norm_residual", dtype, device)
+    cfg = linear_config(M, 96, 200, dtype, split_k=3)
+    first = linear(x, w, config=cfg, **kw)
+    for _ in range(2):
+        assert torch.equal(linear(x, w, config=cfg, **kw), first)
+    assert_close(first, linear_ref(x, w, **kw), dtype)
+
+
+@pytest.mark.parametrize("K, block_k, split_k", [(200, 32, 3), (200, 64, 4), (4096, 1024, 4), (7, 1, 7), (100, 16, 1)])
+def test_linear_k_splits(K, block_k, split_k):
+    splits = linear_k_splits(K, block_k, split_k)
+    assert len(splits) == split_k
+    assert splits[0][0] == 0 and splits[-1][1] == K
+    for (lo, hi), (nxt, _) in zip(splits, splits[1:]):
+        assert hi == nxt and lo < hi and lo % block_k == 0 and hi % block_k == 0
+    chunks = [-(-(hi - lo) // block_k) for lo, hi in splits]
+    assert max(chunks) - min(chunks) <= 1
+
+
+@triton.jit
+def _split_range_kernel(out_ptr, split_k, K, BLOCK_K: tl.constexpr):
+    s = tl.program_id(0)
+    k_lo, k_hi = linear_split_range(s, split_k, K, BLOCK_K=BLOCK_K)
+    tl.store(out_ptr + 2 * s, k_lo)
+    tl.store(out_ptr + 2 * s + 1, k_hi)
+
+
+def test_linear_split_range_matches_python(device):
+    for K, block_k, split_k in [(200, 32, 3), (1000, 64, 5)]:
+        out = torch.empty(split_k, 2, dtype=torch.int32, device=device)
+        _split_range_kernel[(split_k,)](out, split_k, K, BLOCK_K=block_k)
+        assert [tuple(r) for r in out.tolist()] == linear_k_splits(K, block_k, split_k)
+
+
+# --- device functions touch only their own tile ------------------------------------------
+
+
+@triton.jit
+def _one_tile_kernel(x_ptr, w_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_xm, stride_wn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    linear_tile(x_ptr, w_ptr, w_ptr, out_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
+                stride_xm, stride_wn, stride_om, stride_om, 0.0,
+                HAS_NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+@triton.jit
+def _one_splitk_tile_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, pid_m, pid_n, M, N, K, split_k,
+                            stride_xm, stride_wn, stride_ws_split, stride_ws_m, stride_om,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    for s in range(0, split_k):
+        k_lo, k_hi = linear_split_range(s, split_k, K, BLOCK_K=BLOCK_K)
+        linear_partial_tile(x_ptr, w_ptr, w_ptr, ws_ptr, pid_m, pid_n, s, M, N, K, k_lo, k_hi,
+                            stride_xm, stride_wn, stride_ws_split, stride_ws_m, 0.0,
+                            HAS_NORM=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    tl.debug_barrier()  # the reduce reads partials other threads of this program wrote
+    linear_splitk_reduce_tile(ws_ptr, out_ptr, out_ptr, pid_m, pid_n, M, N, split_k,
+                              stride_ws_split, stride_ws_m, stride_om, stride_om,
+                              HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@pytest.mark.parametrize("block_m, pid_m", [(1, 2), (16, 1)])
+@pytest.mark.parametrize("split", [False, True])
+def test_linear_tiles_write_only_their_tile(block_m, pid_m, split, device):
+    M, N, K, bn, bk, pid_n, split_k = 20, 70, 50, 16, 16, 4, 3
+    x, w, _ = make_inputs(M, N, K, "plain", torch.float32, device)
+    out = torch.full((M, N), float("nan"), device=device)
+    ws = torch.full((split_k, M, N), float("nan"), device=device)
+    if split:
+        _one_splitk_tile_kernel[(1,)](x, w, ws, out, pid_m, pid_n, M, N, K, split_k, x.stride(0), w.stride(0),
+                                      ws.stride(0), ws.stride(1), out.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
+    else:
+        _one_tile_kernel[(1,)](x, w, out, pid_m, pid_n, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                               BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk)
+    rows = slice(pid_m * block_m, min((pid_m + 1) * block_m, M))
+    cols = slice(pid_n * bn, min((pid_n + 1) * bn, N))  # the last column tile is ragged
+    assert_close(out[rows, cols], linear_ref(x, w)[rows, cols], torch.float32)
+    written = ~torch.isnan(out)
+    assert written[rows, cols].all() and written.sum() == out[rows, cols].numel()
+    if split:
+        assert (~torch.isnan(ws)).sum() == split_k * out[rows, cols].numel()
+
+
+# --- SiLU·mul layout -----------------------------------------------------------------------
+
+
+def test_interleave_gate_up_layout(device):
+    g, u = torch.randn(5, 7, device=device), torch.randn(5, 7, device=device)
+    w = interleave_gate_up(g, u)
+    assert w.shape == (10, 7) and w.is_contiguous()
+    assert torch.equal(w[0::2], g) and torch.equal(w[1::2], u)
+    assert torch.equal(w[2], g[1]) and torch.equal(w[3], u[1])
+    with pytest.raises(ValueError, match="w_up"):
+        interleave_gate_up(g, u[:4])
+    with pytest.raises(TypeError):
+        interleave_gate_up(g, u.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5])
+def test_linear_silu_mul_from_separate_weights(M, dtype, device):
+    K, inter = 64, 40
+    x = torch.randn(M, K, device=device).to(dtype)
+    g = (torch.randn(inter, K, device=device) / 8).to(dtype)
+    u = (torch.randn(inter, K, device=device) / 8).to(dtype)
+    got = linear(x, interleave_gate_up(g, u), silu_mul=True)
+    want = torch.nn.functional.silu(x.float() @ g.float().T) * (x.float() @ u.float().T)
+    assert got.shape == (M, inter)
+    assert_close(got, want, dtype)
+
+
+# --- planner hooks -------------------------------------------------------------------------
+
+
+def test_linear_config_heuristic():
+    bf16, f32 = torch.bfloat16, torch.float32
+    c = linear_config(1, 6144, 4096, bf16)
+    assert (c.block_m, c.block_n, c.block_k, c.num_warps) == (1, 8, 1024, 4)
+    assert linear_config(1, 6144, 4096, f32).block_k == 512  # 16 B per thread per row either way
+    assert linear_config(8, 6144, 4096, bf16).block_m == 16
+    assert linear_config(40, 6144, 4096, bf16).block_m == 64
+    assert linear_config(512, 6144, 4096, bf16).block_m == 128
+    for M, N, K, split_k in [(1, 37, 200, 3), (16, 1000, 200, 5), (300, 17, 40, 2), (1, 1, 1, 1), (2, 3, 16, 1)]:
+        c = linear_config(M, N, K, f32, split_k=split_k)
+        assert c.split_k == split_k and -(-K // c.block_k) >= split_k
+        assert c.block_n % 2 == 0 and c.block_n <= max(triton.next_power_of_2(N), 16)
+        assert c.block_m == 1 or min(c.block_n, c.block_k) >= 16
+
+
+def test_linear_config_prints_and_serialises():
+    c = LinearConfig(1, 8, 1024, split_k=2, num_warps=4, num_stages=1)
+    assert str(c) == "LinearConfig(BM=1 BN=8 BK=1024 split_k=2 warps=4 stages=1 group_m=8)"
+    assert c.to_dict() == dict(block_m=1, block_n=8, block_k=1024, split_k=2, num_warps=4, num_stages=1, group_m=8)
+    assert LinearConfig(**c.to_dict()) == c
+
+
+def test_linear_smem_bytes():
+    # tl.dot body: stages x (rows + block_n) x block_k x dtype, rows capped by M.
+    prefill = LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
+    assert linear_smem_bytes(prefill, 4096, 2) == 3 * (128 + 128) * 64 * 2
+    assert linear_smem_bytes(prefill, 40, 2) == 3 * (64 + 128) * 64 * 2
+    assert linear_smem_bytes(prefill, 3, 2) == 3 * (16 + 128) * 64 * 2
+    split = LinearConfig(16, 32, 256, split_k=4, num_stages=4)
+    assert linear_smem_bytes(split, 8, 2) == 4 * (16 + 32) * 256 * 2 + 16 * 32 * 4
+    # GEMV body: cross-warp reduction only, plus x's shuffle when warps do not span block_k.
+    gemv = LinearConfig(1, 8, 1024, num_warps=4, num_stages=1)
+    assert linear_smem_bytes(gemv, 1, 2) == 8 * 4 * 4
+    assert linear_smem_bytes(LinearConfig(1, 16, 512, num_warps=4), 1, 2) == 16 * 4 * 4 + 512 * 4
+    more = LinearConfig(64, 128, 64, num_stages=4)
+    assert linear_smem_bytes(more, 64, 2) > linear_smem_bytes(LinearConfig(64, 128, 64, num_stages=3), 64, 2)
+
+
+def test_linear_cost():
+    M, N, K = 1, 6144, 4096
+    c = linear_cost(M, N, K, 2)
+    assert c.bytes_read == N * K * 2 + K * 2 and c.bytes_written == N * 2 and c.flops == 2 * N * K
+    full = linear_cost(M, N, K, 2, residual=True, norm=True)
+    assert full.bytes_read == c.bytes_read + K * 2 + N * 2
+    silu = linear_cost(M, N, K, 2, silu_mul=True)
+    assert silu.bytes_written == N // 2 * 2
+    split = linear_cost(M, N, K, 2, split_k=4)
+    assert split.bytes_written == c.bytes_written + 4 * N * 4 and split.bytes_read == c.bytes_read + 4 * N * 4
+
+
+# --- argument checks -------------------------------------------------------------------------
+
+
+def test_linear_rejects_bad_input(device):
+    x = torch.randn(2, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    res = torch.randn(2, 8, device=device)
+    res_before = res.clone()
+    with pytest.raises(TypeError, match="x"):
+        linear(x.to(torch.int32), w)
+    with pytest.raises(TypeError, match="x"):
+        linear(x.tolist(), w)
+    with pytest.raises(TypeError, match="weight"):
+        linear(x, w.double())
+    with pytest.raises(ValueError, match="weight"):
+        linear(x, torch.randn(8, 17, device=device))  # K mismatch
+    with pytest.raises(ValueError, match="weight"):
+        linear(x, torch.randn(16, 8, device=device).t())  # not contiguous
+    with pytest.raises(ValueError, match="weight"):
+        linear(x, torch.randn(8, device=device))
+    with pytest.raises(ValueError, match="x"):
+        linear(torch.randn(16, 2, device=device).t(), w)  # last dim not contiguous
+    with pytest.raises(ValueError, match="residual"):
+        linear(x, w, residual=torch.randn(2, 9, device=device))
+    with pytest.raises(TypeError, match="residual"):
+        linear(x, w, residual=res.double())
+    with pytest.raises(ValueError, match="silu_mul"):
+        linear(x, torch.randn(7, 16, device=device), silu_mul=True)  # odd N
+    with pytest.raises(ValueError, match="silu_mul"):
+        linear(x, w, residual=res, silu_mul=True)
+    with pytest.raises(TypeError, match="silu_mul"):
+        linear(x, w, silu_mul=1)
+    with pytest.raises(ValueError, match="norm_weight"):
+        linear(x, w, norm_weight=torch.randn(15, device=device))
+    with pytest.raises(ValueError, match="norm_eps"):
+        linear(x, w, norm_weight=torch.ones(16, device=device), norm_eps=-1.0)
+    with pytest.raises(ValueError, match="split_k"):
+        linear(x, w, split_k=0)
+    with pytest.raises(TypeError, match="split_k"):
+        linear(x, w, split_k=2.0)
+    with pytest.raises(ValueError, match="split_k"):
+        linear(x, w, residual=res, config=LinearConfig(16, 16, 16, split_k=2))  # 1 chunk of K
+    with pytest.raises(ValueError, match="split_k"):
+        linear(x, w, split_k=3, config=LinearConfig(16, 16, 16, split_k=2))
+    with pytest.raises(TypeError, match="config"):
+        linear(x, w, config={"block_m": 16})
+    with pytest.raises(ValueError, match="config.block_n"):
+        linear(x, w, config=LinearConfig(16, 24, 16))
+    with pytest.raises(ValueError, match="config.block_m"):
+        linear(x, w, config=LinearConfig(8, 16, 16))
+    with pytest.raises(ValueError, match="config.block_k"):
+        linear(x, w, config=LinearConfig(16, 16, 8))
+    with pytest.raises(ValueError, match="config.num_stages"):
+        linear(x, w, config=LinearConfig(1, 16, 16, num_stages=0))
+    assert torch.equal(res, res_before)
+
+
+def test_linear_rejects_wrong_device_and_dtype(device):
+    x = torch.randn(2, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    with pytest.raises(ValueError, match="x"):
+        linear(torch.randn(2, 16, device="meta"), w)
+    with pytest.raises(ValueError, match="weight"):
+        linear(x, torch.randn(8, 16, device="meta"))
+    with pytest.raises(ValueError, match="norm_weight"):
+        linear(x, w, norm_weight=torch.ones(16, device="meta"))
+    if device.type == "cpu":
+        with pytest.raises(TypeError, match="x"):
+            linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
