@@ -376,8 +376,8 @@ def _is_pow2(n: object) -> bool:
 def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 1) -> LinearConfig:
     """Heuristic config for an [M, K] x [N, K]^T product in ``dtype`` with ``split_k`` splits.
 
-    * M == 1, the GEMV body: 8 weight rows x BLOCK_K = (16 B / dtype) x 32 lanes x 4 warps
-      (1024 at bf16) per iteration. Each thread loads one 16 B vector of each of the 8 rows
+    * M == 1, the GEMV body: 4 or 8 weight rows x BLOCK_K of 512-1024 elements per
+      iteration (tuned on an H200, see below). Each thread loads one 16 B vector of each of the 8 rows
       (128 B in flight) into 64 float32 accumulators, about 120 registers. Keeping
       BLOCK_K = vector x 32 x num_warps puts all warps along K, so x's chunk already has the
       layout the broadcast needs; other shapes make the compiler shuffle x through
@@ -394,7 +394,14 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
     db = _dtype_bytes(dtype)
     vec = max(VEC_BYTES // db, 1)
     if M <= 1:
-        bm, bn, bk, warps, stages = 1, 8, vec * 32 * 4, 4, 1
+        # Winners of bench/probes/linear_sweep.py on an H200 (bf16, CUDA-graph replays):
+        # long rows or many rows stream best from 4 rows x 2 warps (0.95-0.98 of copy
+        # bandwidth at 14336->4096 and 4096->28672); shorter products from 8 rows x 4 warps
+        # over half the vector width (0.82 at 4096->6144, where launch and tail dominate).
+        if K >= 8192 or N >= 16384:
+            bm, bn, bk, warps, stages = 1, 4, vec * 32 * 2 * 2, 2, 1
+        else:
+            bm, bn, bk, warps, stages = 1, 8, vec * 32 * 4 // 2, 4, 1
     elif M <= SKINNY_MAX_M:
         bm, bn, bk, warps, stages = 16, 16, 512 // db, 4, 4
     else:

@@ -218,8 +218,11 @@ def test_linear_silu_mul_from_separate_weights(M, dtype, device):
 def test_linear_config_heuristic():
     bf16, f32 = torch.bfloat16, torch.float32
     c = linear_config(1, 6144, 4096, bf16)
-    assert (c.block_m, c.block_n, c.block_k, c.num_warps) == (1, 8, 1024, 4)
-    assert linear_config(1, 6144, 4096, f32).block_k == 512  # 16 B per thread per row either way
+    assert (c.block_m, c.block_n, c.block_k, c.num_warps) == (1, 8, 512, 2)
+    assert linear_config(1, 6144, 4096, f32).block_k == 256  # the same bytes per row either way
+    c = linear_config(1, 28672, 4096, bf16)  # many rows: the narrower, longer tile
+    assert (c.block_m, c.block_n, c.block_k, c.num_warps) == (1, 4, 1024, 2)
+    assert linear_config(1, 4096, 14336, bf16).block_n == 4
     assert linear_config(8, 6144, 4096, bf16).block_m == 16
     assert linear_config(40, 6144, 4096, bf16).block_m == 64
     assert linear_config(512, 6144, 4096, bf16).block_m == 128
