@@ -1,0 +1,129 @@
+"""The persistent runtime on the CPU: megakernel (interpreter, one worker) and the VM."""
+
+import random
+
+import pytest
+import torch
+
+from mk.persistent.graph import TaskGraph, lower
+from mk.persistent.ops import make_op
+from mk.persistent.runtime import Megakernel, MegakernelTimeout
+from mk.persistent.vm import Deadlock, run_vm
+from mk.tasks import rmsnorm
+from tests.conftest import assert_close
+
+import mk.persistent.taskops  # noqa: F401  (registers the ops)
+
+
+def random_norm_dag(rng: random.Random, rows: int, n: int, nodes: int):
+    """A random DAG of rmsnorm tasks (plain and residual-add) over fresh buffers.
+
+    Each node reads one or two earlier buffers (chains and diamonds) and writes a new
+    one; returns the graph and the op-by-op result of every buffer.
+    """
+    g = TaskGraph()
+    g.buffer("w", torch.randn(n) * 0.2 + 1)
+    g.buffer("b0", torch.randn(rows, n))
+    expected = {"b0": g.buffers["b0"].clone()}
+    names = ["b0"]
+    plain, resid = make_op("rmsnorm", n=n, eps=1e-5), make_op("rmsnorm", n=n, eps=1e-5, residual=True)
+    for i in range(1, nodes + 1):
+        out = g.buffer(f"b{i}", torch.full((rows, n), float("nan")))
+        if rng.random() < 0.5 or len(names) < 2:
+            src = rng.choice(names)
+            for r in range(rows):
+                g.add(plain, x=src, w="w", out=out, row=r)
+            expected[out] = rmsnorm(expected[src], g.buffers["w"], 1e-5)
+        else:
+            a, b = rng.sample(names, 2)
+            h = g.buffer(f"h{i}", torch.full((rows, n), float("nan")))
+            for r in range(rows):
+                g.add(resid, x=a, res=b, w="w", out=out, res_out=h, row=r)
+            expected[out], expected[h] = rmsnorm(expected[a], g.buffers["w"], 1e-5, residual=expected[b])
+            names.append(h)
+        names.append(out)
+    return g, expected
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_megakernel_equals_op_by_op(trial):
+    rng = random.Random(trial)
+    g, expected = random_norm_dag(rng, rows=rng.randint(1, 3), n=rng.choice([37, 200, 64]), nodes=6)
+    kernel = Megakernel(lower(g, num_workers=1))
+    for _ in range(2):  # counters are never reset: the second launch must work too
+        kernel.run()
+        for name, ref in expected.items():
+            assert_close(g.buffers[name], ref, torch.float32, name)
+    assert int(kernel.state[0]) == 2
+
+
+@pytest.mark.parametrize("workers", [1, 2, 7, 64])
+@pytest.mark.parametrize("schedule", ["round_robin", "zigzag", "list"])
+def test_vm_runs_many_workers_without_deadlock_or_early_reads(workers, schedule):
+    rng = random.Random(workers)
+    g, expected = random_norm_dag(rng, rows=3, n=48, nodes=8)
+    program = lower(g, num_workers=workers, schedule=schedule)
+    for seed in range(3):
+        report = run_vm(program, interleave="random", seed=seed)
+        assert sorted(report.order) == list(range(len(g.tasks)))
+        for name, ref in expected.items():
+            assert_close(g.buffers[name], ref, torch.float32, name)
+
+
+def test_dependencies_are_exact_at_tile_granularity():
+    g = TaskGraph()
+    op = make_op("rmsnorm", n=16)
+    for name in ("x", "w", "y", "z"):
+        g.buffer(name, torch.randn(4, 16) if name != "w" else torch.randn(16))
+    for r in range(4):
+        g.add(op, x="x", w="w", out="y", row=r)
+    for r in range(4):
+        g.add(op, x="y", w="w", out="z", row=r)
+    deps = g.dependencies()
+    assert deps[:4] == [[], [], [], []]
+    assert deps[4:] == [[0], [1], [2], [3]]  # row r of z waits only for row r of y
+
+
+def test_vm_names_the_task_behind_a_missing_producer():
+    rng = random.Random(0)
+    g, _ = random_norm_dag(rng, rows=2, n=16, nodes=3)
+    program = lower(g, num_workers=4)
+    victim = program.queues[0][0]  # a first-layer task some later task needs
+    program.queues[0].remove(victim)
+    with pytest.raises(Deadlock, match=rf"task {victim} \(.*\) is in no queue"):
+        run_vm(program)
+
+
+def test_broken_graph_times_out_with_detail_and_next_launch_works():
+    g = TaskGraph()
+    op = make_op("rmsnorm", n=32)
+    for name in ("x", "w", "y", "z"):
+        g.buffer(name, torch.randn(2, 32) if name != "w" else torch.randn(32))
+    g.add(op, x="x", w="w", out="y", row=0)
+    g.add(op, x="y", w="w", out="z", row=0)
+    program = lower(g, num_workers=1)
+    kernel = Megakernel(program)
+    # Break it: the consumer's wait now expects two signals per launch, only one comes.
+    waits_at = 4  # header words
+    row = program.queues[0].index(1)
+    good = kernel.desc.clone()
+    kernel.desc[row, waits_at + 1] = 2
+    with pytest.raises(MegakernelTimeout) as info:
+        kernel.run()
+    assert info.value.task == 1 and info.value.worker == 0 and info.value.seen < info.value.expected
+    kernel.desc.copy_(good)
+    kernel.run()  # after the error the runtime reset itself
+    assert_close(g.buffers["z"][0], rmsnorm(rmsnorm(g.buffers["x"][:1], g.buffers["w"]), g.buffers["w"])[0],
+                 torch.float32)
+
+
+def test_generated_source_is_readable_and_cached(tmp_path):
+    g = TaskGraph()
+    g.buffer("x", torch.randn(1, 8)), g.buffer("w", torch.randn(8)), g.buffer("y", torch.empty(1, 8))
+    g.add(make_op("rmsnorm", n=8), x="x", w="w", out="y", row=0)
+    a = Megakernel(lower(g, 1))
+    b = Megakernel(lower(g, 1))
+    assert a.kernel is b.kernel and a.digest == b.digest
+    path = a.dump_source(tmp_path / "k.py")
+    text = path.read_text()
+    assert "def megakernel(" in text and "rmsnorm_tile(" in text and "wait_events(" in text
