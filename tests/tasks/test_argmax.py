@@ -1,12 +1,13 @@
+import importlib
+
 import pytest
 import torch
 
-import importlib
-
-argmax_mod = importlib.import_module("mk.tasks.argmax")  # the module: mk.tasks.argmax is the op
 from mk.tasks import TaskCost
 from mk.tasks.argmax import argmax, argmax_cost, argmax_reduce_kernel, argmax_ref, argmax_smem_bytes
 from tests.conftest import DTYPES
+
+argmax_mod = importlib.import_module("mk.tasks.argmax")  # the module: mk.tasks.argmax is the op
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
