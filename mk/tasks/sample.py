@@ -84,8 +84,9 @@ def sample_key(z):
 def scale_logits(x, temperature):
     """z = x / temperature with IEEE rounding (``/`` may be approximate on the GPU).
 
-    The reference divides the same way, so top-k/top-p sets agree bit for bit; and a
-    true division (not a multiply) keeps the compiler from fusing z + g into an FMA.
+    The reference divides the same way (:func:`scale_logits_ref`), so top-k/top-p sets
+    agree bit for bit; and a true division (not a multiply) keeps the compiler from fusing
+    z + g into an FMA.
     """
     return tl.math.div_rn(x, tl.zeros_like(x) + temperature)
 
@@ -218,6 +219,39 @@ def sample_select_tile(
 
 
 @triton.jit
+def allowed_by_thresholds(z, valid, si, USE_KTH: tl.constexpr, USE_PTH: tl.constexpr):
+    """valid & key(z) >= the top-k threshold (USE_KTH) & >= the top-p threshold (USE_PTH).
+
+    ``si`` points at the row's state_i. The one test of membership in the allowed set:
+    the Gumbel tile and :func:`sample_allowed_tile` both use it, on z from
+    :func:`scale_logits`, so the set reported is bit for bit the set drawn from.
+    """
+    allowed = valid
+    if USE_KTH or USE_PTH:
+        ukey = sample_key(z)
+        if USE_KTH:
+            allowed = allowed & (ukey >= tl.load(si + _KTH).to(tl.uint32, bitcast=True))
+        if USE_PTH:
+            allowed = allowed & (ukey >= tl.load(si + _PTH).to(tl.uint32, bitcast=True))
+    return allowed
+
+
+@triton.jit
+def sample_allowed_tile(
+    logits_ptr, state_i_ptr, out_ptr,
+    row, chunk, V, stride_row, stride_state_i, stride_out, temperature,
+    USE_KTH: tl.constexpr, USE_PTH: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """out[row, chunk*BLOCK_V ...] (int8) = 1 where :func:`sample_gumbel_partial_tile` allows the token."""
+    cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    valid = cols < V
+    x = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
+    z = scale_logits(x, temperature)
+    allowed = allowed_by_thresholds(z, valid, state_i_ptr + row * stride_state_i, USE_KTH=USE_KTH, USE_PTH=USE_PTH)
+    tl.store(out_ptr + row * stride_out + cols, allowed.to(tl.int8), mask=valid)
+
+
+@triton.jit
 def sample_gumbel_partial_tile(
     logits_ptr, state_i_ptr, part_val_ptr, part_idx_ptr,
     row, chunk, V, stride_row, stride_state_i, stride_part, temperature, seed, offset,
@@ -233,14 +267,7 @@ def sample_gumbel_partial_tile(
     valid = cols < V
     x = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=0.0).to(tl.float32)
     z = scale_logits(x, temperature)
-    allowed = valid
-    if USE_KTH or USE_PTH:
-        ukey = sample_key(z)
-        si = state_i_ptr + row * stride_state_i
-        if USE_KTH:
-            allowed = allowed & (ukey >= tl.load(si + _KTH).to(tl.uint32, bitcast=True))
-        if USE_PTH:
-            allowed = allowed & (ukey >= tl.load(si + _PTH).to(tl.uint32, bitcast=True))
+    allowed = allowed_by_thresholds(z, valid, state_i_ptr + row * stride_state_i, USE_KTH=USE_KTH, USE_PTH=USE_PTH)
     val, idx = argmax_block(z + gumbel(seed, offset, row, cols), cols, allowed, V)
     tl.store(part_val_ptr + row * stride_part + chunk, val)
     tl.store(part_idx_ptr + row * stride_part + chunk, idx)
@@ -287,6 +314,15 @@ def sample_gumbel_partial_kernel(
     sample_gumbel_partial_tile(logits_ptr, state_i_ptr, part_val_ptr, part_idx_ptr,
                                tl.program_id(1), tl.program_id(0), V, stride_row, stride_state_i, stride_part,
                                temperature, seed, offset, USE_KTH=USE_KTH, USE_PTH=USE_PTH, BLOCK_V=BLOCK_V)
+
+
+@triton.jit
+def sample_allowed_kernel(
+    logits_ptr, state_i_ptr, out_ptr, V, stride_row, stride_state_i, stride_out, temperature,
+    USE_KTH: tl.constexpr, USE_PTH: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    sample_allowed_tile(logits_ptr, state_i_ptr, out_ptr, tl.program_id(1), tl.program_id(0), V, stride_row,
+                        stride_state_i, stride_out, temperature, USE_KTH=USE_KTH, USE_PTH=USE_PTH, BLOCK_V=BLOCK_V)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,14 +566,6 @@ def sample(
     return out
 
 
-def _sample_keys(z: torch.Tensor) -> torch.Tensor:
-    """Torch twin of :func:`sample_key` (as int64, so that comparisons are unsigned)."""
-    bits = z.contiguous().view(torch.int32).long()
-    bits = torch.where(bits == -(2**31), 0, bits)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return key + 2**31
-
-
 def sample_allowed(
     logits: torch.Tensor,
     *,
@@ -566,17 +594,30 @@ def sample_allowed(
     ws = sample_workspace(rows, triton.cdiv(v, block_v), radix_bits, logits.device)
     scratch = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _filter(logits, t32, use_k, top_k or 0, use_p, top_p or 1.0, block_v, radix_bits, ws, scratch)
-    keys = _sample_keys(logits.float() / torch.tensor(t32, dtype=torch.float32))
-    thresholds = ws["state_i"].long() & 0xFFFFFFFF
-    if use_k:
-        allowed &= keys >= thresholds[:, int(_KTH)].unsqueeze(1)
-    if use_p:
-        allowed &= keys >= thresholds[:, int(_PTH)].unsqueeze(1)
-    return allowed
+    # The mask comes from the sampler's own device code (z = x / T and the key compare), not
+    # from torch: on CUDA, ``x / cpu_scalar`` is computed as x * (1/T), which is one ulp below
+    # x / T for some x (~1 in 4 values at T = 1.3), and would drop a token sitting exactly
+    # at a threshold.
+    mask = torch.empty(rows, v, dtype=torch.int8, device=logits.device)
+    sample_allowed_kernel[(triton.cdiv(v, block_v), rows)](
+        logits, ws["state_i"], mask, v, logits.stride(0), ws["state_i"].stride(0), mask.stride(0), t32,
+        USE_KTH=use_k, USE_PTH=use_p, BLOCK_V=block_v, num_warps=4,
+    )
+    return mask.bool()
 
 
 # ---------------------------------------------------------------------------------------------
 # Reference and planner hooks
+
+def scale_logits_ref(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 x / temperature, IEEE-rounded on every device, as :func:`scale_logits` computes it.
+
+    Not ``x / torch.tensor(T)``: on CUDA, torch divides by a CPU scalar as x * (1/T), which
+    is one ulp off x / T for some x, so z (and with it ties, thresholds and z + noise)
+    would not match the kernels bit for bit. A divisor tensor on x's device is divided by.
+    """
+    return x / torch.full_like(x, _float32(temperature))
+
 
 def sample_allowed_ref(
     logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -591,7 +632,7 @@ def sample_allowed_ref(
     if temperature == 0:
         return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).bool()
     v = x.shape[-1]
-    z = x / torch.tensor(temperature, dtype=torch.float32)
+    z = scale_logits_ref(x, temperature)
     allowed = torch.ones_like(z, dtype=torch.bool)
     if top_k is not None and top_k < v:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
@@ -624,7 +665,7 @@ def sample_ref(
     if temperature == 0:
         return x.argmax(dim=-1)
     allowed = sample_allowed_ref(logits, temperature, top_k, top_p)
-    z = x / torch.tensor(temperature, dtype=torch.float32)
+    z = scale_logits_ref(x, temperature)
     noise = torch.zeros_like(z) if noise is None else noise.to(z.device, torch.float32)
     return torch.where(allowed, z + noise, float("-inf")).argmax(dim=-1)
 

@@ -1,18 +1,18 @@
+import importlib
 import math
 
 import pytest
 import torch
 
-import importlib
-
-sample_mod = importlib.import_module("mk.tasks.sample")  # the module: mk.tasks.sample is the op
 from mk.tasks import TaskCost
 from mk.tasks.argmax import argmax_ref
 from mk.tasks.sample import (
     gumbel_noise, sample, sample_allowed, sample_allowed_ref, sample_cost, sample_num_passes, sample_ref,
-    sample_smem_bytes, sample_workspace,
+    sample_smem_bytes, sample_workspace, scale_logits_ref,
 )
 from tests.conftest import DTYPES
+
+sample_mod = importlib.import_module("mk.tasks.sample")  # the module: mk.tasks.sample is the op
 
 #: Chance that a statistical test fails although the sampler is right (union bound).
 FALSE_ALARM = 1e-9
@@ -20,7 +20,7 @@ FALSE_ALARM = 1e-9
 
 def _critical_top_p(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
     """The top_p values at which a row's nucleus changes: its cumulative sorted probabilities."""
-    z = logits.float() / torch.tensor(temperature, dtype=torch.float32)
+    z = scale_logits_ref(logits.float(), temperature)
     allowed = sample_allowed_ref(logits, temperature, top_k, None)
     p = torch.softmax(torch.where(allowed, z, float("-inf")).double(), dim=-1)
     return torch.sort(p, dim=-1, descending=True).values.cumsum(-1).flatten().cpu()
@@ -30,7 +30,9 @@ def _safe_top_p(logits, temperature, top_k, target, margin=2e-5) -> float:
     """A top_p near ``target`` at least ``margin`` away from every row's critical values.
 
     The kernel sums probabilities in float32 (with the GPU's approximate exp) and the
-    reference in float64; away from the critical values both give the same set.
+    reference in float64; away from the critical values both give the same set. The
+    float32 mass is off by a few 1e-6 at most here (ex2.approx plus the rounding of
+    z - z_max, and tree sums of <= 1024 terms), well inside the margin.
     """
     crit = _critical_top_p(logits, temperature, top_k)
     cands = torch.linspace(target - 0.05, target + 0.05, 2001, dtype=torch.float64)
@@ -152,6 +154,49 @@ def test_ties_at_the_thresholds_are_kept(device):
         tok = sample(logits, top_k=2, seed=3, offset=offset, block_v=16, radix_bits=8)
         assert expect_k[tok.cpu()].all()
         assert torch.equal(tok, sample_ref(logits, 1.0, 2, None, gumbel_noise(3, offset, rows, v, device=device)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threshold_tokens_kept_when_the_reciprocal_is_inexact(dtype, device):
+    # At T = 1.3, x * float32(1/T) is one ulp below x / T for about a quarter of all positive
+    # x. torch on CUDA divides by a CPU scalar that way, and an allowed mask once built from
+    # it dropped the tokens sitting exactly at a threshold (the kernels divide: z = x / T).
+    # Put such an x, tied twice, at the top-k and at the top-p threshold: a deterministic
+    # failure on a GPU for that bug, where random logits hit it only now and then.
+    temperature, v = 1.3, 96
+    t = torch.tensor(temperature, dtype=torch.float32)
+    grid = 1 + torch.arange(128, dtype=torch.float32) / 128  # exact in bfloat16 too
+    inexact = grid[grid * (1 / t) != grid / t]               # CPU float32: IEEE multiply and divide
+    assert inexact.numel() >= 2
+    logits = torch.full((2, v), -3.0)
+    logits[:, [5, 40, 77]] = torch.tensor([6.0, 5.0, 4.0])
+    logits[0, [10, 70]] = inexact[0]   # boundary group, across chunks
+    logits[1, [33, 95]] = inexact[-1]
+    logits = logits.to(device=device, dtype=dtype)
+    expect = torch.zeros(2, v, dtype=torch.bool)
+    expect[:, [5, 40, 77]] = True
+    expect[0, [10, 70]] = expect[1, [33, 95]] = True
+
+    # Cumulative sorted softmax of each row: [r, 2] is the leaders' mass, [r, 4] with the group.
+    cum = torch.sort(torch.softmax(scale_logits_ref(logits.float(), temperature).double(), -1), -1,
+                     descending=True).values.cumsum(-1).cpu()
+    p_only = float((cum[:, 2].max() + cum[:, 4].min()) / 2)
+    assert (cum[:, 2] < p_only - 0.005).all() and (p_only + 0.005 < cum[:, 4]).all()
+    cases = [
+        (4, None),      # the 4th largest is the tied group: 5 kept
+        (4, 0.999),     # top-p over the top-k set ends at the group too
+        (None, p_only),  # top-p alone ends at the group
+    ]
+    for top_k, top_p in cases:
+        got = sample_allowed(logits, temperature=temperature, top_k=top_k, top_p=top_p, block_v=32, radix_bits=4)
+        ref = sample_allowed_ref(logits, temperature, top_k, top_p)
+        assert torch.equal(ref.cpu(), expect), f"reference, top_k={top_k} top_p={top_p}: {ref.sum(1).tolist()}"
+        assert torch.equal(got.cpu(), expect), f"kernel, top_k={top_k} top_p={top_p}: {got.sum(1).tolist()}"
+        for offset in range(2):
+            tok = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=5, offset=offset,
+                         block_v=32)
+            noise = gumbel_noise(5, offset, 2, v, device=device)
+            assert torch.equal(tok, sample_ref(logits, temperature, top_k, top_p, noise))
 
 
 def test_banned_tokens_never_drawn(device):
