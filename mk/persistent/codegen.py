@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .graph import HEADER_WORDS, Program
+from .graph import Program
 from .ops import TL_DTYPES, OpSpec
 
 KERNEL_NAME = "megakernel"

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from .graph import Program
-from .ops import Region
 
 
 class VMError(AssertionError):
@@ -62,7 +61,6 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
     written_by_someone = {r.buffer for t in tasks for r in t.writes()}
     published = {name: torch.full(_view2d(buf).shape, name not in written_by_someone, dtype=torch.bool)
                  for name, buf in buffers.items()}
-    in_flight = set()
     order: list[int] = []
     max_conc = 0
 
