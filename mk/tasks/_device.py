@@ -120,3 +120,16 @@ def is_capturing(t: torch.Tensor) -> bool:
     the cache) would break the capture; launchers skip them then and trust the values.
     """
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch with programmatic dependent launch (PDL) on ``t``'s device?
+
+    With PDL a kernel may start while the previous kernel on the stream drains; mk's
+    kernels that take it issue their weight prefetches, then ``gdc_wait`` before touching
+    anything the previous kernel may write. Needs Hopper (sm_90) or newer; ``MK_PDL=0``
+    turns it off.
+    """
+    if INTERPRET or not t.is_cuda or os.environ.get("MK_PDL", "1").strip() in ("0", "false", "no", "off"):
+        return False
+    return torch.cuda.get_device_capability(t.device)[0] >= 9

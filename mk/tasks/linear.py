@@ -46,7 +46,7 @@ import triton.language as tl
 from ._dot import mma
 
 from ._cost import TaskCost
-from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor
+from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, use_pdl
 
 #: Largest M served by the skinny (decode) configs; above it, prefill tiles.
 SKINNY_MAX_M = 16
@@ -232,6 +232,40 @@ def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs``; returns at once (nothing lands in registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn,
+                         PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Start pulling the first PREFETCH_LINES cache lines (LINE elements each) from k_lo of each of
+    the tile's weight rows into L2, without waiting for them.
+
+    Weights never depend on the previous task, so a tile issues this *before* its dependency
+    wait (``gdc_wait`` in a standalone launch, the event wait in the megakernel): DRAM starts
+    streaming while the producer drains, and the tile's own loads then hit L2. Compiled GPU
+    code only (inline PTX); launchers pass PREFETCH_LINES = 0 under the interpreter.
+    """
+    if PREFETCH_LINES > 0:
+        idx = tl.arange(0, BLOCK_N * PREFETCH_LINES)
+        rows = tl.minimum(pid_n * BLOCK_N + idx // PREFETCH_LINES, N - 1)
+        cols = tl.minimum(k_lo + (idx % PREFETCH_LINES) * LINE, k_hi - 1)
+        _prefetch_l2(w_ptr + rows * stride_wn + cols)
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Under programmatic dependent launch: let the next kernel launch now, then wait for the
+    previous one to finish (its writes visible) before this program reads activations."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def linear_partial_tile(
     x_ptr, w_ptr, norm_w_ptr, ws_ptr,
     pid_m, pid_n, split, M, N, K, k_lo, k_hi,
@@ -291,8 +325,11 @@ def linear_kernel(
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    linear_prefetch_tile(w_ptr, pid_n, N, 0, K, stride_wn, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, BLOCK_N=BLOCK_N)
+    _pdl_enter(PDL)
     linear_tile(x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps,
                 HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL,
@@ -304,11 +341,14 @@ def linear_partial_kernel(
     x_ptr, w_ptr, norm_w_ptr, ws_ptr,
     M, N, K, split_k, stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
     k_lo, k_hi = linear_split_range(split, split_k, K, BLOCK_K=BLOCK_K)
+    linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE,
+                         BLOCK_N=BLOCK_N)
+    _pdl_enter(PDL)
     linear_partial_tile(x_ptr, w_ptr, norm_w_ptr, ws_ptr, pid_m, pid_n, split, M, N, K, k_lo, k_hi,
                         stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
                         HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
@@ -319,9 +359,11 @@ def linear_splitk_reduce_kernel(
     ws_ptr, res_ptr, out_ptr,
     M, N, split_k, stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
+    _pdl_enter(PDL)
     linear_splitk_reduce_tile(ws_ptr, res_ptr, out_ptr, pid // num_pid_n, pid % num_pid_n, M, N, split_k,
                               stride_ws_split, stride_ws_m, stride_rm, stride_om,
                               HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
@@ -343,6 +385,10 @@ class LinearConfig:
     split_k: K splits (1 = none); each split covers whole block_k chunks.
     num_warps, num_stages: passed to Triton (stages = software-pipelined loads in flight).
     group_m: row tiles launched together for L2 reuse (matters only when M spans tiles).
+    prefetch_k: weight columns (from the start of the tile's K range) that each tile asks
+        L2 for before its dependency wait, rounded up to whole 128-byte lines and a power
+        of two of them; 0 for none. Pays off with PDL (see :func:`~mk.tasks._device.use_pdl`)
+        and in the megakernel, where the wait is long enough to hide DRAM latency.
     """
 
     block_m: int
@@ -352,10 +398,12 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = GROUP_M
+    prefetch_k: int = 0
 
     def __str__(self) -> str:
         return (f"LinearConfig(BM={self.block_m} BN={self.block_n} BK={self.block_k} split_k={self.split_k} "
-                f"warps={self.num_warps} stages={self.num_stages} group_m={self.group_m})")
+                f"warps={self.num_warps} stages={self.num_stages} group_m={self.group_m} "
+                f"prefetch_k={self.prefetch_k})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -376,13 +424,14 @@ def _is_pow2(n: object) -> bool:
 def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 1) -> LinearConfig:
     """Heuristic config for an [M, K] x [N, K]^T product in ``dtype`` with ``split_k`` splits.
 
-    * M == 1, the GEMV body: 4 or 8 weight rows x BLOCK_K of 512-1024 elements per
-      iteration (tuned on an H200, see below). Each thread loads one 16 B vector of each of the 8 rows
-      (128 B in flight) into 64 float32 accumulators, about 120 registers. Keeping
-      BLOCK_K = vector x 32 x num_warps puts all warps along K, so x's chunk already has the
-      layout the broadcast needs; other shapes make the compiler shuffle x through
-      shared memory every iteration. num_stages does nothing here (these loads are not
-      pipelined through shared memory), hence 1.
+    * M == 1, the GEMV body: 2 weight rows x 2048 bf16 columns per iteration, 2 warps
+      (tuned on an H200). Each thread loads four 16 B vectors of each row (128 B in
+      flight) into 64 float32 accumulators. Keeping BLOCK_K a multiple of
+      vector x 32 x num_warps puts all warps along K, so x's chunk already has the layout
+      the broadcast needs; other shapes make the compiler shuffle x through shared memory
+      every iteration. num_stages does nothing here (these loads are not pipelined
+      through shared memory), hence 1. Each tile prefetches its rows' first 512 columns
+      into L2 before waiting on the previous kernel (PDL).
     * M <= 16: tl.dot body with BLOCK_M = 16, so one weight tile serves the whole batch;
       16 x 16 x 512 B tiles, 4 stages (48 KiB): narrow so that even N = 4096 makes 256
       tiles for ~132 SMs.
@@ -394,19 +443,17 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
     db = _dtype_bytes(dtype)
     vec = max(VEC_BYTES // db, 1)
     if M <= 1:
-        # Winners of bench/probes/linear_sweep.py on an H200 (bf16, CUDA-graph replays):
-        # long rows or many rows stream best from 4 rows x 2 warps (0.95-0.98 of copy
-        # bandwidth at 14336->4096 and 4096->28672); shorter products from 8 rows x 4 warps
-        # over half the vector width (0.82 at 4096->6144, where launch and tail dominate).
-        if K >= 8192 or N >= 16384:
-            bm, bn, bk, warps, stages = 1, 4, vec * 32 * 2 * 2, 2, 1
-        else:
-            bm, bn, bk, warps, stages = 1, 8, vec * 32 * 4 // 2, 4, 1
+        # Winner of bench/probes/pdl_probe.py on an H200 (bf16, CUDA-graph replays, PDL on):
+        # 2 rows x 2048 columns x 2 warps, prefetching each row's first 512 columns into L2
+        # before the dependency wait: 0.90 / 1.04 / 1.03 of copy bandwidth at 4096->6144,
+        # 4096->28672 and 14336->4096 (0.82 / 1.01 / 0.96 without PDL). Many small tiles
+        # keep every SM streaming until the very end of the product.
+        bm, bn, bk, warps, stages, prefetch_k = 1, 2, vec * 32 * 2 * 4, 2, 1, 512
     elif M <= SKINNY_MAX_M:
-        bm, bn, bk, warps, stages = 16, 16, 512 // db, 4, 4
+        bm, bn, bk, warps, stages, prefetch_k = 16, 16, 512 // db, 4, 4, 0
     else:
         bm = 64 if M <= 64 else 128
-        bn, bk, warps, stages = 128, 128 // db, (4 if bm == 64 else 8), 3
+        bn, bk, warps, stages, prefetch_k = 128, 128 // db, (4 if bm == 64 else 8), 3, 0
     floor = 1 if bm == 1 else DOT_MIN
     # Even block_n >= 2 keeps silu_mul's gate/up pairs inside a tile.
     bn = max(min(bn, triton.next_power_of_2(N)), 2 if bm == 1 else DOT_MIN)
@@ -416,7 +463,7 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
     bk = max(bk, floor)
     if bm == 1:
         warps = max(1, min(warps, bk // (vec * 32)))  # keep the warps along K for short K
-    return LinearConfig(bm, bn, bk, split_k, warps, stages)
+    return LinearConfig(bm, bn, bk, split_k, warps, stages, prefetch_k=prefetch_k)
 
 
 def linear_k_splits(K: int, block_k: int, split_k: int) -> list[tuple[int, int]]:
@@ -429,6 +476,17 @@ def linear_k_splits(K: int, block_k: int, split_k: int) -> list[tuple[int, int]]
     n_chunks = -(-K // block_k)
     return [((s * n_chunks // split_k) * block_k, min(((s + 1) * n_chunks // split_k) * block_k, K))
             for s in range(split_k)]
+
+
+def prefetch_lines(config: LinearConfig, K: int, dtype_bytes: int) -> tuple[int, int]:
+    """(lines per weight row, elements per line) that a tile of ``config`` prefetches: the
+    first ``prefetch_k`` columns of its K range (at most the range), in 128-byte lines,
+    rounded up to a power of two of lines. (0, line) when it prefetches nothing."""
+    line = max(128 // dtype_bytes, 1)
+    span = min(config.prefetch_k, -(-K // config.split_k))
+    if span <= 0:
+        return 0, line
+    return triton.next_power_of_2(-(-span // line)), line
 
 
 def _tile_rows(config: LinearConfig, M: int) -> int:
@@ -536,6 +594,8 @@ def _check_config(config: object, K: int, silu_mul: bool) -> LinearConfig:
     check_positive_int("config.num_stages", config.num_stages)
     check_positive_int("config.group_m", config.group_m)
     check_positive_int("config.split_k", config.split_k)
+    if isinstance(config.prefetch_k, bool) or not isinstance(config.prefetch_k, int) or config.prefetch_k < 0:
+        raise ValueError(f"config.prefetch_k must be an int >= 0, got {config.prefetch_k!r}")
     n_chunks = -(-K // config.block_k)
     if config.split_k > n_chunks:
         raise ValueError(f"split_k={config.split_k} exceeds the {n_chunks} chunks of block_k={config.block_k} "
@@ -615,22 +675,26 @@ def linear(
     norm_w = norm_weight if norm_weight is not None else weight
     bm, bn, bk = _tile_rows(config, M), config.block_n, config.block_k
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    pdl = use_pdl(x)
+    lines, line = prefetch_lines(config, K, x.element_size()) if x.is_cuda else (0, 1)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+    prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl)
     if config.split_k == 1:
         linear_kernel[(tiles,)](
             x2, weight, norm_w, res2, out, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),
             float(norm_eps), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-            SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **launch)
+            SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **prefetch, **launch)
     else:
         ws = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
         linear_partial_kernel[(tiles, config.split_k)](
             x2, weight, norm_w, ws, M, N, K, config.split_k, x2.stride(0), weight.stride(0),
             ws.stride(0), ws.stride(1), float(norm_eps),
-            HAS_NORM=norm_weight is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **launch)
+            HAS_NORM=norm_weight is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+            **prefetch, **launch)
         linear_splitk_reduce_kernel[(tiles,)](
             ws, res2, out, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
-            HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=config.num_warps)
+            HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, PDL=pdl,
+            num_warps=config.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)
 
 

@@ -17,7 +17,7 @@ from mk.tasks.linear import (
     linear_splitk_reduce_tile,
     linear_tile,
 )
-from tests.conftest import DTYPES, assert_close
+from tests.conftest import BASE_SEED, DTYPES, assert_close, rel_err
 
 VARIANTS = ["plain", "residual", "norm", "silu_mul", "norm_silu_mul", "norm_residual"]
 
@@ -217,12 +217,12 @@ def test_linear_silu_mul_from_separate_weights(M, dtype, device):
 
 def test_linear_config_heuristic():
     bf16, f32 = torch.bfloat16, torch.float32
-    c = linear_config(1, 6144, 4096, bf16)
-    assert (c.block_m, c.block_n, c.block_k, c.num_warps) == (1, 8, 512, 2)
-    assert linear_config(1, 6144, 4096, f32).block_k == 256  # the same bytes per row either way
-    c = linear_config(1, 28672, 4096, bf16)  # many rows: the narrower, longer tile
-    assert (c.block_m, c.block_n, c.block_k, c.num_warps) == (1, 4, 1024, 2)
-    assert linear_config(1, 4096, 14336, bf16).block_n == 4
+    for N, K in [(6144, 4096), (28672, 4096), (4096, 14336)]:  # the H200 winner for every Llama-3-8B GEMV
+        c = linear_config(1, N, K, bf16)
+        assert (c.block_m, c.block_n, c.block_k, c.num_warps, c.prefetch_k) == (1, 2, 2048, 2, 512)
+    assert linear_config(1, 6144, 4096, f32).block_k == 1024  # the same bytes per row either way
+    assert linear_config(1, 6144, 200, f32).block_k == 256  # capped by K
+    assert linear_config(8, 6144, 4096, bf16).prefetch_k == 0
     assert linear_config(8, 6144, 4096, bf16).block_m == 16
     assert linear_config(40, 6144, 4096, bf16).block_m == 64
     assert linear_config(512, 6144, 4096, bf16).block_m == 128
@@ -235,8 +235,9 @@ def test_linear_config_heuristic():
 
 def test_linear_config_prints_and_serialises():
     c = LinearConfig(1, 8, 1024, split_k=2, num_warps=4, num_stages=1)
-    assert str(c) == "LinearConfig(BM=1 BN=8 BK=1024 split_k=2 warps=4 stages=1 group_m=8)"
-    assert c.to_dict() == dict(block_m=1, block_n=8, block_k=1024, split_k=2, num_warps=4, num_stages=1, group_m=8)
+    assert str(c) == "LinearConfig(BM=1 BN=8 BK=1024 split_k=2 warps=4 stages=1 group_m=8 prefetch_k=0)"
+    assert c.to_dict() == dict(block_m=1, block_n=8, block_k=1024, split_k=2, num_warps=4, num_stages=1, group_m=8,
+                              prefetch_k=0)
     assert LinearConfig(**c.to_dict()) == c
 
 
@@ -337,3 +338,53 @@ def test_linear_rejects_wrong_device_and_dtype(device):
     if device.type == "cpu":
         with pytest.raises(TypeError, match="x"):
             linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
+
+
+def test_prefetch_lines_cover_the_asked_columns():
+    from mk.tasks.linear import prefetch_lines
+
+    assert prefetch_lines(LinearConfig(1, 8, 512), 4096, 2) == (0, 64)
+    # 1000 bf16 columns = 15.6 lines of 64 -> 16 lines.
+    assert prefetch_lines(LinearConfig(1, 8, 512, prefetch_k=1000), 4096, 2) == (16, 64)
+    # Never past the tile's K range: 4096 / 4 splits = 1024 fp32 columns = 32 lines of 32.
+    assert prefetch_lines(LinearConfig(1, 8, 512, split_k=4, prefetch_k=99999), 4096, 4) == (32, 32)
+    assert prefetch_lines(LinearConfig(1, 8, 512, prefetch_k=3 * 64), 200, 2) == (4, 64)  # 3 lines, rounded up to 4
+
+
+def test_bad_prefetch_k_is_refused(device):
+    x = torch.randn(1, 32, device=device)
+    w = torch.randn(16, 32, device=device)
+    with pytest.raises(ValueError, match="prefetch_k"):
+        linear(x, w, config=LinearConfig(1, 16, 32, prefetch_k=-1))
+
+
+@pytest.mark.gpu
+def test_chain_of_dependent_linears_in_a_graph():
+    """Each call reads the previous call's output: with PDL the next kernel starts early, so a
+    missing or misplaced dependency wait would read stale activations."""
+    torch.manual_seed(BASE_SEED)
+    K = 2048
+    ws = [torch.randn(K, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in range(6)]
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    cfg = linear_config(1, K, K, torch.bfloat16)
+    cfg = LinearConfig(**{**cfg.to_dict(), "prefetch_k": 1024})
+
+    def chain():
+        h = x
+        for w in ws:
+            h = linear(h, w, config=cfg)
+        return h
+
+    graph = torch.cuda.CUDAGraph()
+    chain()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(20):
+        # Fresh input each replay, so stale activations from the last replay would show.
+        x.copy_(torch.randn_like(x))
+        ref = x.float()
+        for w in ws:
+            ref = (ref @ w.float().T).to(torch.bfloat16).float()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 2e-2
