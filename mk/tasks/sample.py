@@ -100,8 +100,10 @@ def gumbel(seed, offset, row, cols):
     could overflow or collide. u = (top 23 bits + 0.5) / 2**23 lies strictly inside
     (0, 1), so both logs are finite.
     """
-    off = tl.to_tensor(offset).to(tl.int64)
-    c1 = tl.to_tensor(row).to(tl.uint32)
+    # Adding a zero tensor turns ints specialised as constants (Triton makes an argument
+    # equal to 1 a constexpr) into tensors; tl.to_tensor is not in every Triton we support.
+    off = (offset + tl.zeros([], dtype=tl.int64)).to(tl.int64)
+    c1 = (row + tl.zeros([], dtype=tl.int32)).to(tl.uint32)
     r, _, _, _ = tl.philox(seed, cols.to(tl.uint32), c1, off.to(tl.uint32), (off >> 32).to(tl.uint32))
     u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
     # Clamp so that an inexact log near u = 1 cannot give 0 (g would be +inf).
