@@ -14,11 +14,11 @@ the VM both execute.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
+from .deps import RangeMax, dependency_intervals, group_events
 from .ops import TL_DTYPES, OpSpec, Region
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
@@ -82,26 +82,15 @@ class TaskGraph:
         return index
 
     def dependencies(self) -> list[list[int]]:
-        """For each task, the earlier tasks it must wait for (sorted)."""
-        # Per buffer, the regions touched so far: only tasks on the same buffer are compared.
-        written: dict[str, list[tuple[Region, int]]] = defaultdict(list)
-        read: dict[str, list[tuple[Region, int]]] = defaultdict(list)
-        deps: list[list[int]] = []
-        for task in self.tasks:
-            mine: set[int] = set()
-            r_regions, w_regions = task.reads(), task.writes()
-            for region in r_regions:  # read after write
-                mine.update(t for reg, t in written[region.buffer] if reg.intersects(region))
-            for region in w_regions:  # write after read, write after write
-                mine.update(t for reg, t in read[region.buffer] if reg.intersects(region))
-                mine.update(t for reg, t in written[region.buffer] if reg.intersects(region))
-            mine.discard(task.index)
-            deps.append(sorted(mine))
-            for region in r_regions:
-                read[region.buffer].append((region, task.index))
-            for region in w_regions:
-                written[region.buffer].append((region, task.index))
-        return deps
+        """For each task, the earlier tasks it must wait for (sorted).
+
+        Expanded from :meth:`dependency_intervals`; use that on large graphs.
+        """
+        return [[t for a, b in ivs for t in range(a, b)] for ivs in self.dependency_intervals()]
+
+    def dependency_intervals(self) -> list[list[tuple[int, int]]]:
+        """For each task, the earlier tasks it must wait for, as sorted [first, end) intervals."""
+        return dependency_intervals(self.tasks)
 
 
 @dataclass
@@ -158,13 +147,14 @@ class Program:
 SCHEDULES = ("round_robin", "zigzag", "list")
 
 
-def assign_workers(num_tasks: int, deps: list[list[int]], num_workers: int, schedule: str,
+def assign_workers(num_tasks: int, deps: list[list[tuple[int, int]]], num_workers: int, schedule: str,
                    cost: list[float] | None = None) -> list[list[int]]:
     """Static queues: each worker's tasks in program order (so no queue waits on itself).
 
     round_robin: task i → worker i mod W. zigzag: W-1..0 on odd passes. list: greedy list
     scheduling, each task to the worker that can start it earliest given its producers'
-    finish times under ``cost`` (unit cost by default).
+    finish times under ``cost`` (unit cost by default). ``deps`` are [first, end) intervals
+    of producer indices per task (:meth:`TaskGraph.dependency_intervals`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -179,12 +169,13 @@ def assign_workers(num_tasks: int, deps: list[list[int]], num_workers: int, sche
     else:
         cost = cost or [1.0] * num_tasks
         free_at = [0.0] * num_workers
-        finish = [0.0] * num_tasks
+        finish = RangeMax(num_tasks)
         for i in range(num_tasks):
-            ready = max((finish[d] for d in deps[i]), default=0.0)
+            ready = max((finish.max(a, b) for a, b in deps[i]), default=0.0)
             w = min(range(num_workers), key=lambda k: (max(free_at[k], ready), k))
-            finish[i] = max(free_at[w], ready) + cost[i]
-            free_at[w] = finish[i]
+            done = max(free_at[w], ready) + cost[i]
+            finish.set(i, done)
+            free_at[w] = done
             queues[w].append(i)
     return queues
 
@@ -195,32 +186,12 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     tasks = graph.tasks
-    deps = graph.dependencies()
-    consumers: list[list[int]] = [[] for _ in tasks]
-    for i, ds in enumerate(deps):
-        for d in ds:
-            consumers[d].append(i)
-
+    deps = graph.dependency_intervals()
     # Producers with the same set of consumers share one event: every consumer of the
     # event needs all of its producers, so "count reached" means exactly "inputs ready".
-    event_of_signature: dict[tuple[int, ...], int] = {}
-    task_signal = [-1] * len(tasks)
-    event_signallers: list[list[int]] = []
-    for i in range(len(tasks)):
-        if not consumers[i]:
-            continue
-        sig = tuple(consumers[i])
-        if sig not in event_of_signature:
-            event_of_signature[sig] = len(event_signallers)
-            event_signallers.append([])
-        ev = event_of_signature[sig]
-        task_signal[i] = ev
-        event_signallers[ev].append(i)
-    event_counts = [len(s) for s in event_signallers]
-    task_waits = []
-    for i in range(len(tasks)):
-        evs = sorted({task_signal[d] for d in deps[i]})
-        task_waits.append([(ev, event_counts[ev]) for ev in evs])
+    events = group_events(len(tasks), deps)
+    task_signal, task_waits = events.task_signal, events.task_waits
+    event_counts, event_signallers = events.event_counts, events.event_signallers
 
     variants: list[tuple[OpSpec, tuple[torch.dtype, ...]]] = []
     variant_of: dict = {}
@@ -228,6 +199,11 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
     for t in tasks:
         dtypes = tuple(graph.buffers[t.bind[r]].dtype for r in t.op.operands)
         key = (t.op.key, dtypes)
+        if key in variant_of and variants[variant_of[key]][0] != t.op:
+            # One key means one generated branch: code that differs outside the
+            # constexprs (an eps baked into the body, say) would silently run the wrong one.
+            raise ValueError(f"task {t.name}: op {t.op.key} differs from another op with the same key; "
+                             f"put every static parameter that changes its code into constexprs")
         if key not in variant_of:
             variant_of[key] = len(variants)
             variants.append((t.op, dtypes))
@@ -242,16 +218,18 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
 
     queues = assign_workers(len(tasks), deps, num_workers, schedule, cost)
     order = [i for q in queues for i in q]
-    desc = torch.zeros(max(len(order), 1), words, dtype=torch.int32)
-    for row, i in enumerate(order):
+    rows = []
+    for i in order:
         t = tasks[i]
-        rec = [opcodes[i], task_signal[i], len(task_waits[i]), i]
+        rec = [opcodes[i], task_signal[i], len(task_waits[i])]
+        rec.append(i)
         for ev, cnt in task_waits[i]:
             rec += [ev, cnt]
         rec += [0, 0] * (max_waits - len(task_waits[i]))
         rec += [slot_of[t.bind[r]] for r in t.op.operands] + [0] * (max_slots - len(t.op.operands))
         rec += [t.args[a] for a in t.op.args] + [0] * (max_args - len(t.op.args))
-        desc[row] = torch.tensor(rec, dtype=torch.int32)
+        rows.append(rec)
+    desc = torch.tensor(rows or [[0] * words], dtype=torch.int32)
     starts = [0]
     for q in queues:
         starts.append(starts[-1] + len(q))
