@@ -34,8 +34,9 @@ class Region:
     c1: int
 
     def intersects(self, other: "Region") -> bool:
-        return (self.buffer == other.buffer and self.r0 < other.r1 and other.r0 < self.r1
-                and self.c0 < other.c1 and other.c0 < self.c1)
+        """Share at least one element (an empty box shares none)."""
+        return (self.buffer == other.buffer and self.size > 0 and other.size > 0
+                and self.r0 < other.r1 and other.r0 < self.r1 and self.c0 < other.c1 and other.c0 < self.c1)
 
     @property
     def size(self) -> int:

@@ -1,0 +1,267 @@
+"""Dependencies and events for large graphs, without enumerating every edge.
+
+A decode step has tens of thousands of tiles, and a GEMV tile reads all of its input:
+each of the 4096 tiles of one 8192-row layer depends on all 4096 tiles of the layer
+before, 16 million edges per layer boundary. Listing them is not an option, so here
+dependencies are *intervals of task indices* and events are found by a sweep:
+
+* :class:`RegionIndex` keeps, per buffer, the regions that tasks touched as *runs*:
+  the same region again and again (every tile reading all of x), or boxes that tile one
+  axis in order (the tiles of a layer writing their columns of y). A query bisects each
+  run, so the tasks that touch a region come back as a few ``(first, end)`` intervals.
+* :func:`group_events` gives producers with the same consumer set one event, as the
+  lowering requires ("count reached" then means exactly "inputs ready"). Sweeping over
+  the consumers' interval endpoints, each stretch of producers between two endpoints has
+  one consumer set; stretches are matched by a hash of that set (a XOR of random 64-bit
+  keys, one per consumer, with the set's size), never by building it.
+
+The cost is about (tasks + intervals + runs touched) × log, not edges.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .ops import Region
+
+Interval = tuple[int, int]  # task indices [first, end)
+
+
+class _Run:
+    """Regions of one buffer touched by nondecreasing task indices, searchable by bisect.
+
+    kind ``same``: one region repeated. ``cols`` / ``rows``: disjoint boxes in increasing
+    order along that axis, all with the same extent across it.
+    """
+
+    __slots__ = ("kind", "first", "starts", "ends", "tasks", "consecutive")
+
+    def __init__(self, region: Region, task: int) -> None:
+        self.kind = "one"
+        self.first = region
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.tasks = [task]
+        self.consecutive = True
+
+    def _span(self, r: Region) -> tuple[int, int]:
+        return (r.c0, r.c1) if self.kind == "cols" else (r.r0, r.r1)
+
+    def extend(self, region: Region, task: int) -> bool:
+        """Append (region, task) if the run stays searchable; False if it does not."""
+        f = self.first
+        if self.kind == "one":
+            if region == f:
+                self.kind = "same"
+            elif (region.r0, region.r1) == (f.r0, f.r1) and region.c0 >= f.c1:
+                self.kind = "cols"
+            elif (region.c0, region.c1) == (f.c0, f.c1) and region.r0 >= f.r1:
+                self.kind = "rows"
+            else:
+                return False
+            if self.kind != "same":
+                s, e = self._span(f)
+                self.starts, self.ends = [s], [e]
+        elif self.kind == "same":
+            if region != f:
+                return False
+        elif self.kind == "cols":
+            if (region.r0, region.r1) != (f.r0, f.r1) or region.c0 < self.ends[-1]:
+                return False
+        elif (region.c0, region.c1) != (f.c0, f.c1) or region.r0 < self.ends[-1]:
+            return False
+        if self.kind != "same":
+            s, e = self._span(region)
+            self.starts.append(s)
+            self.ends.append(e)
+        self.consecutive = self.consecutive and task == self.tasks[-1] + 1
+        self.tasks.append(task)
+        return True
+
+    def query(self, region: Region) -> list[Interval]:
+        """Task intervals of the run's regions that intersect ``region``."""
+        f = self.first
+        if self.kind in ("one", "same"):
+            if not f.intersects(region):
+                return []
+            lo, hi = 0, len(self.tasks)
+        else:
+            # Across the run's axis every box has f's extent; along it, bisect.
+            if self.kind == "cols":
+                if not (f.r0 < region.r1 and region.r0 < f.r1):
+                    return []
+                q0, q1 = region.c0, region.c1
+            else:
+                if not (f.c0 < region.c1 and region.c0 < f.c1):
+                    return []
+                q0, q1 = region.r0, region.r1
+            lo = bisect.bisect_right(self.ends, q0)  # first box ending after q0
+            hi = bisect.bisect_left(self.starts, q1)  # first box starting at or after q1
+            if lo >= hi:
+                return []
+        if self.consecutive:
+            return [(self.tasks[lo], self.tasks[hi - 1] + 1)]
+        return merge_intervals([(t, t + 1) for t in self.tasks[lo:hi]])
+
+
+class RegionIndex:
+    """Per buffer, the regions touched so far (as runs) and by which tasks."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, list[_Run]] = defaultdict(list)
+
+    def add(self, region: Region, task: int) -> None:
+        if region.size == 0:
+            return
+        runs = self._runs[region.buffer]
+        if not runs or not runs[-1].extend(region, task):
+            runs.append(_Run(region, task))
+
+    def query(self, region: Region) -> list[Interval]:
+        """Intervals of the tasks whose regions intersect ``region`` (unmerged)."""
+        if region.size == 0:
+            return []
+        out: list[Interval] = []
+        for run in self._runs.get(region.buffer, ()):
+            out.extend(run.query(region))
+        return out
+
+
+def merge_intervals(intervals: list[Interval]) -> list[Interval]:
+    """Sorted, disjoint, non-adjacent union of half-open intervals."""
+    merged: list[Interval] = []
+    for a, b in sorted(intervals):
+        if a >= b:
+            continue
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def remove_index(intervals: list[Interval], i: int) -> list[Interval]:
+    """``intervals`` without index ``i``."""
+    out: list[Interval] = []
+    for a, b in intervals:
+        if a <= i < b:
+            out.extend(iv for iv in ((a, i), (i + 1, b)) if iv[0] < iv[1])
+        else:
+            out.append((a, b))
+    return out
+
+
+def dependency_intervals(tasks) -> list[list[Interval]]:
+    """For each task (in program order), the earlier tasks it depends on, as intervals.
+
+    Read after write, write after read and write after write, as
+    :meth:`~mk.persistent.graph.TaskGraph.dependencies` defines them.
+    """
+    written, read = RegionIndex(), RegionIndex()
+    deps: list[list[Interval]] = []
+    for task in tasks:
+        r_regions, w_regions = task.reads(), task.writes()
+        found: list[Interval] = []
+        for region in r_regions:
+            found += written.query(region)
+        for region in w_regions:
+            found += read.query(region)
+            found += written.query(region)
+        deps.append(remove_index(merge_intervals(found), task.index))
+        for region in r_regions:
+            read.add(region, task.index)
+        for region in w_regions:
+            written.add(region, task.index)
+    return deps
+
+
+@dataclass
+class Events:
+    """Producers grouped by consumer set: what each task signals and waits on."""
+
+    task_signal: list[int]  # event a task signals, -1 if nothing consumes its output
+    event_counts: list[int]  # producers per event (signals per launch)
+    event_signallers: list[list[int]]
+    task_waits: list[list[tuple[int, int]]]  # (event, count) per task, events sorted
+
+
+def group_events(num_tasks: int, deps: list[list[Interval]], seed: int = 0x6D6B) -> Events:
+    """One event per distinct consumer set; see the module docstring."""
+    rng = random.Random(seed)
+    key_delta: dict[int, int] = defaultdict(int)
+    count_delta: dict[int, int] = defaultdict(int)
+    for c, intervals in enumerate(deps):
+        if not intervals:
+            continue
+        key = rng.getrandbits(64)
+        for a, b in intervals:
+            key_delta[a] ^= key
+            key_delta[b] ^= key
+            count_delta[a] += 1
+            count_delta[b] -= 1
+    points = sorted(set(key_delta) | set(count_delta))
+    # Segment k = producers [points[k], points[k+1]): one consumer set, one event (or none).
+    seg_event: list[int] = []
+    event_of: dict[tuple[int, int], int] = {}
+    task_signal = [-1] * num_tasks
+    event_signallers: list[list[int]] = []
+    h, n = 0, 0
+    for k, p in enumerate(points):
+        h ^= key_delta.get(p, 0)
+        n += count_delta.get(p, 0)
+        end = points[k + 1] if k + 1 < len(points) else p
+        if n == 0 or end <= p:
+            seg_event.append(-1)
+            continue
+        ev = event_of.setdefault((h, n), len(event_signallers))
+        if ev == len(event_signallers):
+            event_signallers.append([])
+        seg_event.append(ev)
+        event_signallers[ev].extend(range(p, end))
+        for t in range(p, end):
+            task_signal[t] = ev
+    event_counts = [len(s) for s in event_signallers]
+    task_waits: list[list[tuple[int, int]]] = []
+    for intervals in deps:
+        evs: set[int] = set()
+        for a, b in intervals:
+            k = bisect.bisect_left(points, a)
+            while k < len(points) and points[k] < b:
+                evs.add(seg_event[k])
+                k += 1
+        evs.discard(-1)
+        task_waits.append([(ev, event_counts[ev]) for ev in sorted(evs)])
+    return Events(task_signal, event_counts, event_signallers, task_waits)
+
+
+class RangeMax:
+    """Maximum of a growing list over index ranges, in O(sqrt n) per query (list schedules)."""
+
+    BLOCK = 256
+
+    def __init__(self, n: int) -> None:
+        self.values = [0.0] * n
+        self.blocks = [0.0] * (n // self.BLOCK + 1)
+
+    def set(self, i: int, v: float) -> None:
+        self.values[i] = v
+        b = i // self.BLOCK
+        if v > self.blocks[b]:
+            self.blocks[b] = v
+
+    def max(self, a: int, b: int) -> float:
+        best = 0.0
+        while a < b and a % self.BLOCK:
+            best = max(best, self.values[a])
+            a += 1
+        while a + self.BLOCK <= b:
+            best = max(best, self.blocks[a // self.BLOCK])
+            a += self.BLOCK
+        while a < b:
+            best = max(best, self.values[a])
+            a += 1
+        return best

@@ -1,0 +1,115 @@
+"""Interval dependencies and sweep-grouped events against brute force on random regions."""
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from mk.persistent.deps import RangeMax, dependency_intervals, group_events, merge_intervals
+from mk.persistent.ops import Region
+
+
+@dataclass
+class FakeTask:
+    index: int
+    r: list
+    w: list
+
+    def reads(self):
+        return self.r
+
+    def writes(self):
+        return self.w
+
+
+def brute_force_deps(tasks):
+    deps = []
+    for t in tasks:
+        mine = set()
+        for u in tasks[: t.index]:
+            if (any(a.intersects(b) for a in t.reads() for b in u.writes())
+                    or any(a.intersects(b) for a in t.writes() for b in u.reads() + u.writes())):
+                mine.add(u.index)
+        deps.append(sorted(mine))
+    return deps
+
+
+def random_tasks(rng: random.Random, n: int):
+    """Tasks whose regions mix the structured runs (repeats, column and row tilings) with
+    random boxes, over three small buffers."""
+    tasks = []
+    while len(tasks) < n:
+        buf = rng.choice("abc")
+        kind = rng.random()
+        if kind < 0.3:  # a layer: tiles along columns write, each reads a whole other buffer
+            src = rng.choice("abc")
+            width = rng.randint(1, 4)
+            for j in range(rng.randint(1, 5)):
+                tasks.append(FakeTask(len(tasks), [Region(src, 0, 2, 0, 12)],
+                                      [Region(buf, 0, 2, j * width, (j + 1) * width)]))
+        elif kind < 0.45:  # row tiling
+            for j in range(rng.randint(1, 4)):
+                tasks.append(FakeTask(len(tasks), [Region(buf, j, j + 1, 0, 12)], [Region(rng.choice("abc"), j, j + 1, 0, 6)]))
+        else:
+            def box(b):
+                r0, c0 = rng.randint(0, 3), rng.randint(0, 11)
+                return Region(b, r0, rng.randint(r0, 4), c0, rng.randint(c0, 12))
+            tasks.append(FakeTask(len(tasks), [box(rng.choice("abc")) for _ in range(rng.randint(0, 2))],
+                                  [box(rng.choice("abc")) for _ in range(rng.randint(0, 2))]))
+    return tasks[:n]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_intervals_equal_brute_force(seed):
+    rng = random.Random(seed)
+    tasks = random_tasks(rng, rng.randint(1, 60))
+    got = [[t for a, b in ivs for t in range(a, b)] for ivs in dependency_intervals(tasks)]
+    assert got == brute_force_deps(tasks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_events_group_exactly_the_producers_with_one_consumer_set(seed):
+    rng = random.Random(100 + seed)
+    tasks = random_tasks(rng, rng.randint(1, 60))
+    ivs = dependency_intervals(tasks)
+    deps = [[t for a, b in iv for t in range(a, b)] for iv in ivs]
+    ev = group_events(len(tasks), ivs)
+    consumers = {i: frozenset(c for c, d in enumerate(deps) if i in d) for i in range(len(tasks))}
+    for i, cs in consumers.items():
+        assert (ev.task_signal[i] == -1) == (not cs)
+    for i in range(len(tasks)):
+        for j in range(len(tasks)):
+            if consumers[i] and consumers[j]:
+                assert (ev.task_signal[i] == ev.task_signal[j]) == (consumers[i] == consumers[j])
+    for c, d in enumerate(deps):
+        waited = sorted(t for e, cnt in ev.task_waits[c] for t in ev.event_signallers[e])
+        assert waited == d  # exactly its producers, no more
+        assert all(cnt == len(ev.event_signallers[e]) for e, cnt in ev.task_waits[c])
+
+
+def test_a_long_gemv_chain_is_one_event_per_layer():
+    """16 layers x 4096 tiles: 16.7 million edges per boundary if listed, one event here."""
+    tiles, layers = 4096, 16
+    tasks = []
+    for layer in range(layers):
+        for j in range(tiles):
+            tasks.append(FakeTask(len(tasks), [Region(f"h{layer}", 0, 1, 0, 2 * tiles)],
+                                  [Region(f"h{layer + 1}", 0, 1, 2 * j, 2 * j + 2)]))
+    ivs = dependency_intervals(tasks)
+    assert ivs[tiles] == [(0, tiles)] and ivs[-1] == [((layers - 2) * tiles, (layers - 1) * tiles)]
+    ev = group_events(len(tasks), ivs)
+    assert ev.event_counts == [tiles] * (layers - 1)
+    assert ev.task_waits[-1] == [(layers - 2, tiles)] and ev.task_waits[0] == []
+
+
+def test_merge_and_range_max():
+    assert merge_intervals([(5, 7), (0, 2), (2, 3), (6, 9), (4, 4)]) == [(0, 3), (5, 9)]
+    rng = random.Random(0)
+    vals = [rng.random() for _ in range(1000)]
+    rm = RangeMax(len(vals))
+    for i, v in enumerate(vals):
+        rm.set(i, v)
+    for _ in range(200):
+        a = rng.randint(0, 999)
+        b = rng.randint(a, 1000)
+        assert rm.max(a, b) == (max(vals[a:b]) if b > a else 0.0)
