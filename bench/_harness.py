@@ -23,3 +23,37 @@ def bench_graph(benchmark, calls, rounds: int = 30):
     us = event_time_us(graph.replay, reps=20, warmup=2) / len(calls)
     benchmark.extra_info["us_per_call"] = us
     return us
+
+
+def gemv_chain(layers: int, n: int, *, weights=None, x=None, **linear_kw):
+    """A TaskGraph of ``layers`` chained n x n GEMVs (h[l+1] = W[l] @ h[l], bf16, M=1), one
+    task per output tile: each tile of layer l+1 waits for all tiles of layer l (it reads
+    all of h[l+1]). Returns (graph, weights, x, out); ``linear_kw`` go to the linear op."""
+    from mk.persistent.graph import TaskGraph
+    from mk.persistent.ops import make_op
+    from mk.persistent.taskops import linear_tiles
+
+    bf16 = torch.bfloat16
+    if weights is None:
+        weights = [torch.randn(n, n, device="cuda", dtype=bf16) / n**0.5 for _ in range(layers)]
+    if x is None:
+        x = torch.randn(1, n, device="cuda", dtype=bf16)
+    g = TaskGraph()
+    g.buffer("h0", x)
+    for layer in range(layers):
+        g.buffer(f"w{layer}", weights[layer])
+        g.buffer(f"h{layer + 1}", torch.zeros(1, n, device="cuda", dtype=bf16))
+    op = make_op("linear", M=1, N=n, K=n, dtype=bf16, **linear_kw)
+    tiles = linear_tiles(op)
+    for layer in range(layers):
+        for a in tiles:
+            g.add(op, x=f"h{layer}", w=f"w{layer}", out=f"h{layer + 1}", **a)
+    return g, weights, x, g.buffers[f"h{layers}"]
+
+
+def gemv_chain_ref(weights, x):
+    """The chain in torch, rounding to bf16 after every layer as the kernels do."""
+    h = x.float()
+    for w in weights:
+        h = (h @ w.float().T).to(torch.bfloat16).float()
+    return h

@@ -75,7 +75,7 @@ class Megakernel:
         interpret_polls: bound of a wait under the interpreter, in polls.
     """
 
-    def __init__(self, program: Program, *, timeout_s: float = 1.0, trace: bool = False,
+    def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
                  interpret_polls: int = 2000):
         self.program = program
         buffers = [program.graph.buffers[n] for n in program.buffer_names]

@@ -45,8 +45,12 @@ def wait_events(d, counters_ptr, error_ptr, epoch, worker, task, timeout, HEADER
             start = now_ns(USE_TIMER)
             polls = tl.zeros([], dtype=tl.int64)
             waited = tl.zeros([], dtype=tl.int64)
-            while (seen < expected) & (waited < timeout):
+            failed = tl.zeros([], dtype=tl.int32)
+            while (seen < expected) & (waited < timeout) & (failed == 0):
                 seen = tl.load(counters_ptr + ev, volatile=True)
+                # Another worker's timeout ends this wait too: the whole launch stops within
+                # one timeout, not one per link of a chain of waiting tasks.
+                failed = tl.load(error_ptr, volatile=True)
                 polls += 1
                 if USE_TIMER:
                     waited = now_ns(USE_TIMER) - start
@@ -54,7 +58,7 @@ def wait_events(d, counters_ptr, error_ptr, epoch, worker, task, timeout, HEADER
                     waited = polls
             if seen < expected:
                 ok = 0
-                if tl.atomic_cas(error_ptr, 0, 1) == 0:
+                if (failed == 0) & (tl.atomic_cas(error_ptr, 0, 1) == 0):
                     tl.store(error_ptr + 1, worker)
                     tl.store(error_ptr + 2, task)
                     tl.store(error_ptr + 3, ev)
