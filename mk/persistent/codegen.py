@@ -1,8 +1,9 @@
 """Generate the megakernel's source from a program's op variants.
 
 Only the dispatch loop is generated: per worker, walk its queue; per task, bind operand
-pointers from the buffer table, issue the op's weight prefetch, wait on its events,
-run the op (an ordinary device function from mk.tasks), signal. The source is written
+pointers from its descriptor, wait on its events, run the op (an ordinary device
+function from mk.tasks), signal. The loop is software-pipelined: the next task's
+descriptor is loaded and its weight prefetch issued before the current task waits. The source is written
 to a cache folder (so Triton, tracebacks and people can read it) and imported once per
 source hash.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .graph import Program
+from .graph import HEADER_WORDS, Program
 from .ops import TL_DTYPES, OpSpec
 
 KERNEL_NAME = "megakernel"
@@ -35,83 +36,131 @@ def _indent(src: str, level: int) -> str:
     return textwrap.indent(textwrap.dedent(src).strip("\n"), "    " * level)
 
 
-VARIANT_ARGS = ("d, table_ptr, counters_ptr, error_ptr, epoch, worker, task, timeout, "
-                "HEADER: tl.constexpr, MAX_WAITS: tl.constexpr, SLOT_BASE: tl.constexpr, "
-                "ARG_BASE: tl.constexpr, USE_TIMER: tl.constexpr")
-CALL_ARGS = ("d, table_ptr, counters_ptr, error_ptr, epoch, worker, task, timeout, HEADER=HEADER, "
-             "MAX_WAITS=MAX_WAITS, SLOT_BASE=SLOT_BASE, ARG_BASE=ARG_BASE, USE_TIMER=USE_TIMER")
+def _words(prefix: str, n: int) -> str:
+    return ", ".join(f"{prefix}{j}" for j in range(n))
 
 
-def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]) -> str:
-    """One jit function per variant, so each op's local names and types stay its own."""
+def _bind(spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program, w: str) -> list[str]:
+    """Lines binding the op's operand pointers, args and constexprs from descriptor words ``w*``."""
     lines = []
+    ptr_base, arg_base = program.slot_base, program.slot_base + 2 * program.max_slots
     for j, (role, dt) in enumerate(zip(spec.operands, dtypes)):
-        lines.append(f"{role} = tl.load(table_ptr + tl.load(d + SLOT_BASE + {j})).to(tl.pointer_type({TL_DTYPES[dt]}))")
+        lo, hi = f"{w}{ptr_base + 2 * j}", f"{w}{ptr_base + 2 * j + 1}"
+        lines.append(f"{role} = ((({hi}).to(tl.int64) << 32) | (({lo}).to(tl.int64) & 0xFFFFFFFF))"
+                     f".to(tl.pointer_type({TL_DTYPES[dt]}))")
     for j, arg in enumerate(spec.args):
-        lines.append(f"{arg} = tl.load(d + ARG_BASE + {j})")
+        lines.append(f"{arg} = {w}{arg_base + j}")
     for name, value in sorted(spec.constexprs.items()):
         lines.append(f"{name}: tl.constexpr = {value!r}")
-    if spec.prefetch:
-        lines.append("# weights do not depend on activations: load them before waiting")
-        lines.append(textwrap.dedent(spec.prefetch).strip("\n"))
-    lines.append("ok = wait_events(d, counters_ptr, error_ptr, epoch, worker, task, timeout, "
-                 "HEADER=HEADER, MAX_WAITS=MAX_WAITS, USE_TIMER=USE_TIMER)")
+    return lines
+
+
+def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
+    """One jit function per variant, so each op's local names and types stay its own."""
+    n = device_words(program)
+    lines = _bind(spec, dtypes, program, "w")
+    lines.append("ok = 1")
+    for k in range(program.max_waits):
+        ev, cnt = HEADER_WORDS + 2 * k, HEADER_WORDS + 2 * k + 1
+        lines.append(f"if ok != 0:")
+        lines.append(f"    ok, last_ev, last_need = wait_event(w{ev}, w{cnt}, w2 > {k}, counters_ptr, error_ptr, "
+                     f"epoch, worker, w3, timeout, last_ev, last_need, USE_TIMER=USE_TIMER)")
     lines.append("if ok != 0:")
     lines.append(_indent(spec.body, 1))
-    lines.append("return ok")
     dt_names = [str(d).replace("torch.", "") for d in dtypes]
-    return (f"@triton.jit\ndef op_{opcode}({VARIANT_ARGS}):\n"
-            f"    \"\"\"{spec.key} on {dt_names}\"\"\"\n" + _indent("\n".join(lines), 1) + "\n")
+    return (f"@triton.jit\ndef op_{opcode}({_words('w', n)}, counters_ptr, error_ptr, epoch, worker, timeout, "
+            f"last_ev, last_need, USE_TIMER: tl.constexpr):\n"
+            f"    \"\"\"{spec.key} on {dt_names}\"\"\"\n" + _indent("\n".join(lines), 1) +
+            "\n    return ok, last_ev, last_need\n")
 
 
-def _dispatch(num_variants: int) -> str:
-    return "\n".join(f"{'if' if i == 0 else 'elif'} opcode == {i}:\n    ok = op_{i}({CALL_ARGS})"
-                      for i in range(num_variants))
+def _prefetch_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
+    """The op's weight prefetch (loads that do not depend on other tasks), on its own."""
+    n = device_words(program)
+    lines = _bind(spec, dtypes, program, "w") + [textwrap.dedent(spec.prefetch).strip("\n")]
+    return (f"@triton.jit\ndef prefetch_{opcode}({_words('w', n)}):\n"
+            f"    \"\"\"weights of {spec.key}, before its wait\"\"\"\n" + _indent("\n".join(lines), 1) + "\n")
+
+
+def device_words(program: Program) -> int:
+    """Words of a descriptor as the megakernel reads it: operand slots become 64-bit pointers."""
+    return program.slot_base + 2 * program.max_slots + program.max_args
+
+
+def _load_row(prefix: str, ptr: str, n: int, mask: str) -> str:
+    return "\n".join(f"{prefix}{j} = tl.load({ptr} + {j}, mask={mask}, other=-1)" for j in range(n))
+
+
+def _dispatch(program: Program, fn: str, words: str, tail: str, assign: str, only=None) -> str:
+    branches = [i for i, (spec, _) in enumerate(program.variants) if only is None or only(spec)]
+    out = []
+    for k, i in enumerate(branches):
+        out.append(f"{'if' if k == 0 else 'elif'} {words}0 == {i}:\n    {assign}{fn}_{i}({_words(words, device_words(program))}{tail})")
+    return "\n".join(out) if out else "pass"
 
 
 def generate_source(program: Program) -> str:
     """The full Python source of the megakernel module for ``program``."""
+    n = device_words(program)
     imports = sorted({imp for spec, _ in program.variants for imp in spec.imports})
-    functions = "\n\n".join(_variant_function(i, spec, dtypes) for i, (spec, dtypes) in enumerate(program.variants))
-    branches = _dispatch(len(program.variants))
+    functions = "\n\n".join(_variant_function(i, spec, dtypes, program) for i, (spec, dtypes) in enumerate(program.variants))
+    prefetches = "\n\n".join(_prefetch_function(i, spec, dtypes, program)
+                              for i, (spec, dtypes) in enumerate(program.variants) if spec.prefetch)
+    has_prefetch = lambda spec: bool(spec.prefetch)  # noqa: E731
+    run = _dispatch(program, "op", "w", ", counters_ptr, error_ptr, epoch, worker, timeout, last_ev, last_need, "
+                    "USE_TIMER=USE_TIMER", "ok, last_ev, last_need = ")
+    prefetch_first = _dispatch(program, "prefetch", "w", "", "", has_prefetch)
+    prefetch_next = _dispatch(program, "prefetch", "n", "", "", has_prefetch)
+    carried = "\n".join(f"w{j} = n{j}" for j in range(n))
     return f'''# Generated by mk.persistent.codegen: the dispatch loop of one megakernel.
 # Variants (opcode: op): {", ".join(f"{i}: {s.key}" for i, (s, _) in enumerate(program.variants))}
+# Descriptor words (w0..w{n - 1}): opcode, signal event, number of waits, task index,
+# (event, count) x {program.max_waits}, operand pointers (lo, hi) x {program.max_slots}, args x {program.max_args}.
 import triton
 import triton.language as tl
 
-from mk.persistent.sync import now_ns, signal_event, wait_events
+from mk.persistent.sync import now_ns, signal_event, wait_event
 {chr(10).join(imports)}
 
 
 {functions}
 
+{prefetches}
+
 @triton.jit
-def {KERNEL_NAME}(desc_ptr, queue_ptr, table_ptr, counters_ptr, state_ptr, error_ptr, trace_ptr,
-               num_workers, timeout,
-               DESC_WORDS: tl.constexpr, HEADER: tl.constexpr, MAX_WAITS: tl.constexpr,
-               SLOT_BASE: tl.constexpr, ARG_BASE: tl.constexpr,
-               TRACE: tl.constexpr, USE_TIMER: tl.constexpr):
+def {KERNEL_NAME}(desc_ptr, queue_ptr, counters_ptr, state_ptr, error_ptr, trace_ptr, num_workers, timeout,
+               DESC_WORDS: tl.constexpr, TRACE: tl.constexpr, USE_TIMER: tl.constexpr):
     worker = tl.program_id(0)
     # state: [launches completed, workers finished (cumulative)]; thresholds grow with it,
     # so counters never need a host reset between launches.
     epoch = tl.load(state_ptr)
     q_begin = tl.load(queue_ptr + worker)
     q_end = tl.load(queue_ptr + worker + 1)
+    # Software-pipelined over the queue: task i+1's descriptor is loaded, and its weights
+    # prefetched, while task i waits and runs, so no descriptor load and no weight
+    # latency sits between two tasks.
+    d = desc_ptr + q_begin.to(tl.int64) * DESC_WORDS
+{_indent(_load_row("w", "d", n, "q_begin < q_end"), 1)}
+    if q_begin < q_end:
+{_indent(prefetch_first, 2)}
     ok = 1
+    last_ev = tl.full([], -1, tl.int32)
+    last_need = tl.zeros([], dtype=tl.int32)
     for qi in range(q_begin, q_end):
+        d = d + DESC_WORDS
+        has_next = qi + 1 < q_end
+{_indent(_load_row("n", "d", n, "has_next"), 2)}
         if ok != 0:
-            ok = (tl.load(error_ptr, volatile=True) == 0).to(tl.int32)
-        if ok != 0:
-            d = desc_ptr + qi * DESC_WORDS
-            opcode = tl.load(d)
-            task = tl.load(d + 3)
             t_start = now_ns(USE_TIMER)
-{_indent(branches, 3)}
+            if has_next:
+{_indent(prefetch_next, 4)}
+{_indent(run, 3)}
             if ok != 0:
-                signal_event(d, counters_ptr)
+                signal_event(w1, counters_ptr)
             if TRACE:
                 tl.store(trace_ptr + qi * 2, t_start)
                 tl.store(trace_ptr + qi * 2 + 1, now_ns(USE_TIMER))
+{_indent(carried, 2)}
     # The last worker of this launch to finish bumps the launch count. Every worker read
     # the count before arriving here, so none of this launch sees the new value.
     finished = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu")

@@ -1,7 +1,7 @@
 """Launch a lowered program as one persistent megakernel; errors, residency and traces.
 
 ``Megakernel(program)`` generates and compiles the kernel for the program's op
-variants, uploads the descriptors, queues and the buffer address table, and launches
+variants, uploads the descriptors (with the buffers' addresses) and queues, and launches
 one program per worker. Counters are never reset between launches (thresholds grow with
 the launch count kept on the device), so launches can be enqueued back to back, or
 captured in a CUDA graph, with no host work in between.
@@ -18,8 +18,8 @@ import torch
 
 from mk.tasks import INTERPRET
 
-from .codegen import generate_source, load_kernel
-from .graph import HEADER_WORDS, Program
+from .codegen import device_words, generate_source, load_kernel
+from .graph import Program
 from .sync import ERROR_WORDS
 
 
@@ -65,6 +65,25 @@ def blocks_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
     return max(0, min(by_regs, by_smem, by_threads, 32))
 
 
+def device_descriptors(program: Program) -> torch.Tensor:
+    """The program's descriptors as the kernel reads them: each operand's buffer slot
+    replaced by the buffer's 64-bit address (two int32 words, low then high), so a task
+    binds its pointers straight from its own row (see codegen.device_words)."""
+    buffers = [program.graph.buffers[n] for n in program.buffer_names]
+    addr = torch.tensor([b.data_ptr() for b in buffers] or [0], dtype=torch.int64)
+    desc = program.desc.to(torch.int64)
+    slots = desc[:, program.slot_base:program.arg_base]
+    ptrs = addr[slots]
+    # Unused slots (past an op's operands) hold slot 0: a valid address, never read.
+    lo = ptrs & 0xFFFFFFFF
+    lo = torch.where(lo >= 2**31, lo - 2**32, lo)
+    hi = ptrs >> 32
+    pairs = torch.stack((lo, hi), dim=2).reshape(desc.shape[0], -1)
+    out = torch.cat((desc[:, :program.slot_base], pairs, desc[:, program.arg_base:]), dim=1)
+    assert out.shape[1] == device_words(program)
+    return out.to(torch.int32)
+
+
 class Megakernel:
     """One compiled persistent kernel running a :class:`Program`.
 
@@ -89,9 +108,8 @@ class Megakernel:
         self.source = generate_source(program)
         self.kernel, self.digest = load_kernel(self.source)
         dev = self.device
-        self.desc = program.desc.to(dev)
+        self.desc = device_descriptors(program).to(dev)
         self.queue_starts = program.queue_starts.to(dev)
-        self.table = torch.tensor([b.data_ptr() for b in buffers] or [0], dtype=torch.int64, device=dev)
         self.counters = torch.zeros(max(program.num_events, 1), dtype=torch.int32, device=dev)
         self.state = torch.zeros(2, dtype=torch.int32, device=dev)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
@@ -104,10 +122,9 @@ class Megakernel:
     # -- launching -------------------------------------------------------------------
     def _args(self):
         p = self.program
-        return ((self.desc, self.queue_starts, self.table, self.counters, self.state, self.error, self.trace_buf,
+        return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
-                dict(DESC_WORDS=p.desc_words, HEADER=HEADER_WORDS, MAX_WAITS=p.max_waits, SLOT_BASE=p.slot_base,
-                     ARG_BASE=p.arg_base, TRACE=self.trace_enabled, USE_TIMER=not INTERPRET,
+                dict(DESC_WORDS=self.desc.shape[1], TRACE=self.trace_enabled, USE_TIMER=not INTERPRET,
                      num_warps=self.num_warps))
 
     def residency(self) -> Residency:

@@ -126,4 +126,4 @@ def test_generated_source_is_readable_and_cached(tmp_path):
     assert a.kernel is b.kernel and a.digest == b.digest
     path = a.dump_source(tmp_path / "k.py")
     text = path.read_text()
-    assert "def megakernel(" in text and "rmsnorm_tile(" in text and "wait_events(" in text
+    assert "def megakernel(" in text and "rmsnorm_tile(" in text and "wait_event(" in text

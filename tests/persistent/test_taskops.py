@@ -401,8 +401,14 @@ def test_prefetch_is_issued_before_the_wait_and_off_under_the_interpreter(monkey
         g.add(op, x="x", w="w", out="y", **a)
     kernel = Megakernel(lower(g, 1))
     text = kernel.source
-    assert text.index("linear_prefetch_tile(w, pid_n, N, 0, K, K") < text.index("ok = wait_events(") \
-        < text.index("linear_tile(x, w")
+    # The op's prefetch is its own function; the loop issues it for the next task (n*) before
+    # the current task (w*) waits and runs, and for a worker's first task before the loop.
+    assert text.index("def prefetch_0(") < text.index("linear_prefetch_tile(w, pid_n, N, 0, K, K") \
+        < text.index("def megakernel(")
+    loop = text[text.index("def megakernel("):]
+    assert loop.index("prefetch_0(w0") < loop.index("for qi in") < loop.index("prefetch_0(n0") \
+        < loop.index("op_0(w0")
+    assert "wait_event(" in text[text.index("def op_0("):text.index("def prefetch_0(")]
     # Under the interpreter (no inline PTX) nothing is prefetched; compiled, 200 columns.
     assert op.constexprs["PREFETCH_LINES"] == (0 if taskops.INTERPRET else 8)
     kernel.run()
