@@ -92,10 +92,14 @@ class Megakernel:
         timeout_s: bound of every dependency wait on the GPU.
         trace: record each task's start/end time (GPU global timer).
         interpret_polls: bound of a wait under the interpreter, in polls.
+        pipeline: software-pipeline the dispatch loop (see codegen.generate_source).
+        poll_acquire: poll with acquire loads instead of relaxed ones plus one acquire.
+        backoff_ns: sleep between polls (GPU only).
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
-                 interpret_polls: int = 2000):
+                 interpret_polls: int = 2000, pipeline: bool = True, poll_acquire: bool = False,
+                 backoff_ns: int = 0):
         self.program = program
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}
@@ -105,7 +109,8 @@ class Megakernel:
         if INTERPRET and program.num_workers != 1:
             raise MegakernelError("under the Triton interpreter programs run one after another: "
                                   "lower the graph for num_workers=1 (use the VM for more workers)")
-        self.source = generate_source(program)
+        self.source = generate_source(program, pipeline=pipeline)
+        self.poll_acquire, self.backoff_ns = bool(poll_acquire), int(backoff_ns)
         self.kernel, self.digest = load_kernel(self.source)
         dev = self.device
         self.desc = device_descriptors(program).to(dev)
@@ -125,7 +130,7 @@ class Megakernel:
         return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
                 dict(DESC_WORDS=self.desc.shape[1], TRACE=self.trace_enabled, USE_TIMER=not INTERPRET,
-                     num_warps=self.num_warps))
+                     POLL_ACQUIRE=self.poll_acquire, BACKOFF_NS=self.backoff_ns, num_warps=self.num_warps))
 
     def residency(self) -> Residency:
         """Compile (once) and read registers and shared memory off the compiled kernel."""

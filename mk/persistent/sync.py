@@ -1,8 +1,8 @@
 """Device-side synchronisation of the megakernel: bounded waits, signals, timestamps.
 
-A wait polls its counter with ``ld.acquire.gpu`` (one round trip, and the producer's
-data is visible once the count is seen; under the interpreter a volatile load plus an
-acquire atomic). Every wait is bounded: past the limit it records (worker, task, event,
+A wait polls its counter with relaxed volatile loads, then makes one ``ld.acquire.gpu``
+(under the interpreter an acquire atomic) so that the producers' data is visible; an
+acquire on every poll (POLL_ACQUIRE) invalidates the SM's L1 each time. Every wait is bounded: past the limit it records (worker, task, event,
 seen, expected) in the error buffer and reports failure, so a broken graph ends in an
 error instead of a frozen GPU; a wait also gives up as soon as another worker has
 recorded an error. A worker remembers the last event count it saw reached: tiles of one
@@ -43,8 +43,17 @@ def _load_acquire(ptr, GPU: tl.constexpr):
 
 
 @triton.jit
+def _backoff(NS: tl.constexpr):
+    """Sleep about NS ns between polls, so that hundreds of waiting workers do not flood
+    the memory system that the working ones stream through."""
+    if NS > 0:
+        tl.inline_asm_elementwise(f"nanosleep.u32 {NS};\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, timeout, last_ev, last_need,
-               USE_TIMER: tl.constexpr):
+               USE_TIMER: tl.constexpr, POLL_ACQUIRE: tl.constexpr = False, BACKOFF_NS: tl.constexpr = 0):
     """Wait until ``counters[ev] >= count * (epoch + 1)`` (when ``active``).
 
     Returns (ok, last_ev, last_need): ok is 0 on timeout or when another worker failed;
@@ -54,13 +63,21 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
     ok = 1
     need = count * (epoch + 1)
     if active & ((ev != last_ev) | (need > last_need)):
-        seen = _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
+        if POLL_ACQUIRE:
+            seen = _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
+        else:
+            seen = tl.load(counters_ptr + ev, volatile=True)
         start = now_ns(USE_TIMER)
         polls = tl.zeros([], dtype=tl.int64)
         waited = tl.zeros([], dtype=tl.int64)
         failed = tl.zeros([], dtype=tl.int32)
         while (seen < need) & (waited < timeout) & (failed == 0):
-            seen = _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
+            if USE_TIMER:
+                _backoff(BACKOFF_NS)
+            if POLL_ACQUIRE:
+                seen = _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
+            else:
+                seen = tl.load(counters_ptr + ev, volatile=True)
             # Another worker's timeout ends this wait too: the whole launch stops within
             # one timeout, not one per link of a chain of waiting tasks.
             failed = tl.load(error_ptr, volatile=True)
@@ -78,6 +95,9 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
                 tl.store(error_ptr + 4, seen)
                 tl.store(error_ptr + 5, need)
         else:
+            if not POLL_ACQUIRE:
+                # Relaxed polls, then one acquire: the producers' writes are visible after it.
+                _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
             last_ev = ev
             last_need = need
     return ok, last_ev, last_need

@@ -9,10 +9,12 @@ from mk.persistent.graph import TaskGraph, lower
 from mk.persistent.ops import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
 from mk.persistent.vm import Deadlock, run_vm
-from mk.tasks import rmsnorm
+from mk.tasks import default_device, rmsnorm
 from tests.conftest import assert_close
 
 import mk.persistent.taskops  # noqa: F401  (registers the ops)
+
+DEV = default_device()
 
 
 def random_norm_dag(rng: random.Random, rows: int, n: int, nodes: int):
@@ -22,13 +24,13 @@ def random_norm_dag(rng: random.Random, rows: int, n: int, nodes: int):
     one; returns the graph and the op-by-op result of every buffer.
     """
     g = TaskGraph()
-    g.buffer("w", torch.randn(n) * 0.2 + 1)
-    g.buffer("b0", torch.randn(rows, n))
+    g.buffer("w", torch.randn(n, device=DEV) * 0.2 + 1)
+    g.buffer("b0", torch.randn(rows, n, device=DEV))
     expected = {"b0": g.buffers["b0"].clone()}
     names = ["b0"]
     plain, resid = make_op("rmsnorm", n=n, eps=1e-5), make_op("rmsnorm", n=n, eps=1e-5, residual=True)
     for i in range(1, nodes + 1):
-        out = g.buffer(f"b{i}", torch.full((rows, n), float("nan")))
+        out = g.buffer(f"b{i}", torch.full((rows, n), float("nan"), device=DEV))
         if rng.random() < 0.5 or len(names) < 2:
             src = rng.choice(names)
             for r in range(rows):
@@ -36,7 +38,7 @@ def random_norm_dag(rng: random.Random, rows: int, n: int, nodes: int):
             expected[out] = rmsnorm(expected[src], g.buffers["w"], 1e-5)
         else:
             a, b = rng.sample(names, 2)
-            h = g.buffer(f"h{i}", torch.full((rows, n), float("nan")))
+            h = g.buffer(f"h{i}", torch.full((rows, n), float("nan"), device=DEV))
             for r in range(rows):
                 g.add(resid, x=a, res=b, w="w", out=out, res_out=h, row=r)
             expected[out], expected[h] = rmsnorm(expected[a], g.buffers["w"], 1e-5, residual=expected[b])
@@ -74,7 +76,7 @@ def test_dependencies_are_exact_at_tile_granularity():
     g = TaskGraph()
     op = make_op("rmsnorm", n=16)
     for name in ("x", "w", "y", "z"):
-        g.buffer(name, torch.randn(4, 16) if name != "w" else torch.randn(16))
+        g.buffer(name, torch.randn(4, 16, device=DEV) if name != "w" else torch.randn(16, device=DEV))
     for r in range(4):
         g.add(op, x="x", w="w", out="y", row=r)
     for r in range(4):
@@ -98,7 +100,7 @@ def test_broken_graph_times_out_with_detail_and_next_launch_works():
     g = TaskGraph()
     op = make_op("rmsnorm", n=32)
     for name in ("x", "w", "y", "z"):
-        g.buffer(name, torch.randn(2, 32) if name != "w" else torch.randn(32))
+        g.buffer(name, torch.randn(2, 32, device=DEV) if name != "w" else torch.randn(32, device=DEV))
     g.add(op, x="x", w="w", out="y", row=0)
     g.add(op, x="y", w="w", out="z", row=0)
     program = lower(g, num_workers=1)
@@ -119,7 +121,8 @@ def test_broken_graph_times_out_with_detail_and_next_launch_works():
 
 def test_generated_source_is_readable_and_cached(tmp_path):
     g = TaskGraph()
-    g.buffer("x", torch.randn(1, 8)), g.buffer("w", torch.randn(8)), g.buffer("y", torch.empty(1, 8))
+    g.buffer("x", torch.randn(1, 8, device=DEV)), g.buffer("w", torch.randn(8, device=DEV))
+    g.buffer("y", torch.empty(1, 8, device=DEV))
     g.add(make_op("rmsnorm", n=8), x="x", w="w", out="y", row=0)
     a = Megakernel(lower(g, 1))
     b = Megakernel(lower(g, 1))
