@@ -138,6 +138,7 @@ def _linear_acc(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOUBLE_BUFFER: tl.constexpr = False,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -162,9 +163,25 @@ def _linear_acc(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # Whole chunks unmasked, then at most one masked tail chunk.
     k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
-    for k in range(k_lo, k_full, BLOCK_K):
-        acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k + offs_k, k_hi,
-                           HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M)
+    if (BLOCK_M == 1) & DOUBLE_BUFFER:
+        # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
+        # flight per program: a persistent worker (one program per SM slot) needs that
+        # to keep its share of DRAM busy, where a grid of many programs gets it for free.
+        w_cur = tl.load(w_rows + (k_lo + offs_k)[None, :], mask=((k_lo + offs_k) < k_full)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        for k in range(k_lo, k_full, BLOCK_K):
+            cols_next = k + BLOCK_K + offs_k
+            w_next = tl.load(w_rows + cols_next[None, :], mask=(cols_next < k_full)[None, :], other=0.0,
+                             eviction_policy="evict_first")
+            xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M).to(tl.float32)
+            if HAS_NORM:
+                xt = xt * rstd * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
+            acc += w_cur.to(tl.float32) * xt[None, :]
+            w_cur = w_next
+    else:
+        for k in range(k_lo, k_full, BLOCK_K):
+            acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k + offs_k, k_hi,
+                               HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M)
     if k_full < k_hi:
         acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k_full + offs_k, k_hi,
                            HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M)
@@ -204,7 +221,7 @@ def linear_tile(
     pid_m, pid_n, M, N, K, k_lo, k_hi,
     stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -214,9 +231,11 @@ def linear_tile(
     the RMSNorm prologue (HAS_NORM) for its statistics. BLOCK_M == 1 selects the GEMV
     body (one x row, FMAs); BLOCK_M >= 16 the tl.dot body. SILU_MUL needs an even BLOCK_N
     and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
+    DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead.
     """
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
-                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                      DOUBLE_BUFFER=DOUBLE_BUFFER)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
