@@ -165,7 +165,7 @@ def _prologue_ref(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float) -> t
 def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
-              double_buffer: bool = True, dtype: torch.dtype | None = None) -> OpSpec:
+              double_buffer: bool = True, prefetch_ahead: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -173,7 +173,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     :func:`mk.tasks.linear.interleave_gate_up`). Args: pid_m, pid_n. Block sizes default to
     :func:`mk.tasks.linear.linear_config` for ``dtype`` (mk's default dtype when None).
     ``double_buffer``: the GEMV body requests each weight chunk one iteration ahead (a
-    persistent worker needs the extra bytes in flight). ``prefetch_k`` weight columns are
+    persistent worker needs the extra bytes in flight), and asks L2 for the chunk
+    ``prefetch_ahead`` iterations ahead. ``prefetch_k`` weight columns are
     pulled into L2 before the dependency wait (never
     under the interpreter).
     """
@@ -185,11 +186,13 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     eps_src = "EPS" if norm else "0.0"
     body = (f"linear_tile(x, w, {norm_w}, {res}, out, pid_m, pid_n, M, N, K, 0, K, K, K, N_OUT, N_OUT, {eps_src}, "
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
-            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER)")
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD)")
     prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N)")
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
-                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
+                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1),
+                  # Inline PTX: never under the interpreter.
+                  "PREFETCH_AHEAD": 0 if INTERPRET or not double_buffer or s.bm != 1 else int(prefetch_ahead)}
     if norm:
         constexprs["EPS"] = float(eps)
 

@@ -138,7 +138,7 @@ def _linear_acc(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOUBLE_BUFFER: tl.constexpr = False,
+    DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -170,6 +170,12 @@ def _linear_acc(
         w_cur = tl.load(w_rows + (k_lo + offs_k)[None, :], mask=((k_lo + offs_k) < k_full)[None, :], other=0.0,
                         eviction_policy="evict_first")
         for k in range(k_lo, k_full, BLOCK_K):
+            if PREFETCH_AHEAD > 0:
+                # And chunk k+PREFETCH_AHEAD's lines are asked of L2 (no registers held): DRAM
+                # streams ahead of the loads, which then hit L2. One address per 32 elements
+                # covers every 128-byte line of 2- or 4-byte weights.
+                pf_cols = tl.minimum(k + PREFETCH_AHEAD * BLOCK_K + tl.arange(0, BLOCK_K // 32) * 32, k_hi - 1)
+                _prefetch_l2(w_rows + pf_cols[None, :])
             cols_next = k + BLOCK_K + offs_k
             w_next = tl.load(w_rows + cols_next[None, :], mask=(cols_next < k_full)[None, :], other=0.0,
                              eviction_policy="evict_first")
@@ -222,6 +228,7 @@ def linear_tile(
     stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
+    PREFETCH_AHEAD: tl.constexpr = 0,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -231,11 +238,12 @@ def linear_tile(
     the RMSNorm prologue (HAS_NORM) for its statistics. BLOCK_M == 1 selects the GEMV
     body (one x row, FMAs); BLOCK_M >= 16 the tl.dot body. SILU_MUL needs an even BLOCK_N
     and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
-    DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead.
+    DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead, and with
+    PREFETCH_AHEAD > 0 asks L2 for the chunk that many iterations ahead (compiled code only).
     """
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER)
+                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
