@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _harness import gemv_chain, gemv_chain_ref  # noqa: E402
 from mk.persistent.graph import lower  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
+from mk.persistent import taskops  # noqa: E402
 from mk.tasks.linear import linear  # noqa: E402
 from mk.timing import capture_graph, copy_bandwidth, event_time_us, graph_time_us  # noqa: E402
 
@@ -17,13 +18,12 @@ print(f"copy {bw/1e12:.3f} TB/s, {sms} SMs", flush=True)
 rows = []
 # (block_n, block_k, warps, workers per SM, prefetch_k, double_buffer, prefetch_ahead)
 CASES = {
-    (16, 8192): [(16, 512, 8, 2, 1024, True, 0), (16, 512, 8, 2, 1024, True, 2), (16, 512, 8, 2, 2048, True, 4),
-                 (8, 512, 4, 4, 1024, True, 2), (8, 512, 4, 4, 2048, True, 4), (4, 1024, 4, 4, 2048, True, 2),
-                 (16, 256, 8, 2, 1024, True, 4), (2, 2048, 2, 6, 2048, True, 1)],
-    (64, 2048): [(8, 2048, 8, 2, 2048, True, 0), (8, 512, 4, 4, 1024, True, 2), (16, 1024, 16, 1, 2048, True, 0),
-                 (4, 2048, 4, 4, 2048, True, 0)],
+    (16, 8192): [(16, 512, 8, 2, 1024, True, 0), (8, 512, 4, 4, 1024, True, 0), (16, 512, 8, 2, 8192, True, 0),
+                 (8, 512, 4, 4, 4096, True, 0)],
+    (64, 2048): [(8, 2048, 8, 2, 2048, True, 0), (16, 1024, 16, 1, 2048, True, 0), (4, 2048, 4, 4, 2048, True, 0),
+                 (8, 2048, 8, 2, 0, True, 0)],
 }
-VARIANTS = [dict()]
+VARIANTS = [dict(bulk=True), dict(bulk=False)]
 for (layers, n), configs in CASES.items():
     g0, ws, x, _ = gemv_chain(layers, n, block_n=2)
     ref = gemv_chain_ref(ws, x)
@@ -46,11 +46,12 @@ for (layers, n), configs in CASES.items():
     for (bn, bk, warps, wps, pf, dbuf, ahead), var in [(c, v) for c in configs for v in VARIANTS]:
         try:
             t0 = time.time()
+            taskops.PREFETCH_BULK = var["bulk"]
             g, _, _, out = gemv_chain(layers, n, weights=ws, x=x, block_n=bn, block_k=bk, num_warps=warps,
                                       prefetch_k=pf, double_buffer=dbuf, prefetch_ahead=ahead)
             prog = lower(g, num_workers=sms * wps)
             t_lower = time.time() - t0
-            k = Megakernel(prog, **var)
+            k = Megakernel(prog)
             res = k.residency()
             if prog.num_workers > res.max_workers:
                 print("skip", bn, bk, warps, wps, pf, dbuf, "max workers", res.max_workers, flush=True)

@@ -55,6 +55,9 @@ class TaskGraph:
             raise TypeError(f"buffer {name!r} has unsupported dtype {tensor.dtype}")
         if not tensor.is_contiguous():
             raise ValueError(f"buffer {name!r} must be contiguous")
+        if tensor.data_ptr() % 16:
+            # Vector loads and TMA bulk prefetches assume it (torch's allocations are).
+            raise ValueError(f"buffer {name!r} must start at a 16-byte aligned address (is it an offset view?)")
         self.buffers[name] = tensor
         return name
 

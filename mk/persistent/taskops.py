@@ -29,6 +29,10 @@ from mk.tasks.silu_mul import silu_mul_block_i, silu_mul_num_warps, silu_mul_ref
 
 from .ops import OpSpec, Region, register
 
+#: Prefetch weights with one TMA bulk prefetch per row (when rows are 16-byte aligned)
+#: rather than one prefetch.global.L2 per 128-byte line.
+PREFETCH_BULK = True
+
 
 def _2d(t: torch.Tensor) -> torch.Tensor:
     """The 2-D row-major view regions refer to (a view, so the VM writes in place)."""
@@ -123,11 +127,16 @@ class _LinearShape:
         # The interpreter has no inline PTX: no prefetch there, whatever was asked.
         lines, line = prefetch_lines(cfg, K, torch.empty((), dtype=dtype).element_size())
         self.prefetch_lines, self.line = (0 if INTERPRET else lines), line
+        # TMA bulk prefetch of whole row segments when rows (and so split starts) are 16-byte
+        # aligned; TaskGraph.buffer refuses buffers that are not.
+        eb = torch.empty((), dtype=dtype).element_size()
+        self.bulk = int(PREFETCH_BULK and (K * eb) % 16 == 0 and (self.bk * eb) % 16 == 0)
         self.op = op
 
     def constexprs(self) -> dict:
         return {"M": self.M, "N": self.N, "K": self.K, "N_OUT": self.n_out, "BLOCK_M": self.bm,
-                "BLOCK_N": self.bn, "BLOCK_K": self.bk, "PREFETCH_LINES": self.prefetch_lines, "LINE": self.line}
+                "BLOCK_N": self.bn, "BLOCK_K": self.bk, "PREFETCH_LINES": self.prefetch_lines, "LINE": self.line,
+                "PREFETCH_BULK": self.bulk}
 
     def tile(self, a) -> tuple[int, int, int, int, int, int]:
         """(r0, r1, n0, n1, c0, c1): x/out rows, weight rows and out columns of tile (pid_m, pid_n),
@@ -188,7 +197,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD)")
     prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
-                "BLOCK_N=BLOCK_N)")
+                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1),
                   # Inline PTX: never under the interpreter.
@@ -244,7 +253,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     # launcher cuts it, so the descriptor carries only (pid_m, pid_n, split).
     prefetch = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 "linear_prefetch_tile(w, pid_n, N, k_lo, k_hi, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
-                "BLOCK_N=BLOCK_N)")
+                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     body = (f"k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
             f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * N, N, "
             f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)")
@@ -300,7 +309,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     res = "res" if residual else "out"
     body = (f"linear_splitk_reduce_tile(ws, {res}, out, pid_m, pid_n, M, N, SPLIT_K, M * N, N, N_OUT, N_OUT, "
             f"HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
-    constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE")}
+    constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul))
 
     def run(b, a):

@@ -60,6 +60,10 @@ DOT_MIN = 16
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
 
+#: Prefetch weights with one TMA bulk prefetch per row where rows are 16-byte aligned,
+#: rather than one prefetch.global.L2 per 128-byte line.
+PREFETCH_BULK = True
+
 
 # ---------------------------------------------------------------------------------------
 # Device functions
@@ -266,8 +270,21 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _bulk_prefetch_rows(base, stride_bytes, rows, nbytes):
+    """Thread t < rows asks L2 for ``nbytes`` from ``base + t * stride_bytes`` with one TMA bulk
+    prefetch (cp.async.bulk.prefetch.L2, sm_90+): one instruction per row, no duplicates.
+    Addresses and sizes must be multiples of 16 bytes."""
+    tl.inline_asm_elementwise(
+        "{\n .reg .pred p;\n .reg .u32 t;\n .reg .u64 off, a;\n mov.u32 t, %tid.x;\n"
+        " setp.lt.u32 p, t, $3;\n setp.ne.and.u32 p, $4, 0, p;\n mul.wide.u32 off, t, $2;\n add.u64 a, $1, off;\n"
+        " @p cp.async.bulk.prefetch.L2.global [a], $4;\n mov.u32 $0, 0;\n}",
+        "=r,l,r,r,r", [base, stride_bytes, rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn,
-                         PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, BLOCK_N: tl.constexpr):
+                         PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BULK: tl.constexpr = False):
     """Start pulling the first PREFETCH_LINES cache lines (LINE elements each) from k_lo of each of
     the tile's weight rows into L2, without waiting for them.
 
@@ -275,8 +292,16 @@ def linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn,
     wait (``gdc_wait`` in a standalone launch, the event wait in the megakernel): DRAM starts
     streaming while the producer drains, and the tile's own loads then hit L2. Compiled GPU
     code only (inline PTX); launchers pass PREFETCH_LINES = 0 under the interpreter.
+    BULK: one TMA bulk prefetch per row (needs 16-byte aligned rows and k_lo), else one
+    ``prefetch.global.L2`` per line.
     """
-    if PREFETCH_LINES > 0:
+    if (PREFETCH_LINES > 0) & BULK:
+        ELEM_BYTES: tl.constexpr = 128 // LINE
+        row0 = pid_n * BLOCK_N
+        span = tl.minimum(PREFETCH_LINES * LINE, k_hi - k_lo)
+        _bulk_prefetch_rows(w_ptr + row0 * stride_wn + k_lo, stride_wn * ELEM_BYTES, tl.minimum(N - row0, BLOCK_N),
+                            (span * ELEM_BYTES) // 16 * 16)
+    elif PREFETCH_LINES > 0:
         idx = tl.arange(0, BLOCK_N * PREFETCH_LINES)
         rows = tl.minimum(pid_n * BLOCK_N + idx // PREFETCH_LINES, N - 1)
         cols = tl.minimum(k_lo + (idx % PREFETCH_LINES) * LINE, k_hi - 1)
@@ -352,10 +377,11 @@ def linear_kernel(
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BULK: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    linear_prefetch_tile(w_ptr, pid_n, N, 0, K, stride_wn, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, BLOCK_N=BLOCK_N)
+    linear_prefetch_tile(w_ptr, pid_n, N, 0, K, stride_wn, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, BLOCK_N=BLOCK_N,
+                         BULK=PREFETCH_BULK)
     _pdl_enter(PDL)
     linear_tile(x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps,
@@ -369,12 +395,13 @@ def linear_partial_kernel(
     M, N, K, split_k, stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_BULK: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
     k_lo, k_hi = linear_split_range(split, split_k, K, BLOCK_K=BLOCK_K)
     linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE,
-                         BLOCK_N=BLOCK_N)
+                         BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)
     _pdl_enter(PDL)
     linear_partial_tile(x_ptr, w_ptr, norm_w_ptr, ws_ptr, pid_m, pid_n, split, M, N, K, k_lo, k_hi,
                         stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
@@ -708,7 +735,10 @@ def linear(
     pdl = use_pdl(x) and config.block_m == 1
     lines, line = prefetch_lines(config, K, x.element_size()) if x.is_cuda else (0, 1)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
-    prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl)
+    eb = x.element_size()
+    # TMA bulk prefetch needs 16-byte aligned row segments.
+    bulk = weight.data_ptr() % 16 == 0 and (weight.stride(0) * eb) % 16 == 0 and (bk * eb) % 16 == 0
+    prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk and PREFETCH_BULK)
     if config.split_k == 1:
         linear_kernel[(tiles,)](
             x2, weight, norm_w, res2, out, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),
