@@ -53,6 +53,9 @@ class OpSpec:
     body: str
     imports: tuple[str, ...] = ()
     prefetch: str = ""
+    #: source run just before the op's dependency waits, binding names the body then uses
+    #: (weights loaded into registers while the inputs are still being produced)
+    preload: str = ""
     constexprs: Mapping[str, int] = field(default_factory=dict)
     num_warps: int = 4
     #: run(buffers_by_role, args) executes one tile with torch ops (the VM's semantics).

@@ -174,7 +174,8 @@ def _prologue_ref(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float) -> t
 def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
-              double_buffer: bool = True, prefetch_ahead: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+              double_buffer: bool = True, prefetch_ahead: int = 0, preload_weights: bool = True,
+              dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -183,19 +184,23 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     :func:`mk.tasks.linear.linear_config` for ``dtype`` (mk's default dtype when None).
     ``double_buffer``: the GEMV body requests each weight chunk one iteration ahead (a
     persistent worker needs the extra bytes in flight), and asks L2 for the chunk
-    ``prefetch_ahead`` iterations ahead. ``prefetch_k`` weight columns are
+    ``prefetch_ahead`` iterations ahead; ``preload_weights`` loads the first chunk into
+    registers before the dependency wait. ``prefetch_k`` weight columns are
     pulled into L2 before the dependency wait (never
     under the interpreter).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype)
+    # The GEMV body's first weight chunk goes to registers before the wait (with double buffering).
+    preload = bool(preload_weights and double_buffer and s.bm == 1)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
     eps_src = "EPS" if norm else "0.0"
     body = (f"linear_tile(x, w, {norm_w}, {res}, out, pid_m, pid_n, M, N, K, 0, K, K, K, N_OUT, N_OUT, {eps_src}, "
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
-            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD)")
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD"
+            f"{', w_first=w_first' if preload else ''})")
     prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
@@ -226,8 +231,12 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         r0, r1, _, _, c0, c1 = s.tile(a)
         return [Region(bind["out"], r0, r1, c0, c1)]
 
+    preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
+                   if preload else "")
+    constexprs["PRELOAD"] = int(preload)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile",),
+                  preload=preload_src,
+                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 

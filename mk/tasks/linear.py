@@ -138,11 +138,25 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
 
 
 @triton.jit
+def linear_weights_first(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMV tile's first [BLOCK_N, BLOCK_K] weight chunk in registers (zeros if the K range
+    holds no whole chunk). Weights never depend on other tasks, so a persistent worker loads
+    this *before* waiting on its inputs and hands it to :func:`linear_tile` as ``w_first``
+    (with DOUBLE_BUFFER): after the wait only x is left to fetch."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn
+    k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < k_full)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _linear_acc(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0,
+    DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0, w_first=None,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -171,8 +185,10 @@ def _linear_acc(
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
         # to keep its share of DRAM busy, where a grid of many programs gets it for free.
-        w_cur = tl.load(w_rows + (k_lo + offs_k)[None, :], mask=((k_lo + offs_k) < k_full)[None, :], other=0.0,
-                        eviction_policy="evict_first")
+        if w_first is not None:
+            w_cur = w_first  # loaded by the caller, before it waited on its inputs
+        else:
+            w_cur = linear_weights_first(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
         for k in range(k_lo, k_full, BLOCK_K):
             if PREFETCH_AHEAD > 0:
                 # And chunk k+PREFETCH_AHEAD's lines are asked of L2 (no registers held): DRAM
@@ -232,7 +248,7 @@ def linear_tile(
     stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
-    PREFETCH_AHEAD: tl.constexpr = 0,
+    PREFETCH_AHEAD: tl.constexpr = 0, w_first=None,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -243,11 +259,12 @@ def linear_tile(
     body (one x row, FMAs); BLOCK_M >= 16 the tl.dot body. SILU_MUL needs an even BLOCK_N
     and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
     DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead, and with
-    PREFETCH_AHEAD > 0 asks L2 for the chunk that many iterations ahead (compiled code only).
+    PREFETCH_AHEAD > 0 asks L2 for the chunk that many iterations ahead (compiled code only);
+    ``w_first`` is the first chunk from :func:`linear_weights_first`, when already loaded.
     """
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD)
+                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, w_first=w_first)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 

@@ -407,7 +407,11 @@ def test_prefetch_is_issued_before_the_wait_and_off_under_the_interpreter(monkey
         < text.index("def megakernel(")
     loop = text[text.index("def megakernel("):]
     assert loop.index("prefetch_0(w0") < loop.index("for qi in") < loop.index("prefetch_0(n0") \
-        < loop.index("wait_event(") < loop.index("op_0(w0")
+        < loop.index("op_0(w0")
+    # Inside the op: the first weight chunk is loaded into registers, then the waits, then the body.
+    op_src = text[text.index("def op_0("):text.index("def prefetch_0(")]
+    assert op_src.index("w_first = linear_weights_first(") < op_src.index("wait_event(") \
+        < op_src.index("linear_tile(x, w") < op_src.index("w_first=w_first")
     # Under the interpreter (no inline PTX) nothing is prefetched; compiled, 200 columns.
     assert op.constexprs["PREFETCH_LINES"] == (0 if taskops.INTERPRET else 8)
     kernel.run()
