@@ -61,8 +61,16 @@ def gpu_env() -> dict:
         "commit": _commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    env["device_slug"] = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
     env.update(copy_bandwidth())
     return env
+
+
+@pytest.fixture(scope="session")
+def results_dir() -> Path:
+    """bench/results/, where result JSON and traces are kept."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    return RESULTS_DIR
 
 
 @pytest.fixture
@@ -82,7 +90,7 @@ def pytest_sessionfinish(session, exitstatus):
     if env is None:
         return
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
+    slug = env["device_slug"]
     day = env["date"][:10]
     for suite, rows in _records.items():
         path = RESULTS_DIR / f"{suite}-{slug}-{day}.json"

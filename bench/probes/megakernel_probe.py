@@ -18,11 +18,11 @@ print(f"copy {bw/1e12:.3f} TB/s, {sms} SMs", flush=True)
 rows = []
 # (block_n, block_k, warps, workers per SM, prefetch_k, double_buffer, prefetch_ahead)
 CASES = {
-    (16, 8192): [(16, 512, 8, 2, 1024, True, 0), (8, 512, 4, 4, 1024, True, 0)],
-    (64, 2048): [(8, 2048, 8, 2, 2048, True, 0), (16, 1024, 16, 1, 2048, True, 0), (16, 2048, 16, 1, 2048, True, 0)],
+    (64, 2048): [(8, 2048, 8, 2, 2048, True, 0), (8, 2048, 4, 2, 2048, True, 0), (8, 2048, 4, 4, 2048, True, 0),
+                 (16, 2048, 8, 1, 2048, True, 0), (16, 2048, 8, 2, 2048, True, 0), (4, 2048, 4, 4, 2048, True, 0),
+                 (4, 2048, 2, 4, 2048, True, 0), (8, 1024, 4, 2, 2048, True, 0)],
 }
-VARIANTS = [dict(preload=True, poll_acquire=False), dict(preload=True, poll_acquire=True),
-            dict(preload=False, poll_acquire=False)]
+VARIANTS = [dict(backoff_ns=0), dict(backoff_ns=200), dict(backoff_ns=1000)]
 for (layers, n), configs in CASES.items():
     g0, ws, x, _ = gemv_chain(layers, n, block_n=2)
     ref = gemv_chain_ref(ws, x)
@@ -47,10 +47,10 @@ for (layers, n), configs in CASES.items():
             t0 = time.time()
             g, _, _, out = gemv_chain(layers, n, weights=ws, x=x, block_n=bn, block_k=bk, num_warps=warps,
                                       prefetch_k=pf, double_buffer=dbuf, prefetch_ahead=ahead,
-                                      preload_weights=var["preload"])
+                                      )
             prog = lower(g, num_workers=sms * wps)
             t_lower = time.time() - t0
-            k = Megakernel(prog, poll_acquire=var["poll_acquire"])
+            k = Megakernel(prog, **var)
             res = k.residency()
             if prog.num_workers > res.max_workers:
                 print("skip", bn, bk, warps, wps, pf, dbuf, "max workers", res.max_workers, flush=True)
