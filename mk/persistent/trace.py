@@ -6,15 +6,22 @@ from pathlib import Path
 
 
 def to_chrome_trace(events: list[dict]) -> dict:
-    """Chrome trace format ("X" complete events, one thread per worker); opens in Perfetto."""
-    return {"traceEvents": [
-        {"name": e["name"], "cat": e["op"], "ph": "X", "ts": e["start_us"],
-         "dur": max(e["end_us"] - e["start_us"], 0.0), "pid": 0, "tid": e["worker"]}
-        for e in events], "displayTimeUnit": "ns"}
+    """Chrome trace format ("X" complete events, one thread per worker; a task's wait for its
+    inputs is its own "wait" event); opens in Perfetto."""
+    out = []
+    for e in events:
+        ready = e.get("ready_us", e["start_us"])
+        if ready > e["start_us"]:  # time spent waiting on the task's inputs
+            out.append({"name": f"wait {e['name']}", "cat": "wait", "ph": "X", "ts": e["start_us"],
+                        "dur": ready - e["start_us"], "pid": 0, "tid": e["worker"]})
+        out.append({"name": e["name"], "cat": e["op"], "ph": "X", "ts": ready,
+                    "dur": max(e["end_us"] - ready, 0.0), "pid": 0, "tid": e["worker"]})
+    return {"traceEvents": out, "displayTimeUnit": "ns"}
 
 
 def gantt_png(events: list[dict], path: str | Path, num_workers: int, title: str = "megakernel") -> None:
-    """Workers (rows) over time (µs), one bar per task, coloured by op. Needs matplotlib."""
+    """Workers (rows) over time (µs), one bar per task coloured by op, its wait for inputs in
+    grey before it. Needs matplotlib."""
     try:
         import matplotlib
 
@@ -26,7 +33,10 @@ def gantt_png(events: list[dict], path: str | Path, num_workers: int, title: str
     colours = {op: plt.cm.tab20(i % 20) for i, op in enumerate(ops)}
     fig, ax = plt.subplots(figsize=(14, max(3, num_workers * 0.06 + 2)))
     for e in events:
-        ax.barh(e["worker"], max(e["end_us"] - e["start_us"], 1e-3), left=e["start_us"], height=0.8,
+        ready = e.get("ready_us", e["start_us"])
+        if ready > e["start_us"]:  # waiting on inputs: light grey
+            ax.barh(e["worker"], ready - e["start_us"], left=e["start_us"], height=0.8, color="0.85", linewidth=0)
+        ax.barh(e["worker"], max(e["end_us"] - ready, 1e-3), left=ready, height=0.8,
                 color=colours[e["op"]], linewidth=0)
     ax.set_xlabel("µs")
     ax.set_ylabel("worker")
