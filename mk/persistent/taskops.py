@@ -175,7 +175,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, prefetch_ahead: int = 0, preload_weights: bool | None = None,
-              dtype: torch.dtype | None = None) -> OpSpec:
+              fold: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -185,7 +185,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     ``double_buffer``: the GEMV body requests each weight chunk one iteration ahead (a
     persistent worker needs the extra bytes in flight), and asks L2 for the chunk
     ``prefetch_ahead`` iterations ahead; ``preload_weights`` loads the first chunk into
-    registers before the dependency wait (None: when K is at most two chunks). ``prefetch_k``
+    registers before the dependency wait (None: when K is at most two chunks); ``fold``
+    narrows the accumulator that many times. ``prefetch_k``
     weight columns are
     pulled into L2 before the dependency wait (never
     under the interpreter).
@@ -205,8 +206,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     eps_src = "EPS" if norm else "0.0"
     body = (f"linear_tile(x, w, {norm_w}, {res}, out, pid_m, pid_n, M, N, K, 0, K, K, K, N_OUT, N_OUT, {eps_src}, "
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
-            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD"
-            f"{', w_first=w_first' if preload else ''})")
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, "
+            f"FOLD=FOLD{', w_first=w_first' if preload else ''})")
     prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
@@ -240,6 +241,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
+    constexprs["FOLD"] = int(fold) if double_buffer and s.bm == 1 else 1
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile, linear_weights_first",),

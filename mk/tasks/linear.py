@@ -156,7 +156,7 @@ def _linear_acc(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0, w_first=None,
+    DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,6 +185,8 @@ def _linear_acc(
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
         # to keep its share of DRAM busy, where a grid of many programs gets it for free.
+        if FOLD > 1:
+            acc_fold = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
         if w_first is not None:
             w_cur = w_first  # loaded by the caller, before it waited on its inputs
         else:
@@ -202,7 +204,14 @@ def _linear_acc(
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M).to(tl.float32)
             if HAS_NORM:
                 xt = xt * rstd * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
-            acc += w_cur.to(tl.float32) * xt[None, :]
+            if FOLD > 1:
+                # Sum FOLD stretches of the chunk before accumulating: a thread holds those
+                # stretches' elements itself, so the accumulator shrinks FOLD-fold for free
+                # and the registers go to weights in flight instead.
+                acc_fold += tl.sum(tl.reshape(w_cur.to(tl.float32) * xt[None, :], [BLOCK_N, FOLD, BLOCK_K // FOLD]),
+                                   axis=1)
+            else:
+                acc += w_cur.to(tl.float32) * xt[None, :]
             w_cur = w_next
     else:
         for k in range(k_lo, k_full, BLOCK_K):
@@ -213,7 +222,10 @@ def _linear_acc(
                            HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M)
     if BLOCK_M == 1:
         # The one cross-thread reduction of the GEMV, after the weight stream.
-        acc = tl.sum(acc, axis=1)[None, :]
+        if DOUBLE_BUFFER & (FOLD > 1):
+            acc = (tl.sum(acc, axis=1) + tl.sum(acc_fold, axis=1))[None, :]
+        else:
+            acc = tl.sum(acc, axis=1)[None, :]
     return acc
 
 
@@ -248,7 +260,7 @@ def linear_tile(
     stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
-    PREFETCH_AHEAD: tl.constexpr = 0, w_first=None,
+    PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -260,11 +272,12 @@ def linear_tile(
     and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
     DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead, and with
     PREFETCH_AHEAD > 0 asks L2 for the chunk that many iterations ahead (compiled code only);
-    ``w_first`` is the first chunk from :func:`linear_weights_first`, when already loaded.
+    ``w_first`` is the first chunk from :func:`linear_weights_first`, when already loaded;
+    FOLD > 1 (with DOUBLE_BUFFER) keeps a BLOCK_K/FOLD-wide accumulator.
     """
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, w_first=w_first)
+                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, w_first=w_first, FOLD=FOLD)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 

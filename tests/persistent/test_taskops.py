@@ -445,3 +445,20 @@ def test_ops_differing_only_in_eps_get_their_own_branch():
     g.add(op, x="x", w="w", out="a", row=0)
     with pytest.raises(ValueError, match="same key"):
         lower(g, 1)
+
+
+@pytest.mark.parametrize("fold", [1, 2, 4])
+@pytest.mark.parametrize("preload", [False, True])
+def test_gemv_tile_variants_of_the_weight_stream(fold, preload):
+    """Folded accumulators and weights preloaded before the wait give the same product,
+    including a ragged last chunk (K=200 over 64-wide chunks) and a clipped last tile."""
+    dev = default_device()
+    g = TaskGraph()
+    g.buffer("x", torch.randn(1, 200, device=dev)), g.buffer("w", torch.randn(40, 200, device=dev))
+    g.buffer("y", torch.full((1, 40), float("nan"), device=dev))
+    op = make_op("linear", M=1, N=40, K=200, block_n=16, block_k=64, fold=fold, preload_weights=preload, dtype=F32)
+    assert op.constexprs["FOLD"] == fold and bool(op.preload) == preload
+    for a in linear_tiles(op):
+        g.add(op, x="x", w="w", out="y", **a)
+    Megakernel(lower(g, 1)).run()
+    assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"]), F32)
