@@ -150,6 +150,17 @@ class _LinearShape:
         c0, c1 = (n0 // 2, n1 // 2) if self.silu_mul else (n0, n1)
         return r0, r1, n0, n1, c0, c1
 
+    def store(self, b, a, acc: torch.Tensor, residual: bool) -> None:
+        """VM: the epilogue (residual or silu_mul) of a float32 tile, stored into out."""
+        r0, r1, _, _, c0, c1 = self.tile(a)
+        y = _epilogue_ref(acc, _2d(b["res"])[r0:r1, c0:c1] if residual else None, self.silu_mul)
+        out = _2d(b["out"])
+        out[r0:r1, c0:c1] = y.to(out.dtype)
+
+    def out_regions(self, a, bind) -> list:
+        r0, r1, _, _, c0, c1 = self.tile(a)
+        return [Region(bind["out"], r0, r1, c0, c1)]
+
     def ws_rows(self, split: int, r0: int, r1: int) -> tuple[int, int]:
         """Rows of the 2-D workspace view holding split ``split`` of x rows [r0, r1)."""
         return split * self.M + r0, split * self.M + r1
@@ -218,12 +229,9 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         constexprs["EPS"] = float(eps)
 
     def run(b, a):
-        r0, r1, n0, n1, c0, c1 = s.tile(a)
+        r0, r1, n0, n1, _, _ = s.tile(a)
         h = _prologue_ref(_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
-        acc = h @ _2d(b["w"])[n0:n1].float().T
-        y = _epilogue_ref(acc, _2d(b["res"])[r0:r1, c0:c1] if residual else None, silu_mul)
-        out = _2d(b["out"])
-        out[r0:r1, c0:c1] = y.to(out.dtype)
+        s.store(b, a, h @ _2d(b["w"])[n0:n1].float().T, residual)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
@@ -235,8 +243,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         return regs
 
     def writes(a, bind):
-        r0, r1, _, _, c0, c1 = s.tile(a)
-        return [Region(bind["out"], r0, r1, c0, c1)]
+        return s.out_regions(a, bind)
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
@@ -330,16 +337,14 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul))
 
     def run(b, a):
-        r0, r1, n0, n1, c0, c1 = s.tile(a)
+        r0, r1, n0, n1, _, _ = s.tile(a)
         ws = _2d(b["ws"])
         acc = None
         for split in range(split_k):  # in split order, as the device does
             w0, w1 = s.ws_rows(split, r0, r1)
             part = ws[w0:w1, n0:n1].float()
             acc = part.clone() if acc is None else acc + part
-        y = _epilogue_ref(acc, _2d(b["res"])[r0:r1, c0:c1] if residual else None, silu_mul)
-        out = _2d(b["out"])
-        out[r0:r1, c0:c1] = y.to(out.dtype)
+        s.store(b, a, acc, residual)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
@@ -349,8 +354,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
         return regs
 
     def writes(a, bind):
-        r0, r1, _, _, c0, c1 = s.tile(a)
-        return [Region(bind["out"], r0, r1, c0, c1)]
+        return s.out_regions(a, bind)
 
     return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n"), body=body,
                   imports=("from mk.tasks.linear import linear_splitk_reduce_tile",),
