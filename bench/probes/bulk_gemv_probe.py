@@ -1,7 +1,8 @@
 """Standalone GEMV (M=1, bf16, PDL): TMA bulk prefetch vs per-line prefetch, prefetch_k sweep."""
 import math
 import torch
-import mk.tasks.linear as L
+import importlib
+L = importlib.import_module("mk.tasks.linear")
 from mk.timing import copy_bandwidth, graph_time_us
 
 bw = copy_bandwidth()["copy_Bps"]
