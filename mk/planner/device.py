@@ -1,0 +1,509 @@
+"""What the planner knows about a GPU: :class:`DeviceSpec`, its presets, and calibration.
+
+A plan depends on the GPU through a handful of numbers: how many SMs there are (how many
+persistent workers), how much shared memory a block may use (which tiles fit), how many
+blocks can be resident at once (co-residency of the persistent grid), and the rates and
+overheads the cost model divides by. ``DeviceSpec`` holds exactly those.
+
+Three ways to get one:
+
+* ``DeviceSpec.preset("h200")`` — spec-sheet numbers for a known part, so plans can be
+  made and tested on a machine without that GPU (or without any GPU);
+* ``DeviceSpec.from_gpu()`` — the live CUDA device, with rates from the closest preset and
+  cost-model constants from this device's calibration file when one exists;
+* ``DeviceSpec.from_json(text)`` — one written earlier by :meth:`DeviceSpec.to_json`.
+
+Calibration (``python -m mk calibrate``) measures the cost-model constants on the GPU and
+stores them with :func:`save_calibration` under :func:`calibration_path`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+#: Cost-model constants that calibration measures; everything else is a hardware fact.
+CALIBRATED_FIELDS = ("dram_bandwidth", "bf16_flops", "task_overhead_s", "wait_overhead_s",
+                     "launch_overhead_s")
+
+# Shared memory the driver reserves per block on sm_80 and later
+# (cudaDevAttrReservedSharedMemoryPerBlock). It is not in the opt-in per-block limit nor
+# in Triton's reported `shared`, but it is taken from the SM's pool for every block.
+_RESERVED_SMEM_PER_BLOCK = 1 * KiB
+
+# Registers are allocated per warp in units of this many (sm_70 .. sm_90).
+_REG_ALLOC_UNIT = 256
+# Shared memory is allocated per block in units of this many bytes (sm_80 .. sm_90).
+_SMEM_ALLOC_UNIT = 128
+# PTX caps a thread at 255 registers; a kernel's n_regs above that is a caller's bug.
+_MAX_REGS_PER_THREAD = 255
+
+# Resident blocks per SM by compute capability (CUDA programming guide, table of
+# technical specifications); torch does not report it.
+_MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16,
+                      (8, 9): 24, (9, 0): 32}
+
+_INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_threads_per_sm",
+               "max_blocks_per_sm", "l2_bytes", "max_threads_per_block", "reserved_smem_per_block")
+_RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
+_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One GPU as the planner sees it. Sizes in bytes, rates per second, times in seconds.
+
+    Hardware facts:
+        name: the device name (as ``torch.cuda.get_device_name`` reports it for a live GPU).
+        sm_count: streaming multiprocessors, i.e. the most persistent workers at one block/SM.
+        smem_per_block: the opt-in maximum dynamic shared memory one block may use
+            (what a tile configuration must fit under; lowered by :meth:`with_smem_budget`).
+        smem_per_sm: shared memory per SM (the pool resident blocks share).
+        regs_per_sm: 32-bit registers per SM.
+        max_threads_per_sm, max_blocks_per_sm: residency limits per SM.
+        l2_bytes: L2 cache size.
+        compute_capability: ``(major, minor)``.
+        max_threads_per_block: largest block (1024 on every part here).
+        reserved_smem_per_block: shared memory the driver reserves for each resident block.
+
+    Rates (presets use spec sheets; calibration replaces them with measurements):
+        dram_bandwidth: bytes/s of a device-to-device copy, counting bytes read plus
+            written — the figure a weight-streaming kernel is compared against.
+        bf16_flops: dense bf16 tensor-core flop/s.
+
+    Cost-model constants (placeholders until calibrated; ``calibrated`` says which):
+        task_overhead_s: fixed cost of one task in a persistent worker (fetch descriptor,
+            bind pointers, epilogue bookkeeping).
+        wait_overhead_s: one dependency hop, producer's release to consumer's acquire.
+        launch_overhead_s: launch, ramp-up and tail of the one kernel per step.
+        calibrated: True once the constants come from micro-benchmarks on this device.
+    """
+
+    name: str
+    sm_count: int
+    smem_per_block: int
+    smem_per_sm: int
+    regs_per_sm: int
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    l2_bytes: int
+    dram_bandwidth: float
+    bf16_flops: float
+    compute_capability: tuple[int, int]
+    max_threads_per_block: int = 1024
+    reserved_smem_per_block: int = _RESERVED_SMEM_PER_BLOCK
+    # Placeholder: descriptor fetch + pointer binding are a few hundred cycles.
+    task_overhead_s: float = 0.3e-6
+    # Placeholder from this project's probe: one signal/wait hop measured ~0.5-0.85 µs
+    # on an H200 (Triton 3.6), depending on how the consumer polls.
+    wait_overhead_s: float = 0.6e-6
+    # Placeholder: a CUDA-graph-replayed launch cost ~2 µs of ramp-up and tail on an H200
+    # (bench/NOTES.md).
+    launch_overhead_s: float = 2.0e-6
+    calibrated: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"DeviceSpec.name must be a non-empty string, got {self.name!r}")
+        for f in _INT_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"DeviceSpec.{f} must be an int, got {type(v).__name__} {v!r}")
+            if v < 0 or (v == 0 and f != "reserved_smem_per_block"):
+                raise ValueError(f"DeviceSpec.{f} must be positive, got {v}")
+        for f in _RATE_FIELDS + _OVERHEAD_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"DeviceSpec.{f} must be a number, got {type(v).__name__} {v!r}")
+            if not math.isfinite(v) or v < 0 or (v == 0 and f in _RATE_FIELDS):
+                raise ValueError(f"DeviceSpec.{f} must be finite and "
+                                 f"{'positive' if f in _RATE_FIELDS else 'non-negative'}, got {v}")
+        cc = self.compute_capability
+        if (not isinstance(cc, tuple) or len(cc) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in cc)):
+            raise TypeError(f"DeviceSpec.compute_capability must be a tuple of two ints, got {cc!r}")
+        if not isinstance(self.calibrated, bool):
+            raise TypeError(f"DeviceSpec.calibrated must be a bool, got {self.calibrated!r}")
+        if self.smem_per_block > self.smem_per_sm:
+            raise ValueError(f"DeviceSpec {self.name!r}: smem_per_block {self.smem_per_block} "
+                             f"exceeds smem_per_sm {self.smem_per_sm}")
+
+    # ---- serialisation -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (compute_capability as a list); inverse of :meth:`from_dict`."""
+        d = dataclasses.asdict(self)
+        d["compute_capability"] = list(self.compute_capability)
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """JSON text; ``DeviceSpec.from_json(spec.to_json()) == spec``."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
+        """Build from :meth:`to_dict`'s output; unknown or missing keys are errors."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"DeviceSpec.from_dict needs a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"DeviceSpec.from_dict: unknown keys {unknown}")
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(d))
+        if missing:
+            raise ValueError(f"DeviceSpec.from_dict: missing keys {missing}")
+        kw = dict(d)
+        cc = kw["compute_capability"]
+        if isinstance(cc, (list, tuple)):
+            kw["compute_capability"] = tuple(cc)
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceSpec:
+        """Parse :meth:`to_json`'s output."""
+        return cls.from_dict(json.loads(text))
+
+    # ---- construction ----------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str) -> DeviceSpec:
+        """The named preset: ``"h100"``, ``"H200"``, ``"a100"``, ``"l40s"``, ``"l20"``, ``"rtx4090"``…
+
+        Case, spaces, dashes and underscores are ignored; see :data:`PRESETS` and
+        :data:`ALIASES` for the names.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"preset name must be a string, got {type(name).__name__}")
+        key = ALIASES.get(_norm(name))
+        if key is None:
+            raise ValueError(f"unknown device preset {name!r}; known: {', '.join(sorted(PRESETS))} "
+                             f"(aliases: {', '.join(sorted(set(ALIASES) - set(PRESETS)))})")
+        return PRESETS[key]
+
+    @classmethod
+    def from_gpu(cls, device: Any = None, *, load_calibration: bool = True) -> DeviceSpec:
+        """The live CUDA device (default: the current one).
+
+        Hardware facts come from ``torch.cuda.get_device_properties``; rates and
+        constants from the preset closest by name, then from this device's calibration
+        file (:func:`calibration_path`) when one exists and ``load_calibration`` is set.
+        """
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("DeviceSpec.from_gpu needs a CUDA device and torch sees none "
+                               "(torch.cuda.is_available() is False); to plan without a GPU "
+                               "use DeviceSpec.preset(name), e.g. DeviceSpec.preset('h200')")
+        props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None
+                                                 else device)
+        cc = (int(props.major), int(props.minor))
+        base = closest_preset(props.name, cc, int(props.multi_processor_count))
+
+        def prop(*names: str, default: int) -> int:
+            # Attribute names differ across torch versions; the first one present wins.
+            for n in names:
+                v = getattr(props, n, None)
+                if v:
+                    return int(v)
+            return default
+
+        smem_per_sm = prop("shared_memory_per_multiprocessor", default=base.smem_per_sm)
+        spec = cls(
+            name=props.name,
+            sm_count=int(props.multi_processor_count),
+            # Without the opt-in figure, the default 48 KiB per block is a safe lower bound.
+            smem_per_block=min(prop("shared_memory_per_block_optin", "shared_memory_per_block",
+                                    default=base.smem_per_block), smem_per_sm),
+            smem_per_sm=smem_per_sm,
+            regs_per_sm=prop("regs_per_multiprocessor", "registers_per_multiprocessor",
+                             default=base.regs_per_sm),
+            max_threads_per_sm=prop("max_threads_per_multi_processor",
+                                    "max_threads_per_multiprocessor",
+                                    default=base.max_threads_per_sm),
+            max_blocks_per_sm=_MAX_BLOCKS_PER_SM.get(cc, base.max_blocks_per_sm),
+            l2_bytes=prop("L2_cache_size", "l2_cache_size", default=base.l2_bytes),
+            dram_bandwidth=base.dram_bandwidth,
+            bf16_flops=base.bf16_flops,
+            compute_capability=cc,
+            max_threads_per_block=base.max_threads_per_block,
+            reserved_smem_per_block=base.reserved_smem_per_block,
+            task_overhead_s=base.task_overhead_s,
+            wait_overhead_s=base.wait_overhead_s,
+            launch_overhead_s=base.launch_overhead_s,
+        )
+        if load_calibration:
+            constants = load_calibration_file(spec.name)
+            if constants is not None:
+                spec = spec.with_calibration(constants)
+        return spec
+
+    # ---- derived copies ------------------------------------------------------------
+
+    def with_calibration(self, constants: Mapping[str, Any]) -> DeviceSpec:
+        """A copy with measured cost-model constants (any subset of :data:`CALIBRATED_FIELDS`)
+        and ``calibrated=True``. A ``"name"`` key, if present, must name this device."""
+        if not isinstance(constants, Mapping):
+            raise TypeError(f"with_calibration needs a mapping, got {type(constants).__name__}")
+        kw = dict(constants)
+        other = kw.pop("name", self.name)
+        if _slug(other) != _slug(self.name):
+            raise ValueError(f"calibration is for device {other!r}, not {self.name!r}")
+        unknown = sorted(set(kw) - set(CALIBRATED_FIELDS))
+        if unknown:
+            raise ValueError(f"with_calibration: unknown constants {unknown}; "
+                             f"calibration sets {list(CALIBRATED_FIELDS)}")
+        return dataclasses.replace(self, **kw, calibrated=True)
+
+    def with_smem_budget(self, budget: int | str) -> DeviceSpec:
+        """A copy whose per-block shared memory is at most ``budget`` (bytes or e.g. "99KiB").
+
+        Planning an H100 with ``"99KiB"`` gives plans that also fit an Ada part.
+        """
+        b = parse_bytes(budget)
+        if b <= 0:
+            raise ValueError(f"shared-memory budget must be positive, got {budget!r}")
+        return dataclasses.replace(self, smem_per_block=min(self.smem_per_block, b))
+
+    # ---- residency -------------------------------------------------------------------
+
+    def max_resident_blocks(self, threads_per_block: int, smem_bytes: int = 0,
+                            regs_per_thread: int = 0) -> int:
+        """Blocks of one kernel that fit on an SM at once (0 if one block does not fit).
+
+        The minimum over the limits from threads, shared memory (``smem_bytes`` per block
+        plus the driver's reservation, in 128-byte units), registers (``regs_per_thread``,
+        allocated per warp in units of 256) and the per-SM block limit. A persistent grid
+        must not exceed ``sm_count * max_resident_blocks(...)`` or its spin-waits deadlock.
+        ``regs_per_thread=0`` leaves registers out (unknown before compiling).
+        """
+        for arg, v in (("threads_per_block", threads_per_block), ("smem_bytes", smem_bytes),
+                       ("regs_per_thread", regs_per_thread)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"max_resident_blocks: {arg} must be an int, got {v!r}")
+            if v < 0:
+                raise ValueError(f"max_resident_blocks: {arg} must be non-negative, got {v}")
+        if threads_per_block == 0:
+            raise ValueError("max_resident_blocks: threads_per_block must be positive")
+        if regs_per_thread > _MAX_REGS_PER_THREAD:
+            raise ValueError(f"max_resident_blocks: regs_per_thread {regs_per_thread} exceeds "
+                             f"the hardware's {_MAX_REGS_PER_THREAD}")
+        if threads_per_block > self.max_threads_per_block or smem_bytes > self.smem_per_block:
+            return 0
+        warps = -(-threads_per_block // 32)
+        by_threads = self.max_threads_per_sm // (warps * 32)
+        smem = -(-(smem_bytes + self.reserved_smem_per_block) // _SMEM_ALLOC_UNIT) * _SMEM_ALLOC_UNIT
+        by_smem = self.smem_per_sm // smem if smem else self.max_blocks_per_sm
+        if regs_per_thread:
+            regs_per_warp = -(-regs_per_thread * 32 // _REG_ALLOC_UNIT) * _REG_ALLOC_UNIT
+            by_regs = (self.regs_per_sm // regs_per_warp) // warps
+        else:
+            by_regs = self.max_blocks_per_sm
+        return max(0, min(by_threads, by_smem, by_regs, self.max_blocks_per_sm))
+
+    def max_grid(self, threads_per_block: int, smem_bytes: int = 0, regs_per_thread: int = 0) -> int:
+        """The largest persistent grid that is fully co-resident: SMs × resident blocks per SM."""
+        return self.sm_count * self.max_resident_blocks(threads_per_block, smem_bytes,
+                                                        regs_per_thread)
+
+    @property
+    def slug(self) -> str:
+        """File-name form of the device name, e.g. ``"nvidia-h200"``."""
+        return _slug(self.name)
+
+
+# ---- presets ----------------------------------------------------------------------------
+
+def _hopper(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float) -> DeviceSpec:
+    return DeviceSpec(name=name, sm_count=sm_count, smem_per_block=227 * KiB,
+                      smem_per_sm=228 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,
+                      max_blocks_per_sm=32, l2_bytes=l2_bytes, dram_bandwidth=dram_bandwidth,
+                      bf16_flops=989e12, compute_capability=(9, 0))
+
+
+def _ada(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float,
+         bf16_flops: float) -> DeviceSpec:
+    return DeviceSpec(name=name, sm_count=sm_count, smem_per_block=99 * KiB,
+                      smem_per_sm=100 * KiB, regs_per_sm=65536, max_threads_per_sm=1536,
+                      max_blocks_per_sm=24, l2_bytes=l2_bytes, dram_bandwidth=dram_bandwidth,
+                      bf16_flops=bf16_flops, compute_capability=(8, 9))
+
+
+# Where no copy bandwidth has been measured, dram_bandwidth is this fraction of the
+# spec-sheet peak: what a copy kernel typically reaches on HBM and GDDR parts.
+_COPY_FRACTION = 0.88
+
+#: Spec-sheet presets by canonical key. bf16_flops are dense tensor-core rates from the
+#: vendor spec sheets / architecture whitepapers (sparsity excluded); dram_bandwidth is a
+#: measured copy figure (read + written) where this project has one, else 0.88 × peak.
+PRESETS: dict[str, DeviceSpec] = {
+    # Peak HBM3 3.35 TB/s; not measured here.
+    "h100-sxm": _hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, _COPY_FRACTION * 3.35e12),
+    # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured in bench/results
+    # (tasks-nvidia-h200-2026-11-22.json, copy_Bps). L2: torch reports 60 MiB on this
+    # project's H200 (spec sheets often say 50 MB, the H100's figure).
+    "h200": _hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12),
+    # Peak HBM2e 2.04 TB/s (80 GB SXM); not measured here.
+    "a100-sxm": DeviceSpec(name="NVIDIA A100-SXM4-80GB", sm_count=108, smem_per_block=163 * KiB,
+                           smem_per_sm=164 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,
+                           max_blocks_per_sm=32, l2_bytes=40 * MiB,
+                           dram_bandwidth=_COPY_FRACTION * 2.04e12, bf16_flops=312e12,
+                           compute_capability=(8, 0)),
+    # Ada parts: 99 KiB of shared memory per block. Peak GDDR6 864 GB/s (L40S, L20),
+    # GDDR6X 1008 GB/s (RTX 4090); none measured here.
+    "l40s": _ada("NVIDIA L40S", 142, 96 * MiB, _COPY_FRACTION * 864e9, 362e12),
+    "l20": _ada("NVIDIA L20", 92, 96 * MiB, _COPY_FRACTION * 864e9, 119.5e12),
+    "rtx4090": _ada("NVIDIA GeForce RTX 4090", 128, 72 * MiB, _COPY_FRACTION * 1008e9, 165e12),
+}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[\s_\-]+", "", name.lower())
+
+
+#: Normalised alias (lower case, no spaces/dashes/underscores) -> key in :data:`PRESETS`.
+ALIASES: dict[str, str] = {
+    **{_norm(k): k for k in PRESETS},
+    **{_norm(spec.name): k for k, spec in PRESETS.items()},
+    "h100": "h100-sxm", "h100sxm5": "h100-sxm", "nvidiah100": "h100-sxm",
+    "h200sxm": "h200",
+    "a100": "a100-sxm", "a10080gb": "a100-sxm", "a100sxm480gb": "a100-sxm",
+    "nvidial40s": "l40s", "nvidial20": "l20",
+    "4090": "rtx4090", "geforcertx4090": "rtx4090",
+}
+
+
+def closest_preset(name: str, compute_capability: tuple[int, int] | None = None,
+                   sm_count: int | None = None) -> DeviceSpec:
+    """The preset that best describes a device called ``name`` (e.g. torch's device name).
+
+    Matches a preset's model token inside the name ("NVIDIA H100 80GB HBM3" → H100 SXM);
+    failing that, the preset with the same compute capability and nearest SM count, with a
+    warning that its rates are guesses until the device is calibrated.
+    """
+    n = _norm(name)
+    # Longest token first, so "l40s" wins over a shorter token it contains.
+    tokens = {"h100": "h100-sxm", "h200": "h200", "a100": "a100-sxm", "l40s": "l40s",
+              "l20": "l20", "4090": "rtx4090"}
+    for tok in sorted(tokens, key=len, reverse=True):
+        if tok in n:
+            return PRESETS[tokens[tok]]
+    candidates = [p for p in PRESETS.values() if p.compute_capability == compute_capability]
+    candidates = candidates or list(PRESETS.values())
+    best = min(candidates, key=lambda p: (abs(p.sm_count - (sm_count or p.sm_count)), p.name))
+    warnings.warn(f"no DeviceSpec preset for {name!r}; bandwidth and flop rates are taken from "
+                  f"{best.name!r} until this device is calibrated (python -m mk calibrate)",
+                  stacklevel=2)
+    return best
+
+
+# ---- calibration files --------------------------------------------------------------------
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def cache_dir() -> Path:
+    """``$MK_CACHE_DIR`` if set, else ``~/.cache/mk``."""
+    env = os.environ.get("MK_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mk"
+
+
+def calibration_path(name: str) -> Path:
+    """Where the calibration for the device called ``name`` lives:
+    ``<cache_dir>/calibration/<slug>.json`` (e.g. ``nvidia-h200.json``)."""
+    slug = _slug(name)
+    if not slug:
+        raise ValueError(f"device name {name!r} has no letters or digits to name a file by")
+    return cache_dir() / "calibration" / f"{slug}.json"
+
+
+def load_calibration_file(name: str) -> dict[str, Any] | None:
+    """The stored calibration constants for device ``name``, or None if none are stored."""
+    path = calibration_path(name)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"calibration file {path} must hold a JSON object")
+    return data
+
+
+def save_calibration(spec: DeviceSpec) -> Path:
+    """Write ``spec``'s cost-model constants to :func:`calibration_path`; returns the path.
+
+    ``DeviceSpec.from_gpu()`` loads them back on the same device.
+    """
+    path = calibration_path(spec.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"name": spec.name, **{f: getattr(spec, f) for f in CALIBRATED_FIELDS}}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return path
+
+
+# ---- byte sizes ---------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: int | str) -> int:
+    """A byte count from ``"101376"``, ``"99KiB"``, ``"0.5 MiB"``, ``"2G"`` (binary units) or an int.
+
+    "KB"/"MB"/"GB" are refused as ambiguous (spec sheets use them for both 1000 and 1024);
+    the result must be a whole, non-negative number of bytes.
+    """
+    if isinstance(text, bool):
+        raise TypeError(f"parse_bytes needs a string or int, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"byte count must be non-negative, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"parse_bytes needs a string or int, got {type(text).__name__}")
+    m = _BYTES_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot parse {text!r} as a byte size; expected e.g. '101376', "
+                         f"'99KiB', '0.5MiB'")
+    number, unit = m.group(1), m.group(2).lower()
+    if unit in ("kb", "mb", "gb"):
+        raise ValueError(f"{text!r}: unit {m.group(2)!r} is ambiguous (1000 or 1024?); "
+                         f"write {m.group(2)[0].upper()}iB")
+    if unit not in _UNITS:
+        raise ValueError(f"{text!r}: unknown unit {m.group(2)!r}; use B, KiB, MiB or GiB")
+    value = float(number) * _UNITS[unit]
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes ({value})")
+    return int(value)
+
+
+__all__ = [
+    "ALIASES",
+    "CALIBRATED_FIELDS",
+    "PRESETS",
+    "DeviceSpec",
+    "cache_dir",
+    "calibration_path",
+    "closest_preset",
+    "load_calibration_file",
+    "parse_bytes",
+    "save_calibration",
+]
