@@ -1,0 +1,67 @@
+"""Compile megakernels for sm_90 without a GPU (run by test_compile_sm90.py in a subprocess,
+because the interpreter switch is read when Triton decorates kernels)."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+import mk.persistent.taskops  # noqa: E402,F401
+from mk.persistent.codegen import device_words, generate_source, load_kernel  # noqa: E402
+from mk.persistent.graph import TaskGraph, lower  # noqa: E402
+from mk.persistent.ops import make_op  # noqa: E402
+from mk.persistent.taskops import linear_tiles  # noqa: E402
+from mk.tasks.linear import interleave_gate_up  # noqa: E402
+
+BF16 = torch.bfloat16
+SIG = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", "state_ptr": "*i32", "error_ptr": "*i32",
+       "trace_ptr": "*i64", "num_workers": "i32", "timeout": "i64", "DESC_WORDS": "constexpr", "TRACE": "constexpr",
+       "USE_TIMER": "constexpr", "POLL_ACQUIRE": "constexpr", "BACKOFF_NS": "constexpr"}
+
+
+def block_graph(n: int = 256, inter: int = 512) -> TaskGraph:
+    """A Llama MLP block with every linear variant: norm prologue + silu_mul epilogue (preloaded
+    weights, bulk prefetch), split-K down projection with a residual, plain GEMVs."""
+    g = TaskGraph()
+    z = lambda *s: torch.zeros(*s, dtype=BF16)  # noqa: E731
+    for name, t in (("x", z(1, n)), ("nw", z(n)), ("wgu", interleave_gate_up(z(inter, n), z(inter, n))),
+                    ("act", z(1, inter)), ("wd", z(n, inter)), ("ws", torch.zeros(2, 1, n)), ("y", z(1, n)),
+                    ("h", z(1, n)), ("w2", z(n, n)), ("out", z(1, n))):
+        g.buffer(name, t)
+    gu = make_op("linear", M=1, N=2 * inter, K=n, norm=True, silu_mul=True, dtype=BF16, prefetch_k=128)
+    for a in linear_tiles(gu):
+        g.add(gu, x="x", w="wgu", norm_w="nw", out="act", **a)
+    part = make_op("linear_partial", M=1, N=n, K=inter, split_k=2, dtype=BF16, prefetch_k=128)
+    red = make_op("linear_reduce", M=1, N=n, K=inter, split_k=2, residual=True, dtype=BF16)
+    for a in linear_tiles(part):
+        g.add(part, x="act", w="wd", ws="ws", **a)
+    for a in linear_tiles(red):
+        g.add(red, ws="ws", res="x", out="y", **a)
+    g.add(make_op("rmsnorm", n=n), x="y", w="nw", out="h", row=0)
+    plain = make_op("linear", M=1, N=n, K=n, dtype=BF16, block_k=64, fold=2, prefetch_ahead=2)
+    for a in linear_tiles(plain):
+        g.add(plain, x="h", w="w2", out="out", **a)
+    return g
+
+
+def main() -> None:
+    program = lower(block_graph(), num_workers=4)
+    for pipeline in (True, False):
+        kernel, _ = load_kernel(generate_source(program, pipeline=pipeline))
+        for poll_acquire, backoff in ((False, 0), (True, 200)):
+            cx = {"DESC_WORDS": device_words(program), "TRACE": True, "USE_TIMER": True,
+                  "POLL_ACQUIRE": poll_acquire, "BACKOFF_NS": backoff}
+            src = triton.compiler.ASTSource(fn=kernel, signature=SIG, constexprs=cx)
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            ptx = compiled.asm["ptx"]
+            for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer"):
+                assert needle in ptx, f"{needle} missing from the compiled megakernel"
+    print("ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
