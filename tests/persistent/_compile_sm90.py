@@ -15,7 +15,7 @@ from mk.persistent.codegen import device_words, generate_source, load_kernel  # 
 from mk.persistent.graph import TaskGraph, lower  # noqa: E402
 from mk.persistent.ops import make_op  # noqa: E402
 from mk.persistent.taskops import linear_tiles  # noqa: E402
-from mk.tasks.linear import interleave_gate_up  # noqa: E402
+from mk.tasks.linear import interleave_gate_up, linear_kernel  # noqa: E402
 
 BF16 = torch.bfloat16
 SIG = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", "state_ptr": "*i32", "error_ptr": "*i32",
@@ -60,6 +60,16 @@ def main() -> None:
             ptx = compiled.asm["ptx"]
             for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer"):
                 assert needle in ptx, f"{needle} missing from the compiled megakernel"
+    # The standalone GEMV launch: PDL (gdc wait/launch) and the TMA bulk prefetch before it.
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
+           "stride_om": "i32", "eps": "fp32"}
+    cx = dict(HAS_NORM=True, HAS_RESIDUAL=False, SILU_MUL=True, BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048, GROUP_M=8,
+              PREFETCH_LINES=8, LINE=64, PDL=True, PREFETCH_BULK=True)
+    src = triton.compiler.ASTSource(fn=linear_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+    for needle in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2"):
+        assert needle in ptx, f"{needle} missing from the compiled GEMV"
     print("ok")
 
 
