@@ -143,6 +143,7 @@ def generate_source(program: Program, pipeline: bool = True) -> str:
     ok = 1
     last_ev = tl.full([], -1, tl.int32)
     last_need = tl.zeros([], dtype=tl.int32)
+    pending = tl.zeros([], dtype=tl.int32)
     for qi in range(q_begin, q_end):
         d = d + DESC_WORDS
         has_next = qi + 1 < q_end
@@ -154,7 +155,15 @@ def generate_source(program: Program, pipeline: bool = True) -> str:
             t_ready = t_start
 {_indent(run, 3)}
             if ok != 0:
-                signal_event(w1, counters_ptr)
+                # A run of consecutive tasks with the same signal event signals once, at its
+                # end: one fence and one atomic instead of one per task. Safe: every consumer
+                # needs all of the event's producers anyway, and no task of the run can wait
+                # on anything that needs the run's signal (that would be a cycle).
+                if has_next & (n1 == w1) & (w1 >= 0):
+                    pending += 1
+                else:
+                    signal_event(w1, counters_ptr, pending + 1)
+                    pending = 0
 {_indent(trace, 3)}
 {_indent(carried, 2)}'''
     else:

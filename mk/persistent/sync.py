@@ -104,8 +104,9 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
 
 
 @triton.jit
-def signal_event(ev, counters_ptr):
-    """Publish this task's writes: block barrier, then one release increment of event ``ev``."""
+def signal_event(ev, counters_ptr, count=1):
+    """Publish this worker's writes: block barrier, then one release add of ``count`` to event
+    ``ev`` (the signals of ``count`` tasks at once, see the megakernel's deferred signals)."""
     tl.debug_barrier()
     if ev >= 0:
-        tl.atomic_add(counters_ptr + ev, 1, sem="release", scope="gpu")
+        tl.atomic_add(counters_ptr + ev, count, sem="release", scope="gpu")

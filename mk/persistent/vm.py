@@ -33,6 +33,7 @@ class VMReport:
     steps: int
     order: list[int]  # task indices in execution order
     max_concurrency: int
+    signals: int = 0  # counter updates (atomics on the GPU)
 
 
 def _view2d(t: torch.Tensor) -> torch.Tensor:
@@ -40,12 +41,14 @@ def _view2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, execute: bool = True,
-           check_reads: bool = True) -> VMReport:
+           check_reads: bool = True, defer_signals: bool = True) -> VMReport:
     """Run ``program`` on its graph's buffers (tensors are updated in place when ``execute``).
 
     interleave: ``round_robin`` (workers take turns) or ``random`` (a runnable worker
-    drawn from ``seed`` each step). Raises :class:`Deadlock` naming the stuck tasks and
-    what they wait for, or :class:`EarlyRead` naming the task and region.
+    drawn from ``seed`` each step). ``defer_signals``: like the megakernel, a worker signals
+    a run of consecutive tasks with the same event once, after the run's last task. Raises
+    :class:`Deadlock` naming the stuck tasks and what they wait for, or :class:`EarlyRead`
+    naming the task and region.
     """
     if interleave not in ("round_robin", "random"):
         raise ValueError(f"interleave must be 'round_robin' or 'random', got {interleave!r}")
@@ -54,6 +57,8 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
     rng = random.Random(seed)
     counters = [0] * max(program.num_events, 1)
     heads = [0] * program.num_workers
+    pending = [0] * program.num_workers
+    signals = 0
     buffers = graph.buffers
 
     # Published[buffer]: which elements hold data the current step may read. Buffers no
@@ -102,12 +107,18 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
         for region in task.writes():
             published[region.buffer][region.r0:region.r1, region.c0:region.c1] = True
         ev = program.task_signal[i]
-        if ev >= 0:
-            counters[ev] += 1
         heads[w] += 1
+        if ev >= 0:
+            q = program.queues[w]
+            if defer_signals and heads[w] < len(q) and program.task_signal[q[heads[w]]] == ev:
+                pending[w] += 1  # the megakernel signals a run of same-event tasks once, at its end
+            else:
+                counters[ev] += pending[w] + 1
+                pending[w] = 0
+                signals += 1
         order.append(i)
         steps += 1
-    return VMReport(steps=steps, order=order, max_concurrency=max_conc)
+    return VMReport(steps=steps, order=order, max_concurrency=max_conc, signals=signals)
 
 
 def _deadlock_message(program: Program, heads, counters, live) -> str:
