@@ -11,6 +11,7 @@ raises a ``TypeError`` or ``ValueError`` that names it, before anything is writt
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -133,3 +134,16 @@ def use_pdl(t: torch.Tensor) -> bool:
     if INTERPRET or not t.is_cuda or os.environ.get("MK_PDL", "1").strip() in ("0", "false", "no", "off"):
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_optin(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 49152))
+
+
+def smem_per_block(t: torch.Tensor) -> int | None:
+    """Shared memory (bytes) one block may use on ``t``'s GPU; None off the GPU (no limit)."""
+    if INTERPRET or not t.is_cuda:
+        return None
+    return _smem_optin(t.device.index if t.device.index is not None else torch.cuda.current_device())

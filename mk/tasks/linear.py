@@ -46,7 +46,7 @@ import triton.language as tl
 from ._dot import mma
 
 from ._cost import TaskCost
-from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, use_pdl
+from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, smem_per_block, use_pdl
 
 #: Largest M served by the skinny (decode) configs; above it, prefill tiles.
 SKINNY_MAX_M = 16
@@ -505,7 +505,8 @@ def _is_pow2(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
 
 
-def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 1) -> LinearConfig:
+def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 1,
+                  smem_limit: int | None = None) -> LinearConfig:
     """Heuristic config for an [M, K] x [N, K]^T product in ``dtype`` with ``split_k`` splits.
 
     * M == 1, the GEMV body: 2 weight rows x 2048 bf16 columns per iteration, 2 warps
@@ -517,8 +518,8 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
       through shared memory), hence 1. Each tile prefetches its rows' first 512 columns
       into L2 before waiting on the previous kernel (PDL).
     * M <= 16: tl.dot body with BLOCK_M = 16, so one weight tile serves the whole batch;
-      16 x 16 x 512 B tiles, 4 stages (48 KiB): narrow so that even N = 4096 makes 256
-      tiles for ~132 SMs.
+      64 x 512 B tiles, 4 stages (160 KiB of shared memory with bf16; with ``smem_limit``,
+      the bytes a block may use, fewer stages or narrower tiles where that is less).
     * M > 16: prefill tiles, 64 or 128 x 128 x 128 B of K.
 
     Block sizes are capped by the problem (no 1024-wide chunk for K = 200) and block_k so
@@ -534,7 +535,11 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
         # keep every SM streaming until the very end of the product.
         bm, bn, bk, warps, stages, prefetch_k = 1, 2, vec * 32 * 2 * 4, 2, 1, 512
     elif M <= SKINNY_MAX_M:
-        bm, bn, bk, warps, stages, prefetch_k = 16, 16, 512 // db, 4, 4, 0
+        # Winner of bench/probes/skinny_sweep.py on an H200 (M=8, bf16): 64 weight rows x
+        # 512 B of K, 2 warps, 4 stages: 0.73 / 0.91 / 0.81 of copy at 4096->6144,
+        # 4096->28672, 14336->4096, level with torch (0.75 / 0.89 / 0.84); the earlier
+        # 16-row tiles reached 0.55-0.65. Stages drop where shared memory is smaller.
+        bm, bn, bk, warps, stages, prefetch_k = 16, 64, 512 // db, 2, 4, 0
     else:
         bm = 64 if M <= 64 else 128
         bn, bk, warps, stages, prefetch_k = 128, 128 // db, (4 if bm == 64 else 8), 3, 0
@@ -547,7 +552,15 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
     bk = max(bk, floor)
     if bm == 1:
         warps = max(1, min(warps, bk // (vec * 32)))  # keep the warps along K for short K
-    return LinearConfig(bm, bn, bk, split_k, warps, stages, prefetch_k=prefetch_k)
+    config = LinearConfig(bm, bn, bk, split_k, warps, stages, prefetch_k=prefetch_k)
+    if smem_limit is not None and bm > 1:
+        # Fewer stages, then narrower tiles, until the operand ring fits (99 KiB on Ada parts).
+        while linear_smem_bytes(config, M, db) > smem_limit and (config.num_stages > 2 or config.block_n > DOT_MIN):
+            if config.num_stages > 2:
+                config = LinearConfig(**{**config.to_dict(), "num_stages": config.num_stages - 1})
+            else:
+                config = LinearConfig(**{**config.to_dict(), "block_n": config.block_n // 2})
+    return config
 
 
 def linear_k_splits(K: int, block_k: int, split_k: int) -> list[tuple[int, int]]:
@@ -746,7 +759,7 @@ def linear(
     check_positive_int("split_k", split_k)
     M = x.numel() // K
     if config is None:
-        config = linear_config(M, N, K, x.dtype, split_k=split_k)
+        config = linear_config(M, N, K, x.dtype, split_k=split_k, smem_limit=smem_per_block(x))
     elif isinstance(config, LinearConfig) and split_k != 1 and split_k != config.split_k:
         raise ValueError(f"split_k={split_k} conflicts with config.split_k={config.split_k}")
     config = _check_config(config, K, silu_mul)

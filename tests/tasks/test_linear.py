@@ -388,3 +388,16 @@ def test_chain_of_dependent_linears_in_a_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, ref) < 2e-2
+
+
+def test_skinny_config_fits_the_shared_memory_it_is_given():
+    from mk.tasks.linear import linear_smem_bytes
+
+    free = linear_config(8, 6144, 4096, torch.bfloat16)
+    assert (free.block_m, free.block_n, free.num_warps, free.num_stages) == (16, 64, 2, 4)
+    for limit in (101376, 65536, 40000):  # Ada's 99 KiB, then tighter
+        c = linear_config(8, 6144, 4096, torch.bfloat16, smem_limit=limit)
+        assert linear_smem_bytes(c, 8, 2) <= limit and c.block_k == free.block_k
+    assert linear_config(8, 6144, 4096, torch.bfloat16, smem_limit=101376).num_stages == 2
+    # The GEMV body needs (almost) no shared memory: a limit changes nothing.
+    assert linear_config(1, 6144, 4096, torch.bfloat16, smem_limit=40000) == linear_config(1, 6144, 4096, torch.bfloat16)
