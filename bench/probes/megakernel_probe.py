@@ -16,12 +16,12 @@ sms = torch.cuda.get_device_properties(0).multi_processor_count
 bw = copy_bandwidth()["copy_Bps"]
 print(f"copy {bw/1e12:.3f} TB/s, {sms} SMs", flush=True)
 rows = []
-# (block_n, block_k, warps, workers per SM, prefetch_k, fold)
+# (block_n, block_k, warps, workers per SM, prefetch_k, tma_stages)
 CASES = {
-    (16, 8192): [(8, 512, 4, 4, 1024, 1), (2, 2048, 2, 6, 1024, 1), (4, 1024, 2, 6, 1024, 1), (4, 1024, 4, 4, 1024, 1),
-                 (2, 2048, 2, 4, 1024, 1), (16, 512, 8, 2, 1024, 1)],
-    (64, 2048): [(8, 2048, 4, 2, 2048, 1), (4, 2048, 2, 4, 2048, 1), (4, 2048, 4, 2, 2048, 1), (2, 2048, 2, 8, 2048, 1),
-                 (16, 2048, 8, 1, 2048, 1)],
+    (16, 8192): [(8, 512, 4, 4, 1024, 0), (16, 256, 4, 2, 1024, 4), (16, 256, 4, 3, 1024, 4), (16, 256, 4, 2, 1024, 6),
+                 (8, 256, 4, 4, 1024, 4), (8, 256, 2, 4, 1024, 6), (32, 256, 8, 1, 1024, 4), (32, 256, 4, 2, 1024, 4),
+                 (16, 256, 8, 2, 1024, 4), (64, 128, 8, 1, 1024, 4)],
+    (64, 2048): [(8, 2048, 4, 2, 2048, 0), (16, 256, 4, 2, 2048, 4), (8, 256, 4, 2, 2048, 4), (16, 256, 8, 1, 2048, 6)],
 }
 VARIANTS = [dict()]
 for (layers, n), configs in CASES.items():
@@ -43,17 +43,17 @@ for (layers, n), configs in CASES.items():
           f"mk linear launches {t_ops:.2f}", flush=True)
     rows.append(dict(layers=layers, n=n, provider="torch", us_per_layer=t_torch))
     rows.append(dict(layers=layers, n=n, provider="mk_ops", us_per_layer=t_ops))
-    for (bn, bk, warps, wps, pf, fold), var in [(c, v) for c in configs for v in VARIANTS]:
+    for (bn, bk, warps, wps, pf, tma), var in [(c, v) for c in configs for v in VARIANTS]:
         try:
             t0 = time.time()
             g, _, _, out = gemv_chain(layers, n, weights=ws, x=x, block_n=bn, block_k=bk, num_warps=warps,
-                                      prefetch_k=pf, fold=fold)
+                                      prefetch_k=pf, tma_stages=tma)
             prog = lower(g, num_workers=sms * wps)
             t_lower = time.time() - t0
             k = Megakernel(prog, **var)
             res = k.residency()
             if prog.num_workers > res.max_workers:
-                print("skip", bn, bk, warps, wps, pf, fold, "max workers", res.max_workers, flush=True)
+                print("skip", bn, bk, warps, wps, pf, tma, "max workers", res.max_workers, flush=True)
                 continue
             k.run()
             torch.cuda.synchronize()
@@ -62,13 +62,13 @@ for (layers, n), configs in CASES.items():
             us = event_time_us(graph.replay, reps=10, warmup=2) / 3 / layers
             k.check()
             r = dict(layers=layers, n=n, provider="mk", bn=bn, bk=bk, warps=warps, workers=prog.num_workers,
-                     prefetch_k=pf, fold=fold, **var, us_per_layer=us, vs_torch=t_torch / us, frac_of_copy=nbytes / (us * 1e-6) / bw,
+                     prefetch_k=pf, tma_stages=tma, **var, us_per_layer=us, vs_torch=t_torch / us, frac_of_copy=nbytes / (us * 1e-6) / bw,
                      err=err, regs=res.n_regs, smem=res.shared_bytes, lower_s=t_lower, tasks=len(g.tasks))
             rows.append(r)
             print({a: round(b, 3) if isinstance(b, float) else b for a, b in r.items()}, flush=True)
             del k, g, prog
         except Exception as e:
-            print("fail", bn, bk, warps, wps, pf, fold, repr(e)[:400], flush=True)
+            print("fail", bn, bk, warps, wps, pf, tma, repr(e)[:400], flush=True)
     del ws, g0
 json.dump({"device": torch.cuda.get_device_name(), "copy_Bps": bw, "rows": rows},
           open(os.path.join(os.environ.get("OUT", "."), "megakernel_probe.json"), "w"), indent=1)

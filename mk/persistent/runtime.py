@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mk.tasks import INTERPRET
+from mk.tasks import INTERPRET, enable_device_descriptors
 
 from .codegen import device_words, generate_source, load_kernel
 from .graph import Program
@@ -109,6 +109,8 @@ class Megakernel:
         if INTERPRET and program.num_workers != 1:
             raise MegakernelError("under the Triton interpreter programs run one after another: "
                                   "lower the graph for num_workers=1 (use the VM for more workers)")
+        if any(spec.constexprs.get("TMA_STAGES", 0) for spec, _ in program.variants):
+            enable_device_descriptors()  # scratch for the descriptors the TMA bodies make
         self.source = generate_source(program, pipeline=pipeline)
         self.poll_acquire, self.backoff_ns = bool(poll_acquire), int(backoff_ns)
         self.kernel, self.digest = load_kernel(self.source)

@@ -186,7 +186,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, prefetch_ahead: int = 0, preload_weights: bool | None = None,
-              fold: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
+              fold: int = 1, tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -197,7 +197,9 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     persistent worker needs the extra bytes in flight), and asks L2 for the chunk
     ``prefetch_ahead`` iterations ahead; ``preload_weights`` loads the first chunk into
     registers before the dependency wait (None: when K is at most two chunks); ``fold``
-    narrows the accumulator that many times. ``prefetch_k``
+    narrows the accumulator that many times; ``tma_stages`` > 0 streams the weights through a
+    shared-memory ring of that many TMA loads instead (GEMV body; aligned rows, chunks of at
+    most 256 elements). ``prefetch_k``
     weight columns are
     pulled into L2 before the dependency wait (never
     under the interpreter).
@@ -210,6 +212,12 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     # by a third, whose loop then converts the chunk's layout every iteration.
     if preload_weights is None:
         preload_weights = K <= 2 * s.bk
+    # TMA streaming needs 16-byte aligned rows and boxes of at most 256 elements a side.
+    eb = torch.empty((), dtype=dtype or default_dtype()).element_size()
+    tma = int(tma_stages) if (s.bm == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256
+                              and s.bk <= 256 and (s.bk * eb) % 16 == 0) else 0
+    if tma:
+        double_buffer, preload_weights, fold = False, False, 1
     preload = bool(preload_weights and double_buffer and s.bm == 1)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     # Unused pointer operands get a harmless real pointer, as the launcher does.
@@ -218,10 +226,11 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     body = (f"linear_tile(x, w, {norm_w}, {res}, out, pid_m, pid_n, M, N, K, 0, K, K, K, N_OUT, N_OUT, {eps_src}, "
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, "
-            f"FOLD=FOLD{', w_first=w_first' if preload else ''})")
+            f"FOLD=FOLD, TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
     prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
+                  "TMA_STAGES": tma,
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1),
                   # Inline PTX: never under the interpreter.
                   "PREFETCH_AHEAD": 0 if INTERPRET or not double_buffer or s.bm != 1 else int(prefetch_ahead)}

@@ -147,3 +147,22 @@ def smem_per_block(t: torch.Tensor) -> int | None:
     if INTERPRET or not t.is_cuda:
         return None
     return _smem_optin(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+_ALLOCATOR_SET = False
+
+
+def enable_device_descriptors() -> None:
+    """Give Triton an allocator for the scratch memory of tensor descriptors made on the
+    device (``tl.make_tensor_descriptor``), which TMA-streamed task bodies use. Sets Triton's
+    process-wide allocator once (torch's caching allocator: CUDA-graph capture works)."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET or INTERPRET:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
+    _ALLOCATOR_SET = True

@@ -157,6 +157,7 @@ def _linear_acc(
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1,
+    TMA_STAGES: tl.constexpr = 0,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,7 +182,20 @@ def _linear_acc(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # Whole chunks unmasked, then at most one masked tail chunk.
     k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
-    if (BLOCK_M == 1) & DOUBLE_BUFFER:
+    if (BLOCK_M == 1) & (TMA_STAGES > 0):
+        # The TMA unit streams the weight chunks into a TMA_STAGES-deep shared-memory ring
+        # (Triton pipelines descriptor loads): many bytes in flight per program without
+        # holding them in registers, which is what a persistent worker lacks. Rows past N
+        # come back as zeros. Needs 16-byte aligned rows and BLOCK_N, BLOCK_K <= 256.
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
+            w = w_desc.load([pid_n * BLOCK_N, k])
+            xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M).to(tl.float32)
+            if HAS_NORM:
+                xt = xt * rstd * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
+            acc += w.to(tl.float32) * xt[None, :]
+    elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
         # to keep its share of DRAM busy, where a grid of many programs gets it for free.
@@ -260,7 +274,7 @@ def linear_tile(
     stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
-    PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1,
+    PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1, TMA_STAGES: tl.constexpr = 0,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -273,11 +287,14 @@ def linear_tile(
     DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead, and with
     PREFETCH_AHEAD > 0 asks L2 for the chunk that many iterations ahead (compiled code only);
     ``w_first`` is the first chunk from :func:`linear_weights_first`, when already loaded;
-    FOLD > 1 (with DOUBLE_BUFFER) keeps a BLOCK_K/FOLD-wide accumulator.
+    FOLD > 1 (with DOUBLE_BUFFER) keeps a BLOCK_K/FOLD-wide accumulator. TMA_STAGES > 0 (GEMV
+    body) streams weights through a shared-memory ring filled by TMA (needs an allocator for
+    on-device descriptors: :func:`mk.tasks.enable_device_descriptors`).
     """
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, w_first=w_first, FOLD=FOLD)
+                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, w_first=w_first, FOLD=FOLD,
+                      TMA_STAGES=TMA_STAGES)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 

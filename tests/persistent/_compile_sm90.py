@@ -45,6 +45,10 @@ def block_graph(n: int = 256, inter: int = 512) -> TaskGraph:
     plain = make_op("linear", M=1, N=n, K=n, dtype=BF16, block_k=64, fold=2, prefetch_ahead=2)
     for a in linear_tiles(plain):
         g.add(plain, x="h", w="w2", out="out", **a)
+    g.buffer("out2", z(1, n))
+    streamed = make_op("linear", M=1, N=n, K=n, dtype=BF16, block_n=16, block_k=128, tma_stages=4)
+    for a in linear_tiles(streamed):
+        g.add(streamed, x="out", w="w2", out="out2", **a)
     return g
 
 
@@ -58,7 +62,7 @@ def main() -> None:
             src = triton.compiler.ASTSource(fn=kernel, signature=SIG, constexprs=cx)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             ptx = compiled.asm["ptx"]
-            for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer"):
+            for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer", "cp.async.bulk.tensor"):
                 assert needle in ptx, f"{needle} missing from the compiled megakernel"
     # The standalone GEMV launch: PDL (gdc wait/launch) and the TMA bulk prefetch before it.
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
