@@ -64,12 +64,13 @@ def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]
         lines.append("# loads that do not depend on other tasks, issued before waiting for them")
         lines.append(textwrap.dedent(spec.preload).strip("\n"))
     lines.append(_waits(program))
-    lines.append("t_ready = now_ns(USE_TIMER)")
+    lines.append("t_ready = now_ns(USE_TIMER & TRACE)")
     lines.append("if ok != 0:")
     lines.append(_indent(spec.body, 1))
     dt_names = [str(d).replace("torch.", "") for d in dtypes]
     return (f"@triton.jit\ndef op_{opcode}({_words('w', n)}, counters_ptr, error_ptr, epoch, worker, timeout, ok, "
-            f"last_ev, last_need, USE_TIMER: tl.constexpr, POLL_ACQUIRE: tl.constexpr, BACKOFF_NS: tl.constexpr):\n"
+            f"last_ev, last_need, USE_TIMER: tl.constexpr, POLL_ACQUIRE: tl.constexpr, BACKOFF_NS: tl.constexpr, "
+            f"TRACE: tl.constexpr):\n"
             f"    \"\"\"{spec.key} on {dt_names}\"\"\"\n" + _indent("\n".join(lines), 1) +
             "\n    return ok, last_ev, last_need, t_ready\n")
 
@@ -124,7 +125,7 @@ def generate_source(program: Program, pipeline: bool = True) -> str:
                               for i, (spec, dtypes) in enumerate(program.variants) if spec.prefetch)
     has_prefetch = lambda spec: bool(spec.prefetch)  # noqa: E731
     run = _dispatch(program, "op", "w", ", counters_ptr, error_ptr, epoch, worker, timeout, ok, last_ev, last_need, "
-                    "USE_TIMER=USE_TIMER, POLL_ACQUIRE=POLL_ACQUIRE, BACKOFF_NS=BACKOFF_NS",
+                    "USE_TIMER=USE_TIMER, POLL_ACQUIRE=POLL_ACQUIRE, BACKOFF_NS=BACKOFF_NS, TRACE=TRACE",
                     "ok, last_ev, last_need, t_ready = ")
     prefetch_first = _dispatch(program, "prefetch", "w", "", "", has_prefetch)
     prefetch_next = _dispatch(program, "prefetch", "n", "", "", has_prefetch)
@@ -149,7 +150,7 @@ def generate_source(program: Program, pipeline: bool = True) -> str:
         has_next = qi + 1 < q_end
 {_indent(_load_row("n", "d", n, "has_next"), 2)}
         if ok != 0:
-            t_start = now_ns(USE_TIMER)
+            t_start = now_ns(USE_TIMER & TRACE)  # the timer is read only for traces
             if has_next:
 {_indent(prefetch_next, 4)}
             t_ready = t_start
@@ -174,7 +175,7 @@ def generate_source(program: Program, pipeline: bool = True) -> str:
         if ok != 0:
             d = desc_ptr + qi.to(tl.int64) * DESC_WORDS
 {_indent(_load_row("w", "d", n, "qi < q_end"), 3)}
-            t_start = now_ns(USE_TIMER)
+            t_start = now_ns(USE_TIMER & TRACE)  # the timer is read only for traces
 {_indent(prefetch_first, 3)}
             t_ready = t_start
 {_indent(run, 3)}
