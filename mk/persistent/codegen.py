@@ -160,11 +160,14 @@ def generate_source(program: Program, pipeline: bool = True) -> str:
                 # end: one fence and one atomic instead of one per task. Safe: every consumer
                 # needs all of the event's producers anyway, and no task of the run can wait
                 # on anything that needs the run's signal (that would be a cycle).
-                if has_next & (n1 == w1) & (w1 >= 0):
-                    pending += 1
+                if DEFER_SIGNALS:
+                    if has_next & (n1 == w1) & (w1 >= 0):
+                        pending += 1
+                    else:
+                        signal_event(w1, counters_ptr, pending + 1)
+                        pending = 0
                 else:
-                    signal_event(w1, counters_ptr, pending + 1)
-                    pending = 0
+                    signal_event(w1, counters_ptr)
 {_indent(trace, 3)}
 {_indent(carried, 2)}'''
     else:
@@ -200,7 +203,7 @@ from mk.persistent.sync import now_ns, signal_event, wait_event
 @triton.jit
 def {KERNEL_NAME}(desc_ptr, queue_ptr, counters_ptr, state_ptr, error_ptr, trace_ptr, num_workers, timeout,
                DESC_WORDS: tl.constexpr, TRACE: tl.constexpr, USE_TIMER: tl.constexpr,
-               POLL_ACQUIRE: tl.constexpr, BACKOFF_NS: tl.constexpr):
+               POLL_ACQUIRE: tl.constexpr, BACKOFF_NS: tl.constexpr, DEFER_SIGNALS: tl.constexpr):
     worker = tl.program_id(0)
     # state: [launches completed, workers finished (cumulative)]; thresholds grow with it,
     # so counters never need a host reset between launches.

@@ -95,11 +95,13 @@ class Megakernel:
         pipeline: software-pipeline the dispatch loop (see codegen.generate_source).
         poll_acquire: poll with acquire loads instead of relaxed ones plus one acquire.
         backoff_ns: sleep between polls (GPU only).
+        defer_signals: a worker's run of same-event tasks signals once, at its end
+            (pipelined loop only; the VM's ``defer_signals`` models it).
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
                  interpret_polls: int = 2000, pipeline: bool = True, poll_acquire: bool = False,
-                 backoff_ns: int = 0):
+                 backoff_ns: int = 0, defer_signals: bool = True):
         self.program = program
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}
@@ -113,6 +115,7 @@ class Megakernel:
             enable_device_descriptors()  # scratch for the descriptors the TMA bodies make
         self.source = generate_source(program, pipeline=pipeline)
         self.poll_acquire, self.backoff_ns = bool(poll_acquire), int(backoff_ns)
+        self.defer_signals = bool(defer_signals)
         self.kernel, self.digest = load_kernel(self.source)
         dev = self.device
         self.desc = device_descriptors(program).to(dev)
@@ -132,7 +135,8 @@ class Megakernel:
         return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
                 dict(DESC_WORDS=self.desc.shape[1], TRACE=self.trace_enabled, USE_TIMER=not INTERPRET,
-                     POLL_ACQUIRE=self.poll_acquire, BACKOFF_NS=self.backoff_ns, num_warps=self.num_warps))
+                     POLL_ACQUIRE=self.poll_acquire, BACKOFF_NS=self.backoff_ns, DEFER_SIGNALS=self.defer_signals,
+                     num_warps=self.num_warps))
 
     def residency(self) -> Residency:
         """Compile (once) and read registers and shared memory off the compiled kernel."""

@@ -20,7 +20,7 @@ from mk.tasks.linear import interleave_gate_up, linear_kernel  # noqa: E402
 BF16 = torch.bfloat16
 SIG = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", "state_ptr": "*i32", "error_ptr": "*i32",
        "trace_ptr": "*i64", "num_workers": "i32", "timeout": "i64", "DESC_WORDS": "constexpr", "TRACE": "constexpr",
-       "USE_TIMER": "constexpr", "POLL_ACQUIRE": "constexpr", "BACKOFF_NS": "constexpr"}
+       "USE_TIMER": "constexpr", "POLL_ACQUIRE": "constexpr", "BACKOFF_NS": "constexpr", "DEFER_SIGNALS": "constexpr"}
 
 
 def block_graph(n: int = 256, inter: int = 512) -> TaskGraph:
@@ -58,7 +58,7 @@ def main() -> None:
         kernel, _ = load_kernel(generate_source(program, pipeline=pipeline))
         for poll_acquire, backoff in ((False, 0), (True, 200)):
             cx = {"DESC_WORDS": device_words(program), "TRACE": True, "USE_TIMER": True,
-                  "POLL_ACQUIRE": poll_acquire, "BACKOFF_NS": backoff}
+                  "POLL_ACQUIRE": poll_acquire, "BACKOFF_NS": backoff, "DEFER_SIGNALS": poll_acquire}
             src = triton.compiler.ASTSource(fn=kernel, signature=SIG, constexprs=cx)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             ptx = compiled.asm["ptx"]
