@@ -1,0 +1,194 @@
+"""The cost model: predicted time of each op of a decode step under a tiling choice.
+
+For one op and its :class:`OpChoice` the model counts the tasks the choice makes and the
+bytes and flops they move (the tasks' own cost hooks, split-K workspace included), then
+
+    time = max(bytes / bandwidth, flops / rate) + waves x task overhead + wait
+
+where ``waves`` is the number of tasks the busiest worker runs (whole tasks over
+``workers``) and ``wait`` is one dependency hop from the op's producers. A decode step at batch 1 is a
+chain (every op needs its predecessor's whole output), so the step is the sum over ops.
+(with the busiest worker's streaming rate capped, see WORKER_BURST). The constants
+(bandwidth, rate, overheads) are the :class:`~mk.planner.device.DeviceSpec`'s,
+measured by calibration on the GPU; presets carry spec-sheet placeholders.
+
+Fused ops (an RMSNorm folded into the next linear's prologue, SiLU·mul or a residual add
+into a linear's epilogue) cost no task and no hop of their own; the host op reads what the
+fused op read from outside and no longer reads the intermediate tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from mk.tasks.linear import LinearConfig, linear_cost, linear_smem_bytes
+
+from .device import DeviceSpec
+from .graph import OpGraph, OpNode
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """What the search picks for one op.
+
+    block_n, block_k, split_k, stages, num_warps: tile of a linear (block_m follows M).
+    rows_per_task: rows (or row blocks) per task of a row-wise op (norm, add, silu_mul).
+    kv_splits: KV-length splits of decode attention.
+    fuse: names of ops folded into this one (they then have no task of their own).
+    """
+
+    block_n: int = 0
+    block_k: int = 0
+    split_k: int = 1
+    stages: int = 1
+    num_warps: int = 4
+    rows_per_task: int = 1
+    kv_splits: int = 1
+    fuse: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class OpEstimate:
+    """Predicted cost of one op (fused ops appear only inside their host)."""
+
+    name: str
+    kind: str
+    tasks: int
+    bytes: int
+    flops: int
+    smem_bytes: int
+    memory_s: float
+    compute_s: float
+    overhead_s: float
+    seconds: float
+
+
+@dataclass
+class StepEstimate:
+    """Predicted decode step: per-op estimates in program order and their sum."""
+
+    ops: list[OpEstimate] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(o.seconds for o in self.ops)
+
+    @property
+    def tasks(self) -> int:
+        return sum(o.tasks for o in self.ops)
+
+    @property
+    def peak_smem_bytes(self) -> int:
+        return max((o.smem_bytes for o in self.ops), default=0)
+
+
+def _linear_config(node: OpNode, choice: OpChoice) -> LinearConfig:
+    M = node.dims["M"]
+    block_m = 1 if M == 1 else (16 if M <= 16 else 64)
+    return LinearConfig(block_m, choice.block_n, choice.block_k, choice.split_k, choice.num_warps, choice.stages)
+
+
+def op_tasks(node: OpNode, choice: OpChoice) -> int:
+    """Tasks the choice cuts the op into (split-K reduce tasks and attention merges included)."""
+    d = node.dims
+    if node.kind == "linear":
+        if choice.block_n < 1:
+            raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
+        block_m = 1 if d["M"] == 1 else 16 if d["M"] <= 16 else 64
+        tiles = math.ceil(d["M"] / block_m) * math.ceil(d["N"] / choice.block_n)
+        return tiles * choice.split_k + (tiles if choice.split_k > 1 else 0)
+    if node.kind == "attention":
+        partials = d["batch"] * d["kv_heads"] * choice.kv_splits
+        return partials + (d["batch"] * d["heads"] if choice.kv_splits > 1 else 0)
+    rows = d.get("rows", d.get("batch", 1))
+    return max(1, math.ceil(rows / max(choice.rows_per_task, 1)))
+
+
+def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
+    """Bytes and flops of the op under the choice (split-K workspace traffic included)."""
+    if node.kind == "linear" and choice.split_k > 1:
+        c = linear_cost(node.dims["M"], node.dims["N"], node.dims["K"], split_k=choice.split_k)
+        extra = c.bytes - linear_cost(node.dims["M"], node.dims["N"], node.dims["K"]).bytes
+        return node.bytes + extra, node.flops + (c.flops - linear_cost(node.dims["M"], node.dims["N"],
+                                                                       node.dims["K"]).flops)
+    if node.kind == "attention" and choice.kv_splits > 1:
+        d = node.dims
+        workspace = 2 * d["batch"] * d["heads"] * choice.kv_splits * (d["head_dim"] + 1) * 4
+        return node.bytes + workspace, node.flops
+    return node.bytes, node.flops
+
+
+def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
+    """Shared memory of one task: the linear's 3-D tile model, a small scratch otherwise."""
+    if node.kind == "linear":
+        return linear_smem_bytes(_linear_config(node, choice), node.dims["M"], dtype_bytes)
+    return 4 * choice.num_warps * 32  # cross-warp reduction scratch of the row-wise tasks
+
+
+#: How many times its even share of DRAM bandwidth one worker can pull when the others are
+#: idle (a placeholder until calibration measures it): it bounds ops with fewer tasks than
+#: workers, and the tail of ops whose tasks do not divide evenly.
+WORKER_BURST = 4.0
+
+
+def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
+                fused: list[OpNode] = (), dtype_bytes: int = 2) -> OpEstimate:
+    """Predicted time of ``node`` (with ``fused`` folded into it) on ``workers`` workers."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    tasks = op_tasks(node, choice)
+    nbytes, flops = op_bytes_flops(node, choice)
+    for f in fused:
+        # The fused op's outside reads and its flops stay; its output no longer goes through
+        # memory, and the host no longer reads it back.
+        nbytes += f.bytes_read - 2 * f.bytes_written
+        flops += f.flops
+    nbytes = max(nbytes, 0)
+    waves = math.ceil(tasks / workers)
+    # All workers together stream at the device's bandwidth; the busiest one streams its
+    # `waves` tasks at most WORKER_BURST times its even share.
+    worker_bandwidth = device.dram_bandwidth / workers * WORKER_BURST
+    memory_s = max(nbytes / device.dram_bandwidth, waves * (nbytes / tasks) / worker_bandwidth)
+    compute_s = flops / device.bf16_flops
+    overhead_s = waves * device.task_overhead_s + device.wait_overhead_s
+    seconds = max(memory_s, compute_s) + overhead_s
+    return OpEstimate(node.name, node.kind, tasks, nbytes, flops, op_smem_bytes(node, choice, dtype_bytes),
+                      memory_s, compute_s, overhead_s, seconds)
+
+
+def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec, workers: int) -> StepEstimate:
+    """Predicted decode step of ``graph`` under ``plan`` (op name -> choice; ops fused into
+    another op's choice are skipped). Raises if an op has no choice or is fused twice."""
+    fused_into: dict[str, str] = {}
+    for host, choice in plan.items():
+        for name in choice.fuse:
+            if name in fused_into:
+                raise ValueError(f"op {name} fused into both {fused_into[name]} and {host}")
+            fused_into[name] = host
+    nodes = {n.name: n for n in graph.nodes}
+    step = StepEstimate()
+    for node in graph.nodes:
+        if node.name in fused_into:
+            continue
+        if node.name not in plan:
+            raise ValueError(f"op {node.name} ({node.kind}) has no choice in the plan")
+        choice = plan[node.name]
+        step.ops.append(estimate_op(node, choice, device, workers, [nodes[f] for f in choice.fuse],
+                                    graph.model.dtype_bytes))
+    return step
+
+
+def naive_plan(graph: OpGraph) -> dict[str, OpChoice]:
+    """A fixed, unfused configuration: every linear 16 x 256-column tiles, no split-K, one
+    task per row for the row-wise ops, no KV split. The baseline the search must beat."""
+    plan = {}
+    for node in graph.nodes:
+        if node.kind == "linear":
+            plan[node.name] = OpChoice(block_n=16, block_k=256, num_warps=4)
+        else:
+            plan[node.name] = OpChoice()
+    return plan

@@ -1,0 +1,67 @@
+"""The cost model on Llama decode graphs: floors, monotonicity, fusion, split-K, errors."""
+
+import pytest
+
+from mk.planner.cost import OpChoice, estimate_op, estimate_step, naive_plan, op_tasks
+from mk.planner.device import DeviceSpec
+from mk.planner.graph import ModelShape, llama_decode_graph
+
+H200 = DeviceSpec.preset("h200")
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3-8b"])
+def test_naive_step_is_above_the_bandwidth_floor_and_within_reason(name):
+    m = ModelShape.preset(name)
+    g = llama_decode_graph(m, batch=1, kv_len=512)
+    step = estimate_step(g, naive_plan(g), H200, workers=H200.sm_count)
+    floor = m.weight_bytes / H200.dram_bandwidth
+    assert floor < step.seconds < 3 * floor
+    assert len(step.ops) == len(g.nodes) and step.tasks > len(g.nodes)
+
+
+def test_fusing_the_norm_saves_its_hop_and_traffic():
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
+    plan = naive_plan(g)
+    base = estimate_step(g, plan, H200, workers=132)
+    fused = dict(plan)
+    for L in range(16):
+        fused.pop(f"l{L}.attn_norm")
+        fused[f"l{L}.qkv"] = OpChoice(block_n=16, block_k=256, fuse=(f"l{L}.attn_norm",))
+    step = estimate_step(g, fused, H200, workers=132)
+    assert len(step.ops) == len(base.ops) - 16
+    assert step.seconds < base.seconds - 16 * H200.wait_overhead_s * 0.99
+    with pytest.raises(ValueError, match="no choice"):
+        estimate_step(g, {k: v for k, v in plan.items() if k != "lm_head"}, H200, workers=132)
+    twice = dict(fused)
+    twice["l0.o_proj"] = OpChoice(block_n=16, block_k=256, fuse=("l0.attn_norm",))
+    with pytest.raises(ValueError, match="fused into both"):
+        estimate_step(g, twice, H200, workers=132)
+
+
+def test_more_tasks_than_workers_balance_and_few_tasks_are_capped():
+    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
+    down = g.node("l0.down")  # 4096 x 14336
+    wide = estimate_op(down, OpChoice(block_n=512, block_k=256), H200, workers=132)   # 8 tasks
+    narrow = estimate_op(down, OpChoice(block_n=16, block_k=256), H200, workers=132)  # 256 tasks
+    assert wide.tasks == 8 and narrow.tasks == 256
+    assert wide.memory_s > 3 * narrow.memory_s  # 8 workers cannot pull the whole bandwidth
+    # Split-K: more tasks, workspace traffic, and the reduce tasks counted.
+    split = estimate_op(down, OpChoice(block_n=16, block_k=256, split_k=4), H200, workers=132)
+    assert split.tasks == 256 * 4 + 256 and split.bytes > narrow.bytes
+    assert op_tasks(g.node("l0.attention"), OpChoice(kv_splits=4)) == 8 * 4 + 32
+
+
+def test_batch_8_costs_little_more_than_batch_1():
+    m = ModelShape.preset("llama-3-8b")
+    one = estimate_step(llama_decode_graph(m, 1, 512), naive_plan(llama_decode_graph(m, 1, 512)), H200, 132)
+    g8 = llama_decode_graph(m, 8, 512)
+    eight = estimate_step(g8, naive_plan(g8), H200, 132)
+    assert one.seconds < eight.seconds < 1.5 * one.seconds  # weights dominate; KV grows 8x
+
+
+def test_smem_of_linear_tiles_follows_the_3d_model():
+    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=8, kv_len=64)
+    down = g.node("l0.down")
+    small = estimate_op(down, OpChoice(block_n=64, block_k=256, stages=2), H200, 132)
+    big = estimate_op(down, OpChoice(block_n=64, block_k=256, stages=4), H200, 132)
+    assert big.smem_bytes == 2 * small.smem_bytes == 4 * (16 + 64) * 256 * 2
