@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from mk.tasks._device import INTERPRET, default_dtype
+from mk.tasks.argmax import argmax_block_c, argmax_block_v, check_block_v
+from mk.tasks.decode_attention import MAX_NUM_SPLITS, MIN_DOT_DIM, decode_attention_config
+from mk.tasks.embedding import embedding_block_h, embedding_num_warps
 
 # The launcher's private config check and row-tile rule, reused so that a megakernel
 # tile is exactly the tile the standalone op would launch.
@@ -25,6 +28,7 @@ from mk.tasks.linear import (
     prefetch_lines,
 )
 from mk.tasks.rmsnorm import rmsnorm_block_n, rmsnorm_num_warps, rmsnorm_ref
+from mk.tasks.rope import rope_blocks, rope_num_warps, rope_ref
 from mk.tasks.silu_mul import silu_mul_block_i, silu_mul_num_warps, silu_mul_ref
 
 from .ops import OpSpec, Region, register
@@ -428,3 +432,426 @@ def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = N
                   imports=("from mk.tasks.silu_mul import silu_mul_tile",),
                   constexprs={"I": i, "BLOCK_I": block_i},
                   num_warps=num_warps or silu_mul_num_warps(block_i), run=run, reads=reads, writes=writes)
+
+
+# ---------------------------------------------------------------------------------------
+# The decode step's other ops: embedding, RoPE + KV append, split-KV attention, argmax
+# ---------------------------------------------------------------------------------------
+
+
+def _check_sizes(op: str, **sizes) -> None:
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+
+
+def _check_pow2(op: str, name: str, v: int, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v & (v - 1):
+        raise ValueError(f"{op}: {name} must be a power of two >= {minimum}, got {v!r}")
+    return v
+
+
+def _view(op: str, role: str, t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """VM: the 2-D view of operand ``role``, checked to be the ``[rows, cols]`` the op's regions
+    are given in (a buffer of another shape would make the derived dependencies wrong)."""
+    v = _2d(t)
+    if tuple(v.shape) != (rows, cols):
+        raise ValueError(f"{op}: operand {role!r} must view as [{rows}, {cols}] (rows x last dim), "
+                         f"got shape {tuple(t.shape)}")
+    return v
+
+
+@register("embedding")
+def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = None,
+                 num_warps: int | None = None) -> OpSpec:
+    """One (row, column block) tile of ``out[row] = table[ids[row]]``.
+
+    Operands: ids int32/int64 ``[rows]`` (1-D), table ``[vocab, hidden]``, out
+    ``[rows, hidden]``. Args: row, col_block (``cdiv(hidden, BLOCK_H)`` blocks a row, the
+    last clipped). The token id is a runtime value, so a task declares a read of its column
+    block of *every* table row: the table is a weight no task writes, so this costs no
+    dependency, while the read of ``ids[row]`` orders the task after whatever writes the id.
+    """
+    _check_sizes("embedding", rows=rows, vocab=vocab, hidden=hidden)
+    block_h = _check_pow2("embedding", "block_h", block_h or embedding_block_h(hidden))
+    blocks = _cdiv(hidden, block_h)
+
+    def cols(a):
+        _check_tile("embedding", "row", a["row"], rows)
+        _check_tile("embedding", "col_block", a["col_block"], blocks)
+        c0 = a["col_block"] * block_h
+        return c0, min(c0 + block_h, hidden)
+
+    def run(b, a):
+        (c0, c1), row = cols(a), a["row"]
+        token = int(_view("embedding", "ids", b["ids"], 1, rows)[0, row])
+        if not 0 <= token < vocab:
+            raise ValueError(f"embedding: ids[{row}] = {token} is outside the vocabulary [0, {vocab})")
+        out = _view("embedding", "out", b["out"], rows, hidden)
+        out[row, c0:c1] = _view("embedding", "table", b["table"], vocab, hidden)[token, c0:c1].to(out.dtype)
+
+    def reads(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind["ids"], 0, 1, a["row"], a["row"] + 1), Region(bind["table"], 0, vocab, c0, c1)]
+
+    def writes(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind["out"], a["row"], a["row"] + 1, c0, c1)]
+
+    return OpSpec(name="embedding", operands=("ids", "table", "out"), args=("row", "col_block"),
+                  body="embedding_tile(ids, table, out, row, col_block, H, H, H, BLOCK_H=BLOCK_H)",
+                  imports=("from mk.tasks.embedding import embedding_tile",),
+                  constexprs={"ROWS": rows, "H": hidden, "BLOCK_H": block_h},
+                  num_warps=num_warps or embedding_num_warps(block_h), run=run, reads=reads, writes=writes)
+
+
+@register("rope_kv")
+def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, *,
+               write_seqlens: bool = True, num_warps: int | None = None) -> OpSpec:
+    """RoPE of sequence b's one new token, and its k and v appended to the KV cache.
+
+    Operands: qkv ``[batch, (Hq + 2 Hkv) * D]`` (the fused QKV projection: q heads, then k
+    heads, then v heads), pos int32/int64 ``[batch]`` (the token's position, read on the
+    device: a decode step needs no host work but advancing it), inv_freq float32 ``[D/2]``,
+    q ``[batch, Hq * D]`` (rotated q out), k_cache and v_cache ``[batch, Hkv, max_seq, D]``
+    (:mod:`mk.tasks.rope`'s layout), and with ``write_seqlens`` seqlens int32/int64
+    ``[batch]``, set to ``pos + 1`` (clipped to ``[0, max_seq]``): the lengths decode
+    attention reads, so one positions buffer drives the whole step (let one layer's rope_kv
+    write them). Args: b.
+
+    Regions: the cache row written is at a runtime position, so the write region is
+    conservatively *every* cache row of sequence b (all heads, all positions): attention
+    tasks of b, which read their head's rows, then wait for this task (as they must), and
+    nothing else of a decode step touches that layer's cache. A position outside
+    ``[0, max_seq)`` writes no cache row (the device function's guard; the VM does the same).
+    """
+    _check_sizes("rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 max_seq=max_seq)
+    if head_dim % 2:
+        raise ValueError(f"rope_kv: head_dim must be even, got {head_dim}")
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    block_h, block_half = rope_blocks(d, max(hq, hkv))
+    width = (hq + 2 * hkv) * d
+    operands = ("qkv", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+    # b in 64 bits: b * (Hkv * S_max * D) passes 2**31 for long caches.
+    body = ("rope_kv_tile(qkv, qkv + HQ * HEAD_DIM, qkv + (HQ + HKV) * HEAD_DIM, pos, inv_freq, q, k_cache, v_cache, "
+            "b.to(tl.int64), 0, HQ, HKV, S_MAX, "
+            "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, (HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, "
+            "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, 1, 0, HQ * HEAD_DIM, 0, HEAD_DIM, "
+            "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
+            "HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)")
+    if write_seqlens:
+        body += "\nrope_kv_seqlen_tile(pos, seqlens, b, 0, 1, 0, S_MAX)"
+
+    def seq(a):
+        _check_tile("rope_kv", "b", a["b"], batch)
+        return a["b"]
+
+    def run(bufs, a):
+        b = seq(a)
+        qkv = _view("rope_kv", "qkv", bufs["qkv"], batch, width)[b].float()
+        pos_t = _view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b]
+        inv_freq = _view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
+        positions = pos_t.reshape(1, 1)
+        q_out = _view("rope_kv", "q", bufs["q"], batch, hq * d)
+        q_out[b] = rope_ref(qkv[:hq * d].view(1, 1, hq, d), positions, inv_freq).reshape(-1).to(q_out.dtype)
+        pos = int(pos_t)
+        if 0 <= pos < max_seq:
+            kc = _view("rope_kv", "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+            vc = _view("rope_kv", "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+            k = qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d)
+            kc[b, :, pos] = rope_ref(k, positions, inv_freq)[0, 0].to(kc.dtype)
+            vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
+        if write_seqlens:
+            _view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = min(max(pos + 1, 0), max_seq)
+
+    def reads(a, bind):
+        b = seq(a)
+        return [Region(bind["qkv"], b, b + 1, 0, width), Region(bind["pos"], 0, 1, b, b + 1),
+                Region(bind["inv_freq"], 0, 1, 0, d // 2)]
+
+    def writes(a, bind):
+        b = seq(a)
+        rows = (b * hkv * max_seq, (b + 1) * hkv * max_seq)
+        regs = [Region(bind["q"], b, b + 1, 0, hq * d), Region(bind["k_cache"], *rows, 0, d),
+                Region(bind["v_cache"], *rows, 0, d)]
+        if write_seqlens:
+            regs.append(Region(bind["seqlens"], 0, 1, b, b + 1))
+        return regs
+
+    return OpSpec(name="rope_kv", operands=operands, args=("b",), body=body,
+                  imports=("from mk.tasks.rope import rope_kv_seqlen_tile, rope_kv_tile",),
+                  constexprs={"BATCH": batch, "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HALF": d // 2,
+                              "BLOCK_H": block_h, "BLOCK_HALF": block_half, "SEQLENS": int(write_seqlens)},
+                  num_warps=num_warps or rope_num_warps(block_h, block_half), run=run, reads=reads, writes=writes)
+
+
+def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> tuple[int, int]:
+    """KV positions [start, end) of ``split``, cut as decode_attention_partial_tile cuts them."""
+    split_len = _cdiv(_cdiv(seqlen, num_splits), block_n) * block_n
+    start = split * split_len
+    return start, max(start, min(start + split_len, seqlen))
+
+
+@register("decode_attention_partial")
+def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
+                                num_splits: int, *, scale: float | None = None, block_n: int | None = None,
+                                num_warps: int | None = None) -> OpSpec:
+    """Split ``split`` of sequence b's KV for the query heads of KV head ``kv_head`` (GQA).
+
+    Operands: q ``[batch, Hq * D]`` (rotated, as rope_kv writes it), k_cache and v_cache
+    ``[batch, Hkv, max_seq, D]``, seqlens int32/int64 ``[batch]`` (each in ``[1, max_seq]``),
+    o_part float32 ``[batch, Hq, num_splits * D]`` and lse float32 ``[batch, Hq, num_splits]``:
+    the workspace of :func:`mk.tasks.decode_attention.decode_attention_partials` (same memory;
+    o_part's last two dims are merged so that one task's heads × one split, and one merge's
+    splits × one head, are each one box of the 2-D view). Args: b, kv_head, split.
+
+    Regions: the slice a split reads depends on the runtime seqlen, so each task declares a
+    read of all ``max_seq`` cache rows of its (b, kv_head); it writes exactly its heads' split.
+    Pair with :func:`decode_attention_merge_op`.
+    """
+    _check_sizes("decode_attention_partial", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, max_seq=max_seq, num_splits=num_splits)
+    op = "decode_attention_partial"
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{op}: num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if num_splits > MAX_NUM_SPLITS:
+        raise ValueError(f"{op}: num_splits must be <= {MAX_NUM_SPLITS}, got {num_splits}")
+    hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
+    group = hq // hkv
+    cfg = decode_attention_config(hq, hkv, d)
+    block_n = _check_pow2(op, "block_n", block_n or cfg.block_n, MIN_DOT_DIM)  # tl.dot: >= 16
+    scale = 1.0 / d**0.5 if scale is None else float(scale)
+    body = ("decode_attention_partial_tile(q, k_cache, v_cache, seqlens, o_part, lse, b.to(tl.int64), kv_head, "
+            "split, NUM_SPLITS, SCALE, HQ * HEAD_DIM, HEAD_DIM, "
+            "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
+            "HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1, "
+            "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
+
+    def tile(a):
+        _check_tile(op, "b", a["b"], batch)
+        _check_tile(op, "kv_head", a["kv_head"], hkv)
+        _check_tile(op, "split", a["split"], S)
+        return a["b"], a["kv_head"], a["split"]
+
+    def run(bufs, a):
+        b, kv, s = tile(a)
+        heads = slice(kv * group, (kv + 1) * group)
+        seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+        start, end = _attention_split(seqlen, S, block_n, s)
+        q = _view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
+        o_part = _view(op, "o_part", bufs["o_part"], batch * hq, S * d).view(batch, hq, S, d)
+        lse = _view(op, "lse", bufs["lse"], batch * hq, S).view(batch, hq, S)
+        if end > start:
+            kc = _view(op, "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+            vc = _view(op, "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+            scores = (q @ kc[b, kv, start:end].float().T) * scale
+            m = scores.max(dim=-1, keepdim=True).values
+            p = torch.exp(scores - m)
+            total = p.sum(dim=-1, keepdim=True)
+            o_part[b, heads, s] = ((p @ vc[b, kv, start:end].float()) / total).to(o_part.dtype)
+            lse[b, heads, s] = (m + torch.log(total)).squeeze(-1).to(lse.dtype)
+        else:  # an empty slice: zeros and -inf (weight 0 in the merge)
+            o_part[b, heads, s] = 0
+            lse[b, heads, s] = float("-inf")
+
+    def reads(a, bind):
+        b, kv, _ = tile(a)
+        rows = ((b * hkv + kv) * max_seq, (b * hkv + kv + 1) * max_seq)
+        return [Region(bind["q"], b, b + 1, kv * group * d, (kv + 1) * group * d),
+                Region(bind["k_cache"], *rows, 0, d), Region(bind["v_cache"], *rows, 0, d),
+                Region(bind["seqlens"], 0, 1, b, b + 1)]
+
+    def writes(a, bind):
+        b, kv, s = tile(a)
+        r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
+        return [Region(bind["o_part"], r0, r1, s * d, (s + 1) * d), Region(bind["lse"], r0, r1, s, s + 1)]
+
+    return OpSpec(name=op, operands=("q", "k_cache", "v_cache", "seqlens", "o_part", "lse"),
+                  args=("b", "kv_head", "split"), body=body,
+                  imports=("from mk.tasks.decode_attention import decode_attention_partial_tile",),
+                  constexprs={"BATCH": batch, "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "NUM_SPLITS": S,
+                              "GROUP": group, "BLOCK_G": cfg.block_g, "BLOCK_N": block_n, "BLOCK_D": cfg.block_d,
+                              "SCALE": scale},
+                  num_warps=num_warps or cfg.num_warps, run=run, reads=reads, writes=writes)
+
+
+@register("decode_attention_merge")
+def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_splits: int, *,
+                              num_warps: int = 4) -> OpSpec:
+    """out[b, q_head] = the log-sum-exp weighted mean of its ``num_splits`` partials.
+
+    Operands: o_part float32 ``[batch, Hq, num_splits * D]`` and lse float32
+    ``[batch, Hq, num_splits]`` (from :func:`decode_attention_partial_op` with the same
+    sizes), out ``[batch, Hq * D]`` (what the O projection reads). Args: b, q_head.
+    """
+    op = "decode_attention_merge"
+    _check_sizes(op, batch=batch, num_q_heads=num_q_heads, head_dim=head_dim, num_splits=num_splits)
+    if num_splits > MAX_NUM_SPLITS:
+        raise ValueError(f"{op}: num_splits must be <= {MAX_NUM_SPLITS}, got {num_splits}")
+    hq, d, S = num_q_heads, head_dim, num_splits
+    block_s, block_d = 1 << (S - 1).bit_length(), 1 << (d - 1).bit_length()
+    body = ("decode_attention_merge_tile(o_part, lse, out, b, q_head, NUM_SPLITS, "
+            "HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1, "
+            "HQ * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)")
+
+    def head(a):
+        _check_tile(op, "b", a["b"], batch)
+        _check_tile(op, "q_head", a["q_head"], hq)
+        return a["b"], a["q_head"]
+
+    def run(bufs, a):
+        b, h = head(a)
+        lse = _view(op, "lse", bufs["lse"], batch * hq, S)[b * hq + h].float()
+        o = _view(op, "o_part", bufs["o_part"], batch * hq, S * d)[b * hq + h].view(S, d).float()
+        m = lse.max()
+        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # as the device: no -inf - -inf
+        w = torch.exp(lse - m)
+        total = w.sum()
+        y = (w[:, None] * o).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))
+        out = _view(op, "out", bufs["out"], batch, hq * d)
+        out[b, h * d:(h + 1) * d] = y.to(out.dtype)
+
+    def reads(a, bind):
+        b, h = head(a)
+        r = b * hq + h
+        return [Region(bind["o_part"], r, r + 1, 0, S * d), Region(bind["lse"], r, r + 1, 0, S)]
+
+    def writes(a, bind):
+        b, h = head(a)
+        return [Region(bind["out"], b, b + 1, h * d, (h + 1) * d)]
+
+    return OpSpec(name=op, operands=("o_part", "lse", "out"), args=("b", "q_head"), body=body,
+                  imports=("from mk.tasks.decode_attention import decode_attention_merge_tile",),
+                  constexprs={"BATCH": batch, "HQ": hq, "HEAD_DIM": d, "NUM_SPLITS": S, "BLOCK_S": block_s,
+                              "BLOCK_D": block_d},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes)
+
+
+class _ArgmaxShape:
+    """Chunking of argmax over ``[rows, vocab]`` logits, as :func:`mk.tasks.argmax.argmax` cuts it."""
+
+    def __init__(self, op: str, rows: int, vocab: int, block_v: int | None):
+        _check_sizes(op, rows=rows, vocab=vocab)
+        try:
+            self.block_v = argmax_block_v(vocab) if block_v is None else check_block_v(block_v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{op}: {e}") from None
+        self.rows, self.vocab, self.op = rows, vocab, op
+        self.chunks = _cdiv(vocab, self.block_v)
+
+    def row(self, a) -> int:
+        _check_tile(self.op, "row", a["row"], self.rows)
+        return a["row"]
+
+    def chunk(self, a) -> tuple[int, int, int]:
+        """(chunk, first column, end column) of a partial task, clipped at vocab."""
+        _check_tile(self.op, "chunk", a["chunk"], self.chunks)
+        c0 = a["chunk"] * self.block_v
+        return a["chunk"], c0, min(c0 + self.block_v, self.vocab)
+
+    def parts(self, bufs):
+        return (_view(self.op, "part_val", bufs["part_val"], self.rows, self.chunks),
+                _view(self.op, "part_idx", bufs["part_idx"], self.rows, self.chunks))
+
+
+@register("argmax_partial")
+def argmax_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+    """Max and its index over chunk ``chunk`` of logits row ``row`` (torch.argmax's order).
+
+    Operands: logits ``[rows, vocab]``, part_val float32 and part_idx int32
+    ``[rows, n_chunks]`` (``n_chunks = cdiv(vocab, BLOCK_V)``; BLOCK_V defaults to
+    :func:`mk.tasks.argmax.argmax_block_v`). Args: row, chunk. Pair with
+    :func:`argmax_reduce_op` of the same sizes.
+    """
+    s = _ArgmaxShape("argmax_partial", rows, vocab, block_v)
+
+    def run(bufs, a):
+        row = s.row(a)
+        chunk, c0, c1 = s.chunk(a)
+        x = _view(s.op, "logits", bufs["logits"], rows, vocab)[row, c0:c1].float()
+        i = int(x.argmax())  # the first of equal maxima; NaN wins, as on the device
+        part_val, part_idx = s.parts(bufs)
+        part_val[row, chunk] = x[i]
+        part_idx[row, chunk] = c0 + i
+
+    def reads(a, bind):
+        row, (_, c0, c1) = s.row(a), s.chunk(a)
+        return [Region(bind["logits"], row, row + 1, c0, c1)]
+
+    def writes(a, bind):
+        row, (chunk, _, _) = s.row(a), s.chunk(a)
+        return [Region(bind[r], row, row + 1, chunk, chunk + 1) for r in ("part_val", "part_idx")]
+
+    return OpSpec(name="argmax_partial", operands=("logits", "part_val", "part_idx"), args=("row", "chunk"),
+                  body="argmax_partial_tile(logits, part_val, part_idx, row, chunk, V, V, N_CHUNKS, BLOCK_V=BLOCK_V)",
+                  imports=("from mk.tasks.argmax import argmax_partial_tile",),
+                  constexprs={"ROWS": rows, "V": vocab, "BLOCK_V": s.block_v, "N_CHUNKS": s.chunks},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes)
+
+
+@register("argmax_reduce")
+def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+    """Combine row ``row``'s chunk partials: out_idx[row] and out_val[row] (deterministic).
+
+    Operands: part_val float32 and part_idx int32 ``[rows, n_chunks]`` (from
+    :func:`argmax_partial_op` with the same sizes), out_idx int32/int64 ``[rows]`` (1-D: it
+    can be the next step's token ids of :func:`embedding_op`), out_val float32 ``[rows]``.
+    Args: row.
+    """
+    s = _ArgmaxShape("argmax_reduce", rows, vocab, block_v)
+
+    def run(bufs, a):
+        row = s.row(a)
+        part_val, part_idx = s.parts(bufs)
+        # Chunks cover increasing columns, so the first of equal chunk maxima holds the lowest index.
+        c = int(part_val[row].argmax())
+        _view(s.op, "out_idx", bufs["out_idx"], 1, rows)[0, row] = int(part_idx[row, c])
+        _view(s.op, "out_val", bufs["out_val"], 1, rows)[0, row] = part_val[row, c]
+
+    def reads(a, bind):
+        row = s.row(a)
+        return [Region(bind[r], row, row + 1, 0, s.chunks) for r in ("part_val", "part_idx")]
+
+    def writes(a, bind):
+        row = s.row(a)
+        return [Region(bind[r], 0, 1, row, row + 1) for r in ("out_idx", "out_val")]
+
+    return OpSpec(name="argmax_reduce", operands=("part_val", "part_idx", "out_idx", "out_val"), args=("row",),
+                  body="argmax_reduce_tile(part_val, part_idx, out_idx, out_val, row, N_CHUNKS, N_CHUNKS, "
+                       "BLOCK_C=BLOCK_C)",
+                  imports=("from mk.tasks.argmax import argmax_reduce_tile",),
+                  constexprs={"ROWS": rows, "N_CHUNKS": s.chunks, "BLOCK_C": argmax_block_c(s.chunks)},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes)
+
+
+def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
+    """Descriptor args of every task of one whole op, in the order a graph should add them.
+
+    Linear ops as :func:`linear_tiles`; rmsnorm and silu_mul need ``rows`` (their ops do not
+    fix it); the decode-step ops above know their batch. Attention partials come in
+    (b, kv_head, split) order, all splits of a head together.
+    """
+    c = spec.constexprs
+    if spec.name in ("linear", "linear_partial", "linear_reduce"):
+        return linear_tiles(spec)
+    if spec.name in ("rmsnorm", "silu_mul"):
+        if rows is None:
+            raise ValueError(f"op_tiles: {spec.name} needs rows")
+        if spec.name == "rmsnorm":
+            return [{"row": r} for r in range(rows)]
+        return [{"row": r, "col_block": cb} for r in range(rows) for cb in range(_cdiv(c["I"], c["BLOCK_I"]))]
+    if spec.name == "embedding":
+        return [{"row": r, "col_block": cb} for r in range(c["ROWS"]) for cb in range(_cdiv(c["H"], c["BLOCK_H"]))]
+    if spec.name == "rope_kv":
+        return [{"b": b} for b in range(c["BATCH"])]
+    if spec.name == "decode_attention_partial":
+        return [{"b": b, "kv_head": kv, "split": s} for b in range(c["BATCH"]) for kv in range(c["HKV"])
+                for s in range(c["NUM_SPLITS"])]
+    if spec.name == "decode_attention_merge":
+        return [{"b": b, "q_head": h} for b in range(c["BATCH"]) for h in range(c["HQ"])]
+    if spec.name == "argmax_partial":
+        return [{"row": r, "chunk": k} for r in range(c["ROWS"]) for k in range(c["N_CHUNKS"])]
+    if spec.name == "argmax_reduce":
+        return [{"row": r} for r in range(c["ROWS"])]
+    raise ValueError(f"op_tiles: unknown op {spec.name!r}")

@@ -200,6 +200,21 @@ def rope_kv_tile(
 
 
 @triton.jit
+def rope_kv_seqlen_tile(pos_ptr, seqlens_ptr, b, t, stride_pb, stride_pt, max_seq):
+    """seqlens[b] = positions[b, t] + 1, clipped to ``[0, max_seq]``.
+
+    The number of cached positions of sequence b once token (b, t), its newest, is in
+    the cache: what :mod:`mk.tasks.decode_attention` reads. A persistent kernel computes
+    it on the device from the positions buffer, so a decode step needs no host work
+    beyond advancing the positions. The clip only keeps a bad position from making
+    attention read past the cache (launchers reject such positions first).
+    """
+    position = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
+    n = tl.minimum(tl.maximum(position + 1, 0), max_seq)
+    tl.store(seqlens_ptr + b, n.to(seqlens_ptr.dtype.element_ty))
+
+
+@triton.jit
 def rope_kernel(
     x_ptr, pos_ptr, inv_freq_ptr, out_ptr, T, num_heads,
     stride_xb, stride_xt, stride_xh, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,

@@ -1,0 +1,86 @@
+"""Compile a decoder-layer megakernel (embedding, rope_kv, split-KV attention, argmax and the
+linear ops) for sm_90 in bfloat16 without a GPU. Run by test_model_ops.py in a subprocess,
+because the interpreter switch is read when Triton decorates kernels."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from mk.persistent.codegen import device_words, generate_source, load_kernel  # noqa: E402
+from mk.persistent.graph import TaskGraph, lower  # noqa: E402
+from mk.persistent.ops import make_op  # noqa: E402
+from mk.persistent.taskops import op_tiles  # noqa: E402
+
+BF16 = torch.bfloat16
+SIG = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", "state_ptr": "*i32", "error_ptr": "*i32",
+       "trace_ptr": "*i64", "num_workers": "i32", "timeout": "i64", "DESC_WORDS": "constexpr", "TRACE": "constexpr",
+       "USE_TIMER": "constexpr", "POLL_ACQUIRE": "constexpr", "BACKOFF_NS": "constexpr", "DEFER_SIGNALS": "constexpr"}
+
+
+def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4) -> TaskGraph:
+    g = TaskGraph()
+    z = lambda *s, dt=BF16: torch.zeros(*s, dtype=dt)  # noqa: E731
+    qkv_n = (HQ + 2 * HKV) * D
+    for name, t in (("ids", z(B, dt=torch.int64)), ("pos", z(B, dt=torch.int32)), ("emb", z(V, H)), ("ln", z(H)),
+                    ("x", z(B, H)), ("xn", z(B, H)), ("wqkv", z(qkv_n, H)), ("qkv", z(B, qkv_n)),
+                    ("inv_freq", z(D // 2, dt=torch.float32)), ("q", z(B, HQ * D)), ("kc", z(B, HKV, S, D)),
+                    ("vc", z(B, HKV, S, D)), ("seqlens", z(B, dt=torch.int32)),
+                    ("o_part", z(B, HQ, splits * D, dt=torch.float32)), ("lse", z(B, HQ, splits, dt=torch.float32)),
+                    ("attn", z(B, HQ * D)), ("wo", z(H, HQ * D)), ("h1", z(B, H)), ("h1n", z(B, H)),
+                    ("wgu", z(2 * I, H)), ("act", z(B, I)), ("wd", z(H, I)), ("ws", z(2, B, H, dt=torch.float32)),
+                    ("h2", z(B, H)), ("h2n", z(B, H)), ("wlm", z(V, H)), ("logits", z(B, V)),
+                    ("pv", z(B, 4, dt=torch.float32)), ("pi", z(B, 4, dt=torch.int32)),
+                    ("val", z(B, dt=torch.float32))):
+        g.buffer(name, t)
+
+    def add(op, **bind):
+        for a in op_tiles(op, B):
+            g.add(op, **bind, **a)
+
+    rms = make_op("rmsnorm", n=H)
+    add(make_op("embedding", rows=B, vocab=V, hidden=H), ids="ids", table="emb", out="x")
+    add(rms, x="x", w="ln", out="xn")
+    add(make_op("linear", M=B, N=qkv_n, K=H, dtype=BF16), x="xn", w="wqkv", out="qkv")
+    add(make_op("rope_kv", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S),
+        qkv="qkv", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc", seqlens="seqlens")
+    add(make_op("decode_attention_partial", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
+                num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse")
+    add(make_op("decode_attention_merge", batch=B, num_q_heads=HQ, head_dim=D, num_splits=splits),
+        o_part="o_part", lse="lse", out="attn")
+    add(make_op("linear", M=B, N=H, K=HQ * D, residual=True, dtype=BF16), x="attn", w="wo", res="x", out="h1")
+    add(rms, x="h1", w="ln", out="h1n")
+    add(make_op("linear", M=B, N=2 * I, K=H, silu_mul=True, dtype=BF16), x="h1n", w="wgu", out="act")
+    add(make_op("linear_partial", M=B, N=H, K=I, split_k=2, dtype=BF16), x="act", w="wd", ws="ws")
+    add(make_op("linear_reduce", M=B, N=H, K=I, split_k=2, residual=True, dtype=BF16), ws="ws", res="h1", out="h2")
+    add(rms, x="h2", w="ln", out="h2n")
+    add(make_op("linear", M=B, N=V, K=H, dtype=BF16), x="h2n", w="wlm", out="logits")
+    add(make_op("argmax_partial", rows=B, vocab=V, block_v=256), logits="logits", part_val="pv", part_idx="pi")
+    add(make_op("argmax_reduce", rows=B, vocab=V, block_v=256), part_val="pv", part_idx="pi", out_idx="ids",
+        out_val="val")
+    return g
+
+
+def main() -> None:
+    program = lower(decoder_graph(), num_workers=8)
+    names = {spec.name for spec, _ in program.variants}
+    assert {"embedding", "rope_kv", "decode_attention_partial", "decode_attention_merge", "argmax_partial",
+            "argmax_reduce"} <= names, names
+    kernel, _ = load_kernel(generate_source(program))
+    cx = {"DESC_WORDS": device_words(program), "TRACE": False, "USE_TIMER": True, "POLL_ACQUIRE": False,
+          "BACKOFF_NS": 0, "DEFER_SIGNALS": True}
+    src = triton.compiler.ASTSource(fn=kernel, signature=SIG, constexprs=cx)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), and the acquire of the waits.
+    for needle in ("mma", "ld.global.acquire.gpu"):
+        assert needle in ptx, f"{needle} missing from the compiled megakernel"
+    print("ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
