@@ -28,12 +28,17 @@ RESULTS_DIR = Path(__file__).parent / "results"
 _records: dict[str, list[dict]] = defaultdict(list)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu: a benchmark that runs on the CPU too (the planner)")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="benchmarks need a CUDA GPU")
     for item in items:
-        item.add_marker(skip)
+        if "cpu" not in item.keywords:
+            item.add_marker(skip)
 
 
 def _commit() -> str:
@@ -53,6 +58,14 @@ def gpu_env() -> dict:
 
     from mk.timing import copy_bandwidth
 
+    if not HAS_CUDA:  # CPU benchmarks (the planner): the machine instead of a GPU
+        import platform
+
+        env = {"device": f"cpu-{platform.machine()}", "cpus": os.cpu_count(), "triton": triton.__version__,
+               "torch": torch.__version__, "commit": _commit(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        env["device_slug"] = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
+        return env
     env = {
         "device": torch.cuda.get_device_name(),
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
@@ -101,6 +114,6 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session", autouse=True)
 def _keep_env_for_results(request):
     """Hand the session's gpu_env to pytest_sessionfinish (only when a GPU is there)."""
-    if HAS_CUDA:
+    if HAS_CUDA or any("cpu" in item.keywords for item in request.session.items):
         request.config._mk_gpu_env = request.getfixturevalue("gpu_env")
     yield

@@ -143,9 +143,14 @@ def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     tasks = op_tasks(node, choice)
     nbytes, flops = op_bytes_flops(node, choice)
     for f in fused:
-        # The fused op's outside reads and its flops stay; its output no longer goes through
-        # memory, and the host no longer reads it back.
-        nbytes += f.bytes_read - 2 * f.bytes_written
+        # What changes in memory traffic when f runs inside the host's tile:
+        # - an RMSNorm prologue: the host reads x and the norm weight instead of h (same size
+        #   as x), so + the weight = f's reads - f's writes;
+        # - a residual add epilogue: the host also reads the residual and writes the sum
+        #   instead of its own output (same size), so + the residual = reads - writes;
+        # - SiLU·mul: the host writes the I-wide product instead of the 2I-wide gate/up,
+        #   so - I = writes - reads.
+        nbytes += (f.bytes_written - f.bytes_read) if f.kind == "silu_mul" else (f.bytes_read - f.bytes_written)
         flops += f.flops
     nbytes = max(nbytes, 0)
     waves = math.ceil(tasks / workers)

@@ -1,0 +1,190 @@
+"""Beam search over each op's tiling and fusion choices, in DAG order.
+
+A state is a partial plan over the ops seen so far. For each op the search tries every
+candidate :class:`~mk.planner.cost.OpChoice` that fits the shared-memory budget, and the
+fusions the kernels support (an RMSNorm into the next linear's prologue, SiLU·mul into the
+gate/up linear's epilogue, a residual add into the O-proj or down linear's epilogue); it
+keeps the ``beam_width`` cheapest partial plans by predicted time (peak shared memory
+breaks ties, then the choices themselves, so the result is deterministic). The search
+returns its ``top_k`` complete plans, cheapest first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+from .cost import OpChoice, estimate_op, estimate_step
+from .device import DeviceSpec
+from .graph import OpGraph, OpNode
+
+#: (kind of the fused op, kind of its host): what the task bodies can do in one tile.
+SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear")}
+
+
+@dataclass
+class Plan:
+    """A complete plan: one choice per op that is not fused, and what the model predicts."""
+
+    model: str
+    batch: int
+    kv_len: int
+    device: str
+    workers: int
+    choices: dict[str, OpChoice]
+    predicted_s: float
+    peak_smem_bytes: int
+    estimates: list = field(default_factory=list, repr=False)
+
+    def explain(self) -> str:
+        """One line per op: its tile, tasks, shared memory and predicted µs."""
+        lines = [f"plan for {self.model}, batch {self.batch}, KV {self.kv_len}, on {self.device} "
+                 f"({self.workers} workers): {self.predicted_s * 1e3:.3f} ms predicted, "
+                 f"peak shared memory {self.peak_smem_bytes / 1024:.1f} KiB"]
+        for e in self.estimates:
+            c = self.choices[e.name]
+            tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} stages={c.stages} warps={c.num_warps}"
+                    if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
+                    else f"rows/task={c.rows_per_task}")
+            fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
+            lines.append(f"  {e.name:<20} {e.kind:<9} {tile:<48} {e.tasks:>6} tasks "
+                         f"{e.smem_bytes / 1024:6.1f} KiB {e.seconds * 1e6:8.2f} us{fused}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"model": self.model, "batch": self.batch, "kv_len": self.kv_len, "device": self.device,
+                           "workers": self.workers, "predicted_s": self.predicted_s,
+                           "peak_smem_bytes": self.peak_smem_bytes,
+                           "choices": {k: v.to_dict() for k, v in self.choices.items()}}, indent=1)
+
+
+def _pow2s(lo: int, hi: int) -> list[int]:
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def candidates(node: OpNode, device: DeviceSpec) -> list[OpChoice]:
+    """Every choice the search tries for ``node`` (before the shared-memory check)."""
+    d = node.dims
+    if node.kind == "linear":
+        out = []
+        skinny = d["M"] > 1
+        for block_n in _pow2s(16 if skinny else 2, 64 if skinny else 32):
+            for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
+                if block_k > 2 * d["K"]:
+                    continue
+                for split_k in (1, 2, 4):
+                    if math.ceil(d["K"] / block_k) < split_k:
+                        continue
+                    for stages in ((2, 3, 4) if skinny else (1,)):
+                        out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
+                                            num_warps=2 if not skinny or block_n <= 64 else 4))
+        return out
+    if node.kind == "attention":
+        return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, d["kv_len"] // 32)]
+    return [OpChoice(rows_per_task=r) for r in (1, 2, 4, 8) if r <= max(1, d.get("rows", 1))]
+
+
+@dataclass(frozen=True)
+class _State:
+    cost: float
+    peak_smem: int
+    choices: tuple  # ((op name, OpChoice), ...) in DAG order
+    pending: tuple = ()  # ops waiting to be fused into a later linear (RMSNorm prologues)
+    order: tuple = ()  # the option index taken at each op: a deterministic tie-break
+
+    def key(self):
+        return (self.cost, self.peak_smem, self.order)
+
+
+def _find(choices: tuple, name: str):
+    """The choice of op ``name`` (hosts are a few ops back: scan from the end)."""
+    for n, c in reversed(choices):
+        if n == name:
+            return c
+    return None
+
+
+def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, beam_width: int = 6,
+           top_k: int = 3, progress: bool = False) -> list[Plan]:
+    """The ``top_k`` cheapest plans for ``graph`` on ``device`` (see module docstring).
+
+    Raises ValueError naming the op when no candidate of an op fits the shared-memory budget.
+    """
+    if beam_width < 1 or top_k < 1:
+        raise ValueError(f"beam_width and top_k must be >= 1, got {beam_width}, {top_k}")
+    workers = workers or device.sm_count
+    budget = device.smem_per_block
+    beam = [_State(0.0, 0, ())]
+    nodes = {n.name: n for n in graph.nodes}
+    cache: dict = {}
+    iterator = graph.nodes
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(graph.nodes, desc="planning", unit="op", leave=False)
+
+    def shape(node):
+        return (node.kind, tuple(sorted(node.dims.items())), node.bytes_read, node.bytes_written, node.flops)
+
+    def cost_of(node, choice, fused_names):
+        # Keyed by shapes, not names: the layers of a model repeat, so most lookups hit.
+        key = (shape(node), choice, tuple(shape(nodes[f]) for f in fused_names))
+        if key not in cache:
+            cache[key] = estimate_op(node, replace(choice, fuse=fused_names), device, workers,
+                                     [nodes[f] for f in fused_names], graph.model.dtype_bytes)
+        return cache[key]
+
+    ranked_of: dict = {}
+
+    for node in iterator:
+        if shape(node) not in ranked_of:
+            options = [c for c in candidates(node, device) if cost_of(node, c, ()).smem_bytes <= budget]
+            if not options:
+                raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "
+                                 f"budget of {budget} bytes")
+            # Keep only the cheapest few tiles of this op (ops are independent but for fusion).
+            ranked_of[shape(node)] = sorted(options, key=lambda c: (cost_of(node, c, ()).seconds, repr(c)))[:beam_width]
+        ranked = ranked_of[shape(node)]
+        new_beam: list[_State] = []
+        host = node.fuse_into
+        for state in beam:
+            # 1. Fuse this op into its host, already chosen (epilogue fusions).
+            hc = _find(state.choices, host) if host is not None else None
+            if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"):
+                old = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse)
+                new = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse + (node.name,))
+                choices = tuple((n, replace(c, fuse=c.fuse + (node.name,)) if n == host else c)
+                                for n, c in state.choices)
+                new_beam.append(_State(state.cost - old.seconds + new.seconds, max(state.peak_smem, new.smem_bytes),
+                                       choices, state.pending, state.order + (-1,)))
+            # 2. Defer an RMSNorm into the next linear's prologue.
+            if node.kind == "rmsnorm" and host is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS:
+                new_beam.append(_State(state.cost, state.peak_smem, state.choices, state.pending + (node.name,),
+                                       state.order + (-2,)))
+            # 3. Run it on its own (a linear takes the RMSNorms waiting for it).
+            takes = tuple(p for p in state.pending if nodes[p].fuse_into == node.name)
+            rest = tuple(p for p in state.pending if p not in takes)
+            for i, c in enumerate(ranked):
+                est = cost_of(node, c, takes)
+                new_beam.append(_State(state.cost + est.seconds, max(state.peak_smem, est.smem_bytes),
+                                       state.choices + ((node.name, replace(c, fuse=takes)),), rest,
+                                       state.order + (i,)))
+        # A pending RMSNorm whose host has passed can no longer fuse: drop such states.
+        new_beam = [s for s in new_beam if all(_find(s.choices, nodes[p].fuse_into) is None for p in s.pending)]
+        new_beam.sort(key=_State.key)
+        beam = new_beam[:beam_width]
+    plans = []
+    for state in beam[:top_k]:
+        if state.pending:
+            continue
+        choices = dict(state.choices)
+        step = estimate_step(graph, choices, device, workers)
+        plans.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, workers, choices,
+                          step.seconds, step.peak_smem_bytes, step.ops))
+    plans.sort(key=lambda p: (p.predicted_s, p.peak_smem_bytes))
+    return plans

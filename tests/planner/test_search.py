@@ -1,0 +1,51 @@
+"""The beam search: budgets respected, better than the naive plan, deterministic, explained."""
+
+import json
+
+import pytest
+
+from mk.planner.cost import estimate_step, naive_plan
+from mk.planner.device import DeviceSpec
+from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.planner.search import search
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3-8b"])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("device", ["h200", "l40s"])
+def test_plans_fit_the_budget_and_beat_the_naive_plan(name, batch, device):
+    spec = DeviceSpec.preset(device)
+    g = llama_decode_graph(ModelShape.preset(name), batch, 512)
+    plans = search(g, spec, beam_width=4, top_k=3)
+    assert plans and [p.predicted_s for p in plans] == sorted(p.predicted_s for p in plans)
+    naive = estimate_step(g, naive_plan(g), spec, spec.sm_count).seconds
+    best = plans[0]
+    assert best.predicted_s < naive  # strictly better under the same cost model
+    assert best.peak_smem_bytes <= spec.smem_per_block
+    # The plan's own estimate is the cost model's estimate of its choices.
+    assert estimate_step(g, best.choices, spec, spec.sm_count).seconds == pytest.approx(best.predicted_s)
+    # Every op is either chosen or fused into exactly one chosen op.
+    fused = [f for c in best.choices.values() for f in c.fuse]
+    assert sorted(list(best.choices) + fused) == sorted(n.name for n in g.nodes)
+
+
+def test_a_99_kib_budget_still_plans_and_a_tiny_one_names_the_op():
+    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), 8, 512)
+    tight = DeviceSpec.preset("h200").with_smem_budget("99KiB")
+    plan = search(g, tight)[0]
+    assert plan.peak_smem_bytes <= 99 * 1024
+    with pytest.raises(ValueError, match=r"op l0\.qkv .*no tile fits the shared-memory budget of 4096"):
+        search(g, DeviceSpec.preset("h200").with_smem_budget(4096))
+
+
+def test_search_is_deterministic_and_explains_itself():
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 128)
+    spec = DeviceSpec.preset("h200")
+    a, b = search(g, spec), search(g, spec)
+    assert [p.choices for p in a] == [p.choices for p in b]
+    text = a[0].explain()
+    assert "l15.down" in text and "fused l0.attn_norm" in text and " us" in text
+    data = json.loads(a[0].to_json())
+    assert data["choices"]["l0.qkv"]["fuse"] == ["l0.attn_norm"]
+    with pytest.raises(ValueError, match="beam_width"):
+        search(g, spec, beam_width=0)
