@@ -5,7 +5,7 @@ task fixes its defaults. Times CUDA-graph replays over rotating weight copies (s
 holds none of them) and prints each config's fraction of the device-to-device copy
 bandwidth measured in the same run.
 """
-import itertools, json, os, sys, time
+import itertools, json, os
 import torch, triton, triton.language as tl
 
 

@@ -25,7 +25,7 @@ for K, N in [(4096, 6144), (4096, 28672), (14336, 4096), (2048, 2048), (2048, 81
             y = linear(x, ws[0], config=cfg)
             err = ((y.float() - ref).norm() / ref.norm()).item()
             us = graph_time_us([lambda w=w: linear(x, w, config=cfg) for w in ws] * (40 // len(ws) + 1))
-        except Exception as e:
+        except Exception:
             continue
         res.append(dict(K=K, N=N, bn=bn, bk=bk, warps=nw, split_k=sk, us=us, frac=nbytes / (us * 1e-6) / bw, err=err))
     res.sort(key=lambda r: r["us"])

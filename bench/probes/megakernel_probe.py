@@ -8,7 +8,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _harness import gemv_chain, gemv_chain_ref  # noqa: E402
 from mk.persistent.graph import lower  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
-from mk.persistent import taskops  # noqa: E402
 from mk.tasks.linear import linear  # noqa: E402
 from mk.timing import capture_graph, copy_bandwidth, event_time_us, graph_time_us  # noqa: E402
 

@@ -11,9 +11,6 @@ VM with 1, 3 and 16 workers. Regions must be exact tiles (the cache conservative
 per sequence), so the derived dependencies are the intended ones.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +29,7 @@ from mk.tasks.linear import interleave_gate_up, linear_ref
 from mk.tasks.rmsnorm import rmsnorm_ref
 from mk.tasks.rope import rope_inv_freq, rope_kv_ref
 from tests.conftest import assert_close
+from tests.persistent._helpers import can_compile_for_cuda, compile_script_ok, region_coverage
 
 F32 = torch.float32
 DEV = default_device()
@@ -229,16 +227,7 @@ def test_argmax_ops(block_v, out_dtype, _seed):
 # --- regions and dependencies ------------------------------------------------------------
 
 
-def coverage(g: TaskGraph, buffer: str, tasks, which: str) -> torch.Tensor:
-    buf = g.buffers[buffer]
-    view = buf.reshape(1, -1) if buf.dim() < 2 else buf.reshape(-1, buf.shape[-1])
-    count = torch.zeros(view.shape, dtype=torch.int32)
-    for t in tasks:
-        for r in getattr(t, which)():
-            if r.buffer == buffer:
-                assert 0 <= r.r0 < r.r1 <= view.shape[0] and 0 <= r.c0 < r.c1 <= view.shape[1], (t.name, r)
-                count[r.r0:r.r1, r.c0:r.c1] += 1
-    return count
+coverage = region_coverage
 
 
 def test_attention_waits_for_its_sequences_rope_and_merges_for_their_splits():
@@ -488,21 +477,9 @@ def test_decoder_layer_vm_many_workers(workers, _seed):
 # --- compiled for the GPU ------------------------------------------------------------------
 
 
-def _can_compile_for_cuda() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _can_compile_for_cuda(), reason="Triton's NVIDIA backend is not installed")
+@pytest.mark.skipif(not can_compile_for_cuda(), reason="Triton's NVIDIA backend is not installed")
 def test_decoder_megakernel_compiles_for_sm90_in_bf16(tmp_path):
     # The interpreter checks no types or layouts: a bf16 decoder-layer megakernel with every
     # op above must also compile for Hopper (run in a subprocess: the interpreter switch is
     # read when Triton decorates kernels).
-    env = {**os.environ, "TRITON_INTERPRET": "0", "MK_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT),
-           "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "persistent" / "_compile_sm90_model.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-4000:]
+    compile_script_ok("_compile_sm90_model.py", tmp_path)

@@ -28,6 +28,7 @@ from mk.tasks.linear import (
 from mk.tasks.rmsnorm import rmsnorm_ref
 from mk.tasks.silu_mul import silu_mul_ref
 from tests.conftest import assert_close
+from tests.persistent._helpers import region_coverage
 
 F32 = torch.float32
 #: Widths of activations: none is a multiple of every tile, 37 of none.
@@ -270,17 +271,7 @@ def test_vm_names_the_task_whose_producer_is_missing(rng):
 # --- regions and dependencies --------------------------------------------------------------
 
 
-def _coverage(g: TaskGraph, buffer: str, tasks, which: str) -> torch.Tensor:
-    """How many times each element of ``buffer`` (2-D view) is in the given tasks' regions."""
-    buf = g.buffers[buffer]
-    view = buf.reshape(1, -1) if buf.dim() < 2 else buf.reshape(-1, buf.shape[-1])
-    count = torch.zeros(view.shape, dtype=torch.int32)
-    for t in tasks:
-        for r in getattr(t, which)():
-            if r.buffer == buffer:
-                assert 0 <= r.r0 < r.r1 <= view.shape[0] and 0 <= r.c0 < r.c1 <= view.shape[1], (t.name, r)
-                count[r.r0:r.r1, r.c0:r.c1] += 1
-    return count
+_coverage = region_coverage
 
 
 @pytest.mark.parametrize("M, tiles", [(1, {}), (3, {}), (3, {"block_m": 1, "block_n": 16})])
