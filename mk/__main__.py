@@ -3,6 +3,8 @@
 Commands:
   demo   run every task op on random inputs, check it against its torch reference,
          and print the error and time of each (CPU: Triton interpreter; GPU: compiled).
+  plan   plan a decode step for a model shape (a preset name or a checkpoint folder with
+         config.json) on a device (a preset or the live GPU) and print the plan.
 """
 
 from __future__ import annotations
@@ -16,15 +18,55 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run each task op against its reference")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    plan = sub.add_parser("plan", help="search a plan for a model shape and print it")
+    plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b) or a folder with config.json")
+    plan.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    plan.add_argument("--kv-len", type=int, default=1024, help="tokens in each sequence's KV cache")
+    plan.add_argument("--device", default=None, help="a device preset (h100, h200, a100, l40s, l20, rtx4090); "
+                      "default: the live GPU")
+    plan.add_argument("--smem-budget", default=None, help="shared memory per block to plan for, e.g. 99KiB")
+    plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             from .demo import run_demo
 
             return run_demo(seed=args.seed)
+        if args.command == "plan":
+            return run_plan(args)
     except (ValueError, TypeError, RuntimeError, OSError) as err:
         print(f"mk: error: {err}", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_plan(args) -> int:
+    """``python -m mk plan``: shape + device -> the best plan, explained (or as JSON)."""
+    import json
+    from pathlib import Path
+
+    from .planner.device import DeviceSpec
+    from .planner.graph import ModelShape, llama_decode_graph
+    from .planner.search import search
+
+    folder = Path(args.model)
+    if folder.is_dir():
+        config = folder / "config.json"
+        if not config.is_file():
+            raise ValueError(f"{folder} has no config.json")
+        try:
+            shape = ModelShape.from_hf_config(json.loads(config.read_text()), name=folder.name)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{config} is not valid JSON: {err}") from err
+    else:
+        shape = ModelShape.preset(args.model)
+    device = DeviceSpec.preset(args.device) if args.device else DeviceSpec.from_gpu()
+    if args.smem_budget:
+        device = device.with_smem_budget(args.smem_budget)
+    graph = llama_decode_graph(shape, args.batch, args.kv_len)
+    plans = search(graph, device, beam_width=args.beam, progress=True)
+    print(plans[0].to_json() if args.json else plans[0].explain())
     return 0
 
 

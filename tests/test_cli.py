@@ -7,3 +7,19 @@ def test_demo_command_runs_every_op_against_its_reference(capsys):
     assert "all ops match their references" in out
     for op in ("rmsnorm", "linear", "decode_attention", "prefill_attention", "sample"):
         assert op in out
+
+
+def test_plan_command_prints_an_explained_plan(capsys, tmp_path):
+    assert main(["plan", "--model", "llama-3.2-1b", "--batch", "8", "--device", "L40S", "--smem-budget", "64KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for llama-3.2-1b, batch 8" in out and "l15.down" in out and "ms predicted" in out
+    # A checkpoint folder's config.json works too; bad input is one clear line and exit 1.
+    (tmp_path / "config.json").write_text('{"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, '
+                                          '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}')
+    assert main(["plan", "--model", str(tmp_path), "--device", "h200", "--json"]) == 0
+    assert '"model": "' in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt-9", "--device", "h200"]) == 1
+    assert "unknown model shape 'gpt-9'" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["plan", "--model", str(tmp_path), "--device", "h200"]) == 1
+    assert "not valid JSON" in capsys.readouterr().err
