@@ -1,6 +1,7 @@
 """Planner search time on the CPU (no GPU needed): a Llama-3-8B shape, batch 1 and 8.
 
-Floors from the issue: under 200 ms without a cache (Ada-MK reports 50-200 ms of search).
+Floors from the issue: under 200 ms without a cache (Ada-MK reports 50-200 ms of search),
+under 5 ms from the plan cache.
 """
 
 from __future__ import annotations
@@ -31,3 +32,25 @@ def test_search_time_llama_3_8b(benchmark, record, batch):
     record("planner", op="search", model="llama-3-8b", batch=batch, device="h200", ops=len(graph.nodes),
            median_s=median, predicted_step_ms=plans[0].predicted_s * 1e3)
     assert median < SEARCH_FLOOR_S, f"search took {median * 1e3:.0f} ms (floor {SEARCH_FLOOR_S * 1e3:.0f} ms)"
+
+
+CACHE_FLOOR_S = 0.005
+
+
+def test_plan_from_cache_llama_3_8b(benchmark, record, tmp_path, monkeypatch):
+    from mk.planner.cache import cached_plan
+
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
+    graph = llama_decode_graph(ModelShape.preset("llama-3-8b"), 1, 1024)
+    device = DeviceSpec.preset("h200")
+    assert not cached_plan(graph, device)[1]  # fill the cache
+    plan, hit = benchmark.pedantic(lambda: cached_plan(graph, device), rounds=20, warmup_rounds=2)
+    assert hit
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        cached_plan(graph, device)
+        times.append(time.perf_counter() - t0)
+    median = sorted(times)[10]
+    record("planner", op="cached_plan", model="llama-3-8b", batch=1, device="h200", median_s=median)
+    assert median < CACHE_FLOOR_S, f"a cached plan took {median * 1e3:.2f} ms (floor {CACHE_FLOOR_S * 1e3:.0f} ms)"

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--smem-budget", default=None, help="shared memory per block to plan for, e.g. 99KiB")
     plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--no-cache", action="store_true", help="search again even if a cached plan exists")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
@@ -48,7 +49,8 @@ def run_plan(args) -> int:
 
     from .planner.device import DeviceSpec
     from .planner.graph import ModelShape, llama_decode_graph
-    from .planner.search import search
+    from .planner.cache import cached_plan
+    from .planner.search import Plan, search
 
     folder = Path(args.model)
     if folder.is_dir():
@@ -65,8 +67,12 @@ def run_plan(args) -> int:
     if args.smem_budget:
         device = device.with_smem_budget(args.smem_budget)
     graph = llama_decode_graph(shape, args.batch, args.kv_len)
-    plans = search(graph, device, beam_width=args.beam, progress=True)
-    print(plans[0].to_json() if args.json else plans[0].explain())
+    if args.no_cache:
+        best = search(graph, device, beam_width=args.beam, progress=True)[0]
+    else:
+        best, _ = cached_plan(graph, device, beam_width=args.beam, progress=True)
+        best = Plan.from_json(best.to_json(), graph, device)  # per-op estimates for explain()
+    print(best.to_json() if args.json else best.explain())
     return 0
 
 

@@ -58,6 +58,17 @@ class Plan:
                            "peak_smem_bytes": self.peak_smem_bytes,
                            "choices": {k: v.to_dict() for k, v in self.choices.items()}}, indent=1)
 
+    @classmethod
+    def from_json(cls, text: str, graph: OpGraph | None = None, device: DeviceSpec | None = None) -> "Plan":
+        """Read :meth:`to_json`'s output; with the graph and device, the per-op estimates too."""
+        d = json.loads(text)
+        choices = {k: OpChoice(**{**v, "fuse": tuple(v["fuse"])}) for k, v in d["choices"].items()}
+        plan = cls(d["model"], d["batch"], d["kv_len"], d["device"], d["workers"], choices, d["predicted_s"],
+                   d["peak_smem_bytes"])
+        if graph is not None and device is not None:
+            plan.estimates = estimate_step(graph, choices, device, plan.workers).ops
+        return plan
+
 
 def _pow2s(lo: int, hi: int) -> list[int]:
     out, v = [], lo

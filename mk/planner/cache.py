@@ -1,0 +1,55 @@
+"""Plans cached on disk, keyed by everything that decides them.
+
+The key hashes the model shape, batch, KV length, the device spec (its calibration
+included), the search settings, and the Triton and mk versions: a change to any of them
+is a new plan. Files live in ``$MK_CACHE_DIR/plans`` (default ``~/.cache/mk/plans``) as
+the plan's JSON; a file that does not parse is ignored and replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .device import DeviceSpec
+from .graph import OpGraph
+from .search import Plan, search
+
+
+def plan_dir() -> Path:
+    root = Path(os.environ.get("MK_CACHE_DIR", Path.home() / ".cache" / "mk")) / "plans"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int) -> str:
+    import triton
+
+    from mk import __version__
+
+    blob = json.dumps({"model": graph.model.to_dict(), "batch": graph.batch, "kv_len": graph.kv_len,
+                       "device": device.to_dict(), "workers": workers, "beam": beam_width,
+                       "triton": triton.__version__, "mk": __version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, beam_width: int = 6,
+                progress: bool = False) -> tuple[Plan, bool]:
+    """The best plan for ``graph`` on ``device``, from the cache when it is there.
+
+    Returns (plan, hit). A miss runs :func:`~mk.planner.search.search` and stores the result.
+    """
+    workers = workers or device.sm_count
+    path = plan_dir() / f"{plan_key(graph, device, workers, beam_width)}.json"
+    if path.is_file():
+        try:
+            return Plan.from_json(path.read_text()), True
+        except (ValueError, KeyError, TypeError):
+            pass  # corrupt or from an older layout: plan again
+    plan = search(graph, device, workers=workers, beam_width=beam_width, top_k=1, progress=progress)[0]
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(plan.to_json())
+    tmp.replace(path)
+    return plan, False
