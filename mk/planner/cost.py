@@ -36,6 +36,9 @@ class OpChoice:
     rows_per_task: rows (or row blocks) per task of a row-wise op (norm, add, silu_mul).
     kv_splits: KV-length splits of decode attention.
     fuse: names of ops folded into this one (they then have no task of their own).
+    tma_stages: GEMV tiles only: depth of the shared-memory ring the TMA unit streams the
+        weights through (0: the register path). :func:`whole_range_stages` makes the ring
+        hold the task's whole K range, which is where split-K saves shared memory.
     """
 
     block_n: int = 0
@@ -46,6 +49,7 @@ class OpChoice:
     rows_per_task: int = 1
     kv_splits: int = 1
     fuse: tuple[str, ...] = ()
+    tma_stages: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,10 +126,19 @@ def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     return node.bytes, node.flops
 
 
+def whole_range_stages(K: int, block_k: int, split_k: int = 1) -> int:
+    """Ring depth that holds a task's whole K range (K / split_k) in BLOCK_K chunks."""
+    return math.ceil(math.ceil(K / split_k) / block_k)
+
+
 def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
-    """Shared memory of one task: the linear's 3-D tile model, a small scratch otherwise."""
+    """Shared memory of one task: the linear's 3-D tile model (tile rows x block_n x block_k
+    x stages x dtype, plus split-K staging; or the TMA ring), a small scratch otherwise."""
     if node.kind == "linear":
-        return linear_smem_bytes(_linear_config(node, choice), node.dims["M"], dtype_bytes)
+        base = linear_smem_bytes(_linear_config(node, choice), node.dims["M"], dtype_bytes)
+        if choice.tma_stages and node.dims["M"] == 1:
+            base += choice.tma_stages * choice.block_n * choice.block_k * dtype_bytes
+        return base
     return 4 * choice.num_warps * 32  # cross-warp reduction scratch of the row-wise tasks
 
 

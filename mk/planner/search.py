@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from .cost import OpChoice, estimate_op, estimate_step
+from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 
@@ -44,7 +44,8 @@ class Plan:
                  f"peak shared memory {self.peak_smem_bytes / 1024:.1f} KiB"]
         for e in self.estimates:
             c = self.choices[e.name]
-            tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} stages={c.stages} warps={c.num_warps}"
+            tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
+                    + (f"tma_ring={c.tma_stages}" if c.tma_stages else f"stages={c.stages}") + f" warps={c.num_warps}"
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
                     else f"rows/task={c.rows_per_task}")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
@@ -94,6 +95,12 @@ def candidates(node: OpNode, device: DeviceSpec) -> list[OpChoice]:
                     for stages in ((2, 3, 4) if skinny else (1,)):
                         out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
                                             num_warps=2 if not skinny or block_n <= 64 else 4))
+        if not skinny:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
+            for block_n in (16, 32, 64):
+                for split_k in (1, 2, 4, 8):
+                    for ring in (4, whole_range_stages(d["K"], 256, split_k)):
+                        out.append(OpChoice(block_n=block_n, block_k=256, split_k=split_k, num_warps=4,
+                                            tma_stages=ring))
         return out
     if node.kind == "attention":
         return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, d["kv_len"] // 32)]

@@ -65,3 +65,18 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     small = estimate_op(down, OpChoice(block_n=64, block_k=256, stages=2), H200, 132)
     big = estimate_op(down, OpChoice(block_n=64, block_k=256, stages=4), H200, 132)
     assert big.smem_bytes == 2 * small.smem_bytes == 4 * (16 + 64) * 256 * 2
+
+
+def test_k_split_cuts_the_whole_range_ring_of_a_down_projection():
+    """At equal tile width (16 weight rows, 256-column chunks), a ring that holds the task's
+    whole K range shrinks with the split: >= 40% less peak shared memory from split-K 2."""
+    from mk.planner.cost import op_smem_bytes, whole_range_stages
+
+    down = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64).node("l0.down")
+    K = down.dims["K"]
+    smem = {s: op_smem_bytes(down, OpChoice(block_n=16, block_k=256, split_k=s,
+                                            tma_stages=whole_range_stages(K, 256, s))) for s in (1, 2, 4, 8)}
+    assert smem[2] <= 0.6 * smem[1] and smem[4] <= 0.6 * smem[2]
+    assert whole_range_stages(14336, 256, 1) == 56 and whole_range_stages(14336, 256, 4) == 14
+    # With a 99 KiB budget only a split ring fits: 56 chunks x 16 rows x 512 B = 448 KiB unsplit.
+    assert smem[1] > 448 * 1024 and smem[4] > 99 * 1024 > smem[8]
