@@ -180,8 +180,11 @@ class RandomDag:
                 self.add_silu_mul()
             else:
                 self.add_rmsnorm()
+        # Both linear forms at least once: full-K tiles and split-K partials + reduce.
         if not any("/split1" not in k for k in self.kinds if k.startswith("linear")):
             self.add_linear(self.rng.choice(["plain", "residual", "silu_mul"]), split_k=2)
+        if not any(k.endswith("/split1") for k in self.kinds if k.startswith("linear")):
+            self.add_linear(self.rng.choice(["plain", "residual", "norm", "silu_mul"]), split_k=1)
         return self
 
     def clear_outputs(self):
