@@ -18,7 +18,7 @@ import torch
 
 from mk.tasks import INTERPRET, enable_device_descriptors
 
-from .codegen import device_words, generate_source, load_kernel
+from .codegen import device_words, generate_source, kernel_constexprs, load_kernel
 from .graph import Program
 from .sync import ERROR_WORDS
 
@@ -92,16 +92,13 @@ class Megakernel:
         timeout_s: bound of every dependency wait on the GPU.
         trace: record each task's start/end time (GPU global timer).
         interpret_polls: bound of a wait under the interpreter, in polls.
-        pipeline: software-pipeline the dispatch loop (see codegen.generate_source).
-        poll_acquire: poll with acquire loads instead of relaxed ones plus one acquire.
         backoff_ns: sleep between polls (GPU only).
-        defer_signals: a worker's run of same-event tasks signals once, at its end
-            (pipelined loop only; the VM's ``defer_signals`` models it).
+        defer_signals: a worker's run of same-event tasks signals once, at its end (the
+            VM's ``defer_signals`` models it).
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
-                 interpret_polls: int = 2000, pipeline: bool = True, poll_acquire: bool = False,
-                 backoff_ns: int = 0, defer_signals: bool = True):
+                 interpret_polls: int = 2000, backoff_ns: int = 0, defer_signals: bool = True):
         self.program = program
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}
@@ -113,9 +110,8 @@ class Megakernel:
                                   "lower the graph for num_workers=1 (use the VM for more workers)")
         if any(spec.constexprs.get("TMA_STAGES", 0) for spec, _ in program.variants):
             enable_device_descriptors()  # scratch for the descriptors the TMA bodies make
-        self.source = generate_source(program, pipeline=pipeline)
-        self.poll_acquire, self.backoff_ns = bool(poll_acquire), int(backoff_ns)
-        self.defer_signals = bool(defer_signals)
+        self.source = generate_source(program)
+        self.backoff_ns, self.defer_signals = int(backoff_ns), bool(defer_signals)
         self.kernel, self.digest = load_kernel(self.source)
         dev = self.device
         self.desc = device_descriptors(program).to(dev)
@@ -134,8 +130,8 @@ class Megakernel:
         p = self.program
         return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
-                dict(DESC_WORDS=self.desc.shape[1], TRACE=self.trace_enabled, USE_TIMER=not INTERPRET,
-                     POLL_ACQUIRE=self.poll_acquire, BACKOFF_NS=self.backoff_ns, DEFER_SIGNALS=self.defer_signals,
+                dict(kernel_constexprs(p, trace=self.trace_enabled, use_timer=not INTERPRET,
+                                       backoff_ns=self.backoff_ns, defer_signals=self.defer_signals),
                      num_warps=self.num_warps))
 
     def residency(self) -> Residency:

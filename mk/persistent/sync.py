@@ -1,9 +1,9 @@
 """Device-side synchronisation of the megakernel: bounded waits, signals, timestamps.
 
 A wait polls its counter with relaxed volatile loads, then makes one ``ld.acquire.gpu``
-(under the interpreter an acquire atomic) so that the producers' data is visible; an
-acquire on every poll (POLL_ACQUIRE) invalidates the SM's L1 each time. Every wait is bounded: past the limit it records (worker, task, event,
-seen, expected) in the error buffer and reports failure, so a broken graph ends in an
+(under the interpreter an acquire atomic) so that the producers' data is visible (acquire
+polls measured no faster on an H200). Every wait is bounded: past the limit it records
+(worker, task, event, seen, expected) in the error buffer and reports failure, so a broken graph ends in an
 error instead of a frozen GPU; a wait also gives up as soon as another worker has
 recorded an error. A worker remembers the last event count it saw reached: tiles of one
 layer on one worker all wait for the same event, and only the first pays for it.
@@ -53,7 +53,7 @@ def _backoff(NS: tl.constexpr):
 
 @triton.jit
 def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, timeout, last_ev, last_need,
-               USE_TIMER: tl.constexpr, POLL_ACQUIRE: tl.constexpr = False, BACKOFF_NS: tl.constexpr = 0):
+               USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr = 0):
     """Wait until ``counters[ev] >= count * (epoch + 1)`` (when ``active``).
 
     Returns (ok, last_ev, last_need): ok is 0 on timeout or when another worker failed;
@@ -63,10 +63,7 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
     ok = 1
     need = count * (epoch + 1)
     if active & ((ev != last_ev) | (need > last_need)):
-        if POLL_ACQUIRE:
-            seen = _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
-        else:
-            seen = tl.load(counters_ptr + ev, volatile=True)
+        seen = tl.load(counters_ptr + ev, volatile=True)
         start = now_ns(USE_TIMER)
         polls = tl.zeros([], dtype=tl.int64)
         waited = tl.zeros([], dtype=tl.int64)
@@ -74,10 +71,7 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
         while (seen < need) & (waited < timeout) & (failed == 0):
             if USE_TIMER:
                 _backoff(BACKOFF_NS)
-            if POLL_ACQUIRE:
-                seen = _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
-            else:
-                seen = tl.load(counters_ptr + ev, volatile=True)
+            seen = tl.load(counters_ptr + ev, volatile=True)
             # Another worker's timeout ends this wait too: the whole launch stops within
             # one timeout, not one per link of a chain of waiting tasks. (Every 16th poll:
             # the flag is rarely set, and each load adds to what the memory system serves.)
@@ -97,9 +91,8 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
                 tl.store(error_ptr + 4, seen)
                 tl.store(error_ptr + 5, need)
         else:
-            if not POLL_ACQUIRE:
-                # Relaxed polls, then one acquire: the producers' writes are visible after it.
-                _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
+            # Relaxed polls, then one acquire: the producers' writes are visible after it.
+            _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
             last_ev = ev
             last_need = need
     return ok, last_ev, last_need

@@ -33,10 +33,6 @@ from mk.tasks.silu_mul import silu_mul_block_i, silu_mul_num_warps, silu_mul_ref
 
 from .ops import OpSpec, Region, register
 
-#: Prefetch weights with one TMA bulk prefetch per row (when rows are 16-byte aligned)
-#: rather than one prefetch.global.L2 per 128-byte line.
-PREFETCH_BULK = True
-
 
 def _2d(t: torch.Tensor) -> torch.Tensor:
     """The 2-D row-major view regions refer to (a view, so the VM writes in place)."""
@@ -134,7 +130,7 @@ class _LinearShape:
         # TMA bulk prefetch of whole row segments when rows (and so split starts) are 16-byte
         # aligned; TaskGraph.buffer refuses buffers that are not.
         eb = torch.empty((), dtype=dtype).element_size()
-        self.bulk = int(PREFETCH_BULK and (K * eb) % 16 == 0 and (self.bk * eb) % 16 == 0)
+        self.bulk = int((K * eb) % 16 == 0 and (self.bk * eb) % 16 == 0)
         self.op = op
 
     def constexprs(self) -> dict:
@@ -189,8 +185,8 @@ def _prologue_ref(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float) -> t
 def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
-              double_buffer: bool = True, prefetch_ahead: int = 0, preload_weights: bool | None = None,
-              fold: int = 1, tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+              double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
+              dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -198,15 +194,12 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     :func:`mk.tasks.linear.interleave_gate_up`). Args: pid_m, pid_n. Block sizes default to
     :func:`mk.tasks.linear.linear_config` for ``dtype`` (mk's default dtype when None).
     ``double_buffer``: the GEMV body requests each weight chunk one iteration ahead (a
-    persistent worker needs the extra bytes in flight), and asks L2 for the chunk
-    ``prefetch_ahead`` iterations ahead; ``preload_weights`` loads the first chunk into
-    registers before the dependency wait (None: when K is at most two chunks); ``fold``
-    narrows the accumulator that many times; ``tma_stages`` > 0 streams the weights through a
-    shared-memory ring of that many TMA loads instead (GEMV body; aligned rows, chunks of at
-    most 256 elements). ``prefetch_k``
-    weight columns are
-    pulled into L2 before the dependency wait (never
-    under the interpreter).
+    persistent worker needs the extra bytes in flight); ``preload_weights`` loads the first
+    chunk into registers before the dependency wait (None: when K is at most two chunks);
+    ``tma_stages`` > 0 streams the weights through a shared-memory ring of that many TMA
+    loads instead (GEMV body; aligned rows, chunks of at most 256 elements). ``prefetch_k``
+    weight columns are pulled into L2 before the dependency wait (never under the
+    interpreter).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype)
@@ -221,7 +214,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     tma = int(tma_stages) if (s.bm == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256
                               and s.bk <= 256 and (s.bk * eb) % 16 == 0) else 0
     if tma:
-        double_buffer, preload_weights, fold = False, False, 1
+        double_buffer, preload_weights = False, False
     preload = bool(preload_weights and double_buffer and s.bm == 1)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     # Unused pointer operands get a harmless real pointer, as the launcher does.
@@ -229,15 +222,13 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     eps_src = "EPS" if norm else "0.0"
     body = (f"linear_tile(x, w, {norm_w}, {res}, out, pid_m, pid_n, M, N, K, 0, K, K, K, N_OUT, N_OUT, {eps_src}, "
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
-            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, "
-            f"FOLD=FOLD, TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
+            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
     prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "TMA_STAGES": tma,
-                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1),
-                  # Inline PTX: never under the interpreter.
-                  "PREFETCH_AHEAD": 0 if INTERPRET or not double_buffer or s.bm != 1 else int(prefetch_ahead)}
+                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
     if norm:
         constexprs["EPS"] = float(eps)
 
@@ -261,7 +252,6 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
-    constexprs["FOLD"] = int(fold) if double_buffer and s.bm == 1 else 1
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile, linear_weights_first",),

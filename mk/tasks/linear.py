@@ -60,9 +60,6 @@ DOT_MIN = 16
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
 
-#: Prefetch weights with one TMA bulk prefetch per row where rows are 16-byte aligned,
-#: rather than one prefetch.global.L2 per 128-byte line.
-PREFETCH_BULK = True
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,8 +153,7 @@ def _linear_acc(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOUBLE_BUFFER: tl.constexpr = False, PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1,
-    TMA_STAGES: tl.constexpr = 0,
+    DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -199,33 +195,18 @@ def _linear_acc(
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
         # to keep its share of DRAM busy, where a grid of many programs gets it for free.
-        if FOLD > 1:
-            acc_fold = tl.zeros([BLOCK_N, BLOCK_K // FOLD], dtype=tl.float32)
         if w_first is not None:
             w_cur = w_first  # loaded by the caller, before it waited on its inputs
         else:
             w_cur = linear_weights_first(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
         for k in range(k_lo, k_full, BLOCK_K):
-            if PREFETCH_AHEAD > 0:
-                # And chunk k+PREFETCH_AHEAD's lines are asked of L2 (no registers held): DRAM
-                # streams ahead of the loads, which then hit L2. One address per 32 elements
-                # covers every 128-byte line of 2- or 4-byte weights.
-                pf_cols = tl.minimum(k + PREFETCH_AHEAD * BLOCK_K + tl.arange(0, BLOCK_K // 32) * 32, k_hi - 1)
-                _prefetch_l2(w_rows + pf_cols[None, :])
             cols_next = k + BLOCK_K + offs_k
             w_next = tl.load(w_rows + cols_next[None, :], mask=(cols_next < k_full)[None, :], other=0.0,
                              eviction_policy="evict_first")
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M).to(tl.float32)
             if HAS_NORM:
                 xt = xt * rstd * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
-            if FOLD > 1:
-                # Sum FOLD stretches of the chunk before accumulating: a thread holds those
-                # stretches' elements itself, so the accumulator shrinks FOLD-fold for free
-                # and the registers go to weights in flight instead.
-                acc_fold += tl.sum(tl.reshape(w_cur.to(tl.float32) * xt[None, :], [BLOCK_N, FOLD, BLOCK_K // FOLD]),
-                                   axis=1)
-            else:
-                acc += w_cur.to(tl.float32) * xt[None, :]
+            acc += w_cur.to(tl.float32) * xt[None, :]
             w_cur = w_next
     else:
         for k in range(k_lo, k_full, BLOCK_K):
@@ -236,10 +217,7 @@ def _linear_acc(
                            HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M)
     if BLOCK_M == 1:
         # The one cross-thread reduction of the GEMV, after the weight stream.
-        if DOUBLE_BUFFER & (FOLD > 1):
-            acc = (tl.sum(acc, axis=1) + tl.sum(acc_fold, axis=1))[None, :]
-        else:
-            acc = tl.sum(acc, axis=1)[None, :]
+        acc = tl.sum(acc, axis=1)[None, :]
     return acc
 
 
@@ -274,7 +252,7 @@ def linear_tile(
     stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
-    PREFETCH_AHEAD: tl.constexpr = 0, w_first=None, FOLD: tl.constexpr = 1, TMA_STAGES: tl.constexpr = 0,
+    w_first=None, TMA_STAGES: tl.constexpr = 0,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -284,16 +262,14 @@ def linear_tile(
     the RMSNorm prologue (HAS_NORM) for its statistics. BLOCK_M == 1 selects the GEMV
     body (one x row, FMAs); BLOCK_M >= 16 the tl.dot body. SILU_MUL needs an even BLOCK_N
     and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
-    DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead, and with
-    PREFETCH_AHEAD > 0 asks L2 for the chunk that many iterations ahead (compiled code only);
-    ``w_first`` is the first chunk from :func:`linear_weights_first`, when already loaded;
-    FOLD > 1 (with DOUBLE_BUFFER) keeps a BLOCK_K/FOLD-wide accumulator. TMA_STAGES > 0 (GEMV
+    DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead; ``w_first`` is
+    the first chunk from :func:`linear_weights_first`, when already loaded. TMA_STAGES > 0 (GEMV
     body) streams weights through a shared-memory ring filled by TMA (needs an allocator for
     on-device descriptors: :func:`mk.tasks.enable_device_descriptors`).
     """
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, PREFETCH_AHEAD=PREFETCH_AHEAD, w_first=w_first, FOLD=FOLD,
+                      DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
                       TMA_STAGES=TMA_STAGES)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
@@ -798,7 +774,7 @@ def linear(
     eb = x.element_size()
     # TMA bulk prefetch needs 16-byte aligned row segments.
     bulk = weight.data_ptr() % 16 == 0 and (weight.stride(0) * eb) % 16 == 0 and (bk * eb) % 16 == 0
-    prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk and PREFETCH_BULK)
+    prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk)
     if config.split_k == 1:
         linear_kernel[(tiles,)](
             x2, weight, norm_w, res2, out, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),

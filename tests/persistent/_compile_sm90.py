@@ -11,16 +11,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import mk.persistent.taskops  # noqa: E402,F401
-from mk.persistent.codegen import device_words, generate_source, load_kernel  # noqa: E402
+from mk.persistent.codegen import compile_for_target  # noqa: E402
 from mk.persistent.graph import TaskGraph, lower  # noqa: E402
 from mk.persistent.ops import make_op  # noqa: E402
 from mk.persistent.taskops import linear_tiles  # noqa: E402
 from mk.tasks.linear import interleave_gate_up, linear_kernel  # noqa: E402
 
 BF16 = torch.bfloat16
-SIG = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", "state_ptr": "*i32", "error_ptr": "*i32",
-       "trace_ptr": "*i64", "num_workers": "i32", "timeout": "i64", "DESC_WORDS": "constexpr", "TRACE": "constexpr",
-       "USE_TIMER": "constexpr", "POLL_ACQUIRE": "constexpr", "BACKOFF_NS": "constexpr", "DEFER_SIGNALS": "constexpr"}
 
 
 def block_graph(n: int = 256, inter: int = 512) -> TaskGraph:
@@ -42,7 +39,7 @@ def block_graph(n: int = 256, inter: int = 512) -> TaskGraph:
     for a in linear_tiles(red):
         g.add(red, ws="ws", res="x", out="y", **a)
     g.add(make_op("rmsnorm", n=n), x="y", w="nw", out="h", row=0)
-    plain = make_op("linear", M=1, N=n, K=n, dtype=BF16, block_k=64, fold=2, prefetch_ahead=2)
+    plain = make_op("linear", M=1, N=n, K=n, dtype=BF16, block_k=64)
     for a in linear_tiles(plain):
         g.add(plain, x="h", w="w2", out="out", **a)
     g.buffer("out2", z(1, n))
@@ -54,16 +51,10 @@ def block_graph(n: int = 256, inter: int = 512) -> TaskGraph:
 
 def main() -> None:
     program = lower(block_graph(), num_workers=4)
-    for pipeline in (True, False):
-        kernel, _ = load_kernel(generate_source(program, pipeline=pipeline))
-        for poll_acquire, backoff in ((False, 0), (True, 200)):
-            cx = {"DESC_WORDS": device_words(program), "TRACE": True, "USE_TIMER": True,
-                  "POLL_ACQUIRE": poll_acquire, "BACKOFF_NS": backoff, "DEFER_SIGNALS": poll_acquire}
-            src = triton.compiler.ASTSource(fn=kernel, signature=SIG, constexprs=cx)
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            ptx = compiled.asm["ptx"]
-            for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer", "cp.async.bulk.tensor"):
-                assert needle in ptx, f"{needle} missing from the compiled megakernel"
+    for trace, backoff, defer in ((True, 0, True), (False, 200, False)):
+        ptx = compile_for_target(program, trace=trace, backoff_ns=backoff, defer_signals=defer).asm["ptx"]
+        for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer", "cp.async.bulk.tensor"):
+            assert needle in ptx, f"{needle} missing from the compiled megakernel"
     # The standalone GEMV launch: PDL (gdc wait/launch) and the TMA bulk prefetch before it.
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",

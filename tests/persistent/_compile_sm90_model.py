@@ -8,18 +8,13 @@ import sys
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from mk.persistent.codegen import device_words, generate_source, load_kernel  # noqa: E402
+from mk.persistent.codegen import compile_for_target  # noqa: E402
 from mk.persistent.graph import TaskGraph, lower  # noqa: E402
 from mk.persistent.ops import make_op  # noqa: E402
 from mk.persistent.taskops import op_tiles  # noqa: E402
 
 BF16 = torch.bfloat16
-SIG = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", "state_ptr": "*i32", "error_ptr": "*i32",
-       "trace_ptr": "*i64", "num_workers": "i32", "timeout": "i64", "DESC_WORDS": "constexpr", "TRACE": "constexpr",
-       "USE_TIMER": "constexpr", "POLL_ACQUIRE": "constexpr", "BACKOFF_NS": "constexpr", "DEFER_SIGNALS": "constexpr"}
 
 
 def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4) -> TaskGraph:
@@ -70,11 +65,7 @@ def main() -> None:
     names = {spec.name for spec, _ in program.variants}
     assert {"embedding", "rope_kv", "decode_attention_partial", "decode_attention_merge", "argmax_partial",
             "argmax_reduce"} <= names, names
-    kernel, _ = load_kernel(generate_source(program))
-    cx = {"DESC_WORDS": device_words(program), "TRACE": False, "USE_TIMER": True, "POLL_ACQUIRE": False,
-          "BACKOFF_NS": 0, "DEFER_SIGNALS": True}
-    src = triton.compiler.ASTSource(fn=kernel, signature=SIG, constexprs=cx)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = compile_for_target(program, num_warps=4)
     ptx = compiled.asm["ptx"]
     # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), and the acquire of the waits.
     for needle in ("mma", "ld.global.acquire.gpu"):
