@@ -22,7 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from mk.tasks.linear import LinearConfig, linear_cost, linear_smem_bytes
+import torch
+
+from mk.tasks.linear import DOT_MIN, LinearConfig, _tile_rows, linear_config, linear_cost, linear_smem_bytes
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -90,10 +92,14 @@ class StepEstimate:
         return max((o.smem_bytes for o in self.ops), default=0)
 
 
+def _tile_rows_for(M: int) -> int:
+    """Rows of x per tile, by the launcher's own rule (1 for the GEMV body, else tl.dot tiles)."""
+    return _tile_rows(linear_config(M, DOT_MIN, DOT_MIN, torch.bfloat16), M)
+
+
 def _linear_config(node: OpNode, choice: OpChoice) -> LinearConfig:
-    M = node.dims["M"]
-    block_m = 1 if M == 1 else (16 if M <= 16 else 64)
-    return LinearConfig(block_m, choice.block_n, choice.block_k, choice.split_k, choice.num_warps, choice.stages)
+    return LinearConfig(_tile_rows_for(node.dims["M"]), choice.block_n, choice.block_k, choice.split_k,
+                        choice.num_warps, choice.stages)
 
 
 def op_tasks(node: OpNode, choice: OpChoice) -> int:
@@ -102,8 +108,7 @@ def op_tasks(node: OpNode, choice: OpChoice) -> int:
     if node.kind == "linear":
         if choice.block_n < 1:
             raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
-        block_m = 1 if d["M"] == 1 else 16 if d["M"] <= 16 else 64
-        tiles = math.ceil(d["M"] / block_m) * math.ceil(d["N"] / choice.block_n)
+        tiles = math.ceil(d["M"] / _tile_rows_for(d["M"])) * math.ceil(d["N"] / choice.block_n)
         return tiles * choice.split_k + (tiles if choice.split_k > 1 else 0)
     if node.kind == "attention":
         partials = d["batch"] * d["kv_heads"] * choice.kv_splits
@@ -115,10 +120,9 @@ def op_tasks(node: OpNode, choice: OpChoice) -> int:
 def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     """Bytes and flops of the op under the choice (split-K workspace traffic included)."""
     if node.kind == "linear" and choice.split_k > 1:
-        c = linear_cost(node.dims["M"], node.dims["N"], node.dims["K"], split_k=choice.split_k)
-        extra = c.bytes - linear_cost(node.dims["M"], node.dims["N"], node.dims["K"]).bytes
-        return node.bytes + extra, node.flops + (c.flops - linear_cost(node.dims["M"], node.dims["N"],
-                                                                       node.dims["K"]).flops)
+        d = node.dims
+        plain, split = linear_cost(d["M"], d["N"], d["K"]), linear_cost(d["M"], d["N"], d["K"], split_k=choice.split_k)
+        return node.bytes + split.bytes - plain.bytes, node.flops + split.flops - plain.flops
     if node.kind == "attention" and choice.kv_splits > 1:
         d = node.dims
         workspace = 2 * d["batch"] * d["heads"] * choice.kv_splits * (d["head_dim"] + 1) * 4

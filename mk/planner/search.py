@@ -94,7 +94,7 @@ def candidates(node: OpNode, device: DeviceSpec) -> list[OpChoice]:
                         continue
                     for stages in ((2, 3, 4) if skinny else (1,)):
                         out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
-                                            num_warps=2 if not skinny or block_n <= 64 else 4))
+                                            num_warps=2))
         if not skinny:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
             for block_n in (16, 32, 64):
                 for split_k in (1, 2, 4, 8):
