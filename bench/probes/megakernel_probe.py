@@ -17,10 +17,14 @@ print(f"copy {bw/1e12:.3f} TB/s, {sms} SMs", flush=True)
 rows = []
 # (block_n, block_k, warps, workers per SM, prefetch_k, tma_stages)
 CASES = {
-    (64, 2048): [(8, 2048, 4, 2, 2048, 0), (8, 2048, 4, 2, 2048, 0)],
+    (64, 2048): [(8, 2048, 4, 2, 2048, 0), (16, 2048, 4, 1, 2048, 0), (16, 1024, 4, 1, 2048, 0),
+                 (8, 1024, 4, 2, 2048, 0), (16, 2048, 8, 1, 2048, 0)],
     (16, 8192): [(32, 256, 4, 2, 1024, 4)],
 }
-VARIANTS = [dict(defer_signals=True), dict(defer_signals=False)]
+VARIANTS = [dict(defer_signals=True), dict(defer_signals=False), dict(defer_signals=False, backoff_ns=100),
+            dict(defer_signals=True, backoff_ns=100)]
+if os.environ.get("PROBE_QUICK"):
+    CASES = {(64, 2048): CASES[(64, 2048)]}
 for (layers, n), configs in CASES.items():
     g0, ws, x, _ = gemv_chain(layers, n, block_n=2)
     ref = gemv_chain_ref(ws, x)
