@@ -1,0 +1,242 @@
+"""Llama weights: load a Hugging Face safetensors checkpoint, make random ones, save them.
+
+Weights are a flat ``dict[str, torch.Tensor]`` under Hugging Face's parameter names::
+
+    model.embed_tokens.weight                        [vocab, hidden]
+    model.layers.{i}.input_layernorm.weight          [hidden]
+    model.layers.{i}.self_attn.q_proj.weight         [heads * head_dim, hidden]
+    model.layers.{i}.self_attn.{k,v}_proj.weight     [kv_heads * head_dim, hidden]
+    model.layers.{i}.self_attn.o_proj.weight         [hidden, heads * head_dim]
+    model.layers.{i}.post_attention_layernorm.weight [hidden]
+    model.layers.{i}.mlp.{gate,up}_proj.weight       [intermediate, hidden]
+    model.layers.{i}.mlp.down_proj.weight            [hidden, intermediate]
+    model.norm.weight                                [hidden]
+    lm_head.weight                                   [vocab, hidden]   (absent when tied)
+
+With ``tie_word_embeddings`` there is no ``lm_head.weight``: the LM head is
+``model.embed_tokens.weight``, and is never stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .config import LlamaConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+#: safetensors dtype names mk can load (quantized checkpoints are not Llama-as-stored).
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter a checkpoint of ``config`` must hold, with its shape, in model order."""
+    c = config
+    h, d = c.hidden_size, c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (c.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
+            p + "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+            p + "mlp.up_proj.weight": (c.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, c.intermediate_size),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("layernorm.weight") or name == "model.norm.weight"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _weight_files(folder: str) -> dict[str, str]:
+    """Tensor name -> safetensors file that holds it, from the index or the single file."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
+    index_path = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path}: weight_map must be an object")
+        files = {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not os.path.isfile(shard):
+                raise ValueError(f"{index_path} names shard {os.path.basename(shard)!r}, which is missing "
+                                 f"from {folder!r}")
+        return files
+    single = os.path.join(folder, SINGLE_FILE)
+    if os.path.isfile(single):
+        return {}   # names come from the file's own header
+    others = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
+    hint = f" (found {others}; mk reads Hugging Face safetensors only)" if others else ""
+    raise ValueError(f"no weights in {folder!r}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def _read_headers(paths: list[str]) -> dict[str, dict[str, tuple[list[int], str]]]:
+    """File -> {tensor name: (shape, dtype)}, from the safetensors headers only (no data read)."""
+    headers = {}
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                headers[path] = {}
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    headers[path][name] = (list(sl.get_shape()), sl.get_dtype())
+        except Exception as e:   # safetensors raises its own error type on truncated/corrupt files
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
+    return headers
+
+
+def load_weights(
+    folder: str | os.PathLike, config: LlamaConfig, *, device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None, progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Load a Hugging Face Llama checkpoint's weights (``model.safetensors`` or sharded).
+
+    Args:
+        folder: the checkpoint folder (``model.safetensors``, or ``model.safetensors.index.json``
+            and its shards).
+        config: the model's config; decides which tensors must be there and their shapes.
+        device: where the tensors go.
+        dtype: the dtype they are converted to; ``None`` keeps the stored dtype.
+        progress: show a tqdm bar over the tensors.
+
+    Returns:
+        ``{name: tensor}`` for exactly :func:`expected_shapes`'s names; extra tensors of the
+        checkpoint (e.g. ``rotary_emb.inv_freq``, or a tied ``lm_head.weight``) are skipped.
+
+    Raises:
+        ValueError naming the file or tensor: missing folder or weight file, a shard the
+        index names but the folder lacks, a truncated or corrupt file, a missing tensor, a
+        tensor of the wrong shape or a non-float dtype. Every header is checked before any
+        tensor data is read or moved to ``device``.
+    """
+    folder = os.fspath(folder)
+    mapped = _weight_files(folder)
+    paths = sorted(set(mapped.values())) if mapped else [os.path.join(folder, SINGLE_FILE)]
+    headers = _read_headers(paths)
+    where = {name: path for path, names in headers.items() for name in names}
+    # With an index, trust it for which shard holds a tensor, but check that the shard really does.
+    for name, path in mapped.items():
+        if name not in headers[path]:
+            raise ValueError(f"{os.path.join(folder, INDEX_FILE)} says {name!r} is in "
+                             f"{os.path.basename(path)!r}, but that file does not hold it")
+        where[name] = path
+
+    expected = expected_shapes(config)
+    missing = [n for n in expected if n not in where]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {folder!r} lacks tensor(s) {', '.join(missing[:5])}{more}")
+    for name, shape in expected.items():
+        got, st_dtype = headers[where[name]][name]
+        if tuple(got) != shape:
+            raise ValueError(f"{where[name]}: tensor {name!r} has shape {tuple(got)}, expected {shape} "
+                             f"for this config")
+        if st_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{where[name]}: tensor {name!r} has dtype {st_dtype}; mk loads float weights only")
+
+    weights: dict[str, torch.Tensor] = {}
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress) as bar:
+        for path in paths:   # one open per file, in file order
+            names = [n for n in expected if where[n] == path]
+            if not names:
+                continue
+            try:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for name in names:
+                        weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                        bar.update(1)
+            except ValueError:
+                raise
+            except Exception as e:
+                raise ValueError(f"{path}: reading tensor data failed: {e}") from None
+    return {name: weights[name] for name in expected}
+
+
+# --------------------------------------------------------------------------- random and save
+
+
+def random_weights(
+    config: LlamaConfig, *, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Random weights for ``config``, the same for the same seed on every machine.
+
+    Drawn on the CPU (so a seed means the same numbers everywhere), then moved. Matrices are
+    normal with std 0.02 as Hugging Face initializes them; norm weights are
+    ``1 + 0.1 * normal`` rather than ones, so a test catches a norm weight applied wrong.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        w = torch.randn(shape, generator=gen, dtype=torch.float32)
+        w = 1.0 + 0.1 * w if _is_norm(name) else 0.02 * w
+        weights[name] = w.to(device=device, dtype=dtype)
+    return weights
+
+
+def save_weights(
+    weights: dict[str, torch.Tensor], config: LlamaConfig, folder: str | os.PathLike, *, shard_bytes: int | None = None,
+) -> list[str]:
+    """Write a Hugging Face checkpoint folder: ``config.json`` and the weights as safetensors.
+
+    One ``model.safetensors``, or with ``shard_bytes`` shards of at most that many bytes
+    each (a tensor larger than that gets a shard of its own) plus
+    ``model.safetensors.index.json``. A tied ``lm_head.weight`` is not written. Returns
+    the paths of the weight files written. ``transformers``' ``from_pretrained`` reads the folder.
+    """
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    expected = expected_shapes(config)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise ValueError(f"save_weights: weights lack {', '.join(missing[:5])}")
+    # Only the config's tensors, each its own contiguous CPU copy (safetensors refuses shared storage).
+    tensors = {n: weights[n].detach().to("cpu").contiguous().clone() for n in expected}
+    if shard_bytes is None:
+        path = os.path.join(folder, SINGLE_FILE)
+        save_file(tensors, path, metadata={"format": "pt"})
+        return [path]
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    paths, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        paths.append(os.path.join(folder, fname))
+        save_file(shard, paths[-1], metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return paths
