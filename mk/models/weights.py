@@ -164,15 +164,14 @@ def load_weights(
             names = [n for n in expected if where[n] == path]
             if not names:
                 continue
-            try:
-                with safe_open(path, framework="pt", device="cpu") as f:
-                    for name in names:
-                        weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-                        bar.update(1)
-            except ValueError:
-                raise
-            except Exception as e:
-                raise ValueError(f"{path}: reading tensor data failed: {e}") from None
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in names:
+                    try:
+                        t = f.get_tensor(name)
+                    except Exception as e:
+                        raise ValueError(f"{path}: reading tensor {name!r} failed: {e}") from None
+                    weights[name] = t.to(device=device, dtype=dtype)
+                    bar.update(1)
     return {name: weights[name] for name in expected}
 
 

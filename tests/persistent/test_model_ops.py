@@ -208,8 +208,8 @@ def test_argmax_ops(block_v, out_dtype, _seed):
     red = make_op("argmax_reduce", rows=rows, vocab=vocab, block_v=block_v)
     chunks = part.constexprs["N_CHUNKS"]
     assert chunks == (4 if block_v else 1)  # 1000 = 3 * 256 + 232: the last chunk clipped
-    g.buffer("pv", nan(rows, chunks)), g.buffer("pi", torch.full((rows, chunks), -1, dtype=torch.int32))
-    g.buffer("idx", torch.full((rows,), -1, dtype=out_dtype)), g.buffer("val", nan(rows))
+    g.buffer("pv", nan(rows, chunks)), g.buffer("pi", torch.full((rows, chunks), -1, dtype=torch.int32, device=DEV))
+    g.buffer("idx", torch.full((rows,), -1, dtype=out_dtype, device=DEV)), g.buffer("val", nan(rows))
     add_all(g, part, logits="logits", part_val="pv", part_idx="pi")
     add_all(g, red, part_val="pv", part_idx="pi", out_idx="idx", out_val="val")
     ref = argmax_ref(logits)
