@@ -166,6 +166,14 @@ class _LinearShape:
         return split * self.M + r0, split * self.M + r1
 
 
+def _tma_stages(s: "_LinearShape", K: int, tma_stages: int, dtype: torch.dtype | None) -> int:
+    """The TMA ring depth a GEMV tile can use: 0 unless its rows are 16-byte aligned and its
+    boxes at most 256 elements a side (what a tensor descriptor needs)."""
+    eb = torch.empty((), dtype=dtype or default_dtype()).element_size()
+    ok = s.bm == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256 and s.bk <= 256 and (s.bk * eb) % 16 == 0
+    return int(tma_stages) if ok else 0
+
+
 def _epilogue_ref(acc: torch.Tensor, res: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
     """The linear epilogue in float32 torch (VM semantics of the split-K reduce)."""
     if silu_mul:
@@ -209,10 +217,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     # by a third, whose loop then converts the chunk's layout every iteration.
     if preload_weights is None:
         preload_weights = K <= 2 * s.bk
-    # TMA streaming needs 16-byte aligned rows and boxes of at most 256 elements a side.
-    eb = torch.empty((), dtype=dtype or default_dtype()).element_size()
-    tma = int(tma_stages) if (s.bm == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256
-                              and s.bk <= 256 and (s.bk * eb) % 16 == 0) else 0
+    tma = _tma_stages(s, K, tma_stages, dtype)
     if tma:
         double_buffer, preload_weights = False, False
     preload = bool(preload_weights and double_buffer and s.bm == 1)
@@ -261,18 +266,20 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 @register("linear_partial")
 def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                      norm: bool = False, eps: float = 1e-6, prefetch_k: int = 0,
-                      dtype: torch.dtype | None = None) -> OpSpec:
+                      norm: bool = False, eps: float = 1e-6, prefetch_k: int = 0, double_buffer: bool = True,
+                      tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
     """Split-K partial of tile (pid_m, pid_n) over K split ``split``: float32 into ws[split].
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm), ws float32
     ``[split_k, M, N]``. Args: pid_m, pid_n, split. Without norm a partial reads only its
     K range of x, so it waits only for the producer tiles of that range (split-K
     dataflow); with norm it reads whole rows (the RMSNorm statistics need all of K).
-    Pair with :func:`linear_reduce_op` built from the same sizes.
+    Pair with :func:`linear_reduce_op` built from the same sizes. ``double_buffer`` and
+    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles).
     """
     s = _LinearShape("linear_partial", M, N, K, split_k, block_m, block_n, block_k, num_warps, False, False,
                      prefetch_k, dtype)
+    tma = _tma_stages(s, K, tma_stages, dtype)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + ("ws",)
     norm_w = "norm_w" if norm else "w"
     eps_src = "EPS" if norm else "0.0"
@@ -283,8 +290,10 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     body = (f"k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
             f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * N, N, "
-            f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)")
-    constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm)}
+            f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, "
+            f"DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)")
+    constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm), "TMA_STAGES": tma,
+                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1 and not tma)}
     if norm:
         constexprs["EPS"] = float(eps)
 
@@ -815,6 +824,87 @@ def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_w
                   num_warps=num_warps, run=run, reads=reads, writes=writes)
 
 
+@register("sample_gumbel_partial")
+def sample_gumbel_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+    """Temperature sampling, chunk ``chunk`` of row ``row``: the best ``logits / T + gumbel``.
+
+    Operands: logits ``[rows, vocab]``, params float32 ``[1]`` (the temperature T > 0),
+    seed int64 ``[1]``, offsets int32/int64 ``[rows]`` (the Philox offset of each row's draw:
+    the position of the token being drawn, so every step draws afresh), part_val float32
+    and part_idx int32 ``[rows, n_chunks]``. Args: row, chunk. Pair with
+    :func:`argmax_reduce_op` of the same sizes: together they are
+    :func:`mk.tasks.sample.sample` without top-k/top-p, token for token.
+    """
+    s = _ArgmaxShape("sample_gumbel_partial", rows, vocab, block_v)
+
+    def run(bufs, a):
+        from mk.tasks.sample import gumbel_noise, scale_logits_ref
+
+        row = s.row(a)
+        chunk, c0, c1 = s.chunk(a)
+        x = _view(s.op, "logits", bufs["logits"], rows, vocab)[row].float()
+        offset = int(_view(s.op, "offsets", bufs["offsets"], 1, rows)[0, row])
+        noise = gumbel_noise(int(bufs["seed"][0]), offset, row + 1, vocab, device=x.device)[row]
+        z = (scale_logits_ref(x, float(bufs["params"][0])) + noise)[c0:c1]
+        i = int(z.argmax())
+        part_val, part_idx = s.parts(bufs)
+        part_val[row, chunk], part_idx[row, chunk] = z[i], c0 + i
+
+    def reads(a, bind):
+        row, (_, c0, c1) = s.row(a), s.chunk(a)
+        return [Region(bind["logits"], row, row + 1, c0, c1), Region(bind["params"], 0, 1, 0, 1),
+                Region(bind["seed"], 0, 1, 0, 1), Region(bind["offsets"], 0, 1, row, row + 1)]
+
+    def writes(a, bind):
+        row, (chunk, _, _) = s.row(a), s.chunk(a)
+        return [Region(bind[r], row, row + 1, chunk, chunk + 1) for r in ("part_val", "part_idx")]
+
+    return OpSpec(name="sample_gumbel_partial",
+                  operands=("logits", "params", "seed", "offsets", "part_val", "part_idx"), args=("row", "chunk"),
+                  body="sample_gumbel_partial_tile(logits, logits, part_val, part_idx, row, chunk, V, V, 0, N_CHUNKS, "
+                       "tl.load(params), tl.load(seed), tl.load(offsets + row), USE_KTH=False, USE_PTH=False, "
+                       "BLOCK_V=BLOCK_V)",
+                  imports=("from mk.tasks.sample import sample_gumbel_partial_tile",),
+                  constexprs={"ROWS": rows, "V": vocab, "BLOCK_V": s.block_v, "N_CHUNKS": s.chunks},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes)
+
+
+@register("append_token")
+def append_token_op(batch: int, max_seq: int) -> OpSpec:
+    """Sequence b's new token into its history, and its position advanced (see
+    :mod:`mk.tasks.append_token`). Operands: next_ids ``[batch]``, pos ``[batch]``, tokens
+    ``[batch, max_seq]`` (int32/int64). Args: b. The history row is written at a runtime
+    position, so the task declares the whole row; reading and writing ``pos[b]`` orders it
+    after every task of the step that reads the position."""
+    _check_sizes("append_token", batch=batch, max_seq=max_seq)
+
+    def seq(a):
+        _check_tile("append_token", "b", a["b"], batch)
+        return a["b"]
+
+    def run(bufs, a):
+        b = seq(a)
+        pos = _view("append_token", "pos", bufs["pos"], 1, batch)[0]
+        tokens = _view("append_token", "tokens", bufs["tokens"], batch, max_seq)
+        p = int(pos[b])
+        if p + 1 < max_seq:
+            tokens[b, p + 1] = _view("append_token", "next_ids", bufs["next_ids"], 1, batch)[0, b]
+            pos[b] = p + 1
+
+    def reads(a, bind):
+        b = seq(a)
+        return [Region(bind["next_ids"], 0, 1, b, b + 1), Region(bind["pos"], 0, 1, b, b + 1)]
+
+    def writes(a, bind):
+        b = seq(a)
+        return [Region(bind["pos"], 0, 1, b, b + 1), Region(bind["tokens"], b, b + 1, 0, max_seq)]
+
+    return OpSpec(name="append_token", operands=("next_ids", "pos", "tokens"), args=("b",),
+                  body="append_token_tile(next_ids, pos, tokens, b, MAX_SEQ, MAX_SEQ)",
+                  imports=("from mk.tasks.append_token import append_token_tile",),
+                  constexprs={"BATCH": batch, "MAX_SEQ": max_seq}, num_warps=1, run=run, reads=reads, writes=writes)
+
+
 def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
     """Descriptor args of every task of one whole op, in the order a graph should add them.
 
@@ -840,8 +930,10 @@ def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
                 for s in range(c["NUM_SPLITS"])]
     if spec.name == "decode_attention_merge":
         return [{"b": b, "q_head": h} for b in range(c["BATCH"]) for h in range(c["HQ"])]
-    if spec.name == "argmax_partial":
+    if spec.name in ("argmax_partial", "sample_gumbel_partial"):
         return [{"row": r, "chunk": k} for r in range(c["ROWS"]) for k in range(c["N_CHUNKS"])]
     if spec.name == "argmax_reduce":
         return [{"row": r} for r in range(c["ROWS"])]
+    if spec.name == "append_token":
+        return [{"b": b} for b in range(c["BATCH"])]
     raise ValueError(f"op_tiles: unknown op {spec.name!r}")

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import DOT_MIN, LinearConfig, _tile_rows, linear_config, linear_cost, linear_smem_bytes
 
 from .device import DeviceSpec
@@ -111,8 +112,11 @@ def op_tasks(node: OpNode, choice: OpChoice) -> int:
         tiles = math.ceil(d["M"] / _tile_rows_for(d["M"])) * math.ceil(d["N"] / choice.block_n)
         return tiles * choice.split_k + (tiles if choice.split_k > 1 else 0)
     if node.kind == "attention":
-        partials = d["batch"] * d["kv_heads"] * choice.kv_splits
-        return partials + (d["batch"] * d["heads"] if choice.kv_splits > 1 else 0)
+        # The lowering always merges (the merge also casts the float32 partial to the dtype).
+        return d["batch"] * d["kv_heads"] * choice.kv_splits + d["batch"] * d["heads"]
+    if node.kind == "argmax":
+        # Chunk partials and one reduce per row (and the step's append_token per row).
+        return d["rows"] * (math.ceil(d["v"] / argmax_block_v(d["v"])) + 2)
     rows = d.get("rows", d.get("batch", 1))
     return max(1, math.ceil(rows / max(choice.rows_per_task, 1)))
 

@@ -22,6 +22,11 @@ from .graph import OpGraph, OpNode
 #: (kind of the fused op, kind of its host): what the task bodies can do in one tile.
 SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear")}
 
+#: Kinds that have no task of their own in a decode step and so must fuse into their host:
+#: the residual add (the runtime's epilogue), and SiLU·mul (the gate/up weights are
+#: interleaved, which only the linear epilogue reads).
+MUST_FUSE = {"add", "silu_mul"}
+
 
 @dataclass
 class Plan:
@@ -185,6 +190,8 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
                 new_beam.append(_State(state.cost, state.peak_smem, state.choices, state.pending + (node.name,),
                                        state.order + (-2,)))
             # 3. Run it on its own (a linear takes the RMSNorms waiting for it).
+            if node.kind in MUST_FUSE and host is not None:
+                continue
             takes = tuple(p for p in state.pending if nodes[p].fuse_into == node.name)
             rest = tuple(p for p in state.pending if p not in takes)
             for i, c in enumerate(ranked):

@@ -1,0 +1,220 @@
+"""Lowering: a plan of a Llama decode step -> the task graph one megakernel launch runs.
+
+Each op of the plan becomes the tasks of its chosen tile (:mod:`mk.persistent.taskops`),
+fused ops folded into their host's tile (an RMSNorm prologue, a residual or SiLU·mul
+epilogue). The runtime derives every dependency from the regions the tasks read and
+write, so they are exact at tile granularity: a QKV tile waits for the rows it
+normalises, a split-K partial for the producer tiles of its K range, attention for its
+own sequence's RoPE task.
+
+One launch is one whole decode step and needs no host work before the next:
+
+    ids [B] (this step's tokens) -> embedding -> layers -> final norm -> LM head
+        -> argmax (or temperature sampling) -> ids (the next tokens)
+        -> append_token: tokens[b, pos[b] + 1] = ids[b], pos[b] += 1
+
+Buffers the caller provides (by name), all on one device:
+
+* weights, named after their op: ``embed`` [V, H]; per layer ``l{L}.attn_norm`` [H],
+  ``l{L}.qkv`` [(Hq + 2 Hkv) D, H], ``l{L}.o_proj`` [H, Hq D], ``l{L}.mlp_norm`` [H],
+  ``l{L}.gate_up`` [2 I, H] (:func:`mk.tasks.linear.interleave_gate_up`), ``l{L}.down``
+  [H, I]; ``final_norm`` [H], ``lm_head`` [V, H]; ``inv_freq`` float32 [D/2];
+* the caches ``l{L}.k_cache``, ``l{L}.v_cache`` [B, Hkv, S, D];
+* the step state: ``ids`` [B], ``pos`` [B] (the positions fed this step), ``tokens``
+  [B, S] (each sequence's history), all int32; with sampling also ``temperature``
+  float32 [1] and ``seed`` int64 [1].
+
+Activations and workspaces are allocated here, in the weights' dtype (float32 for the
+split-K and attention workspaces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+import mk.persistent.taskops  # noqa: F401  (registers the ops)
+from mk.persistent.graph import TaskGraph
+from mk.persistent.ops import make_op
+from mk.persistent.taskops import op_tiles
+
+from .graph import OpGraph, OpNode
+from .search import Plan
+
+#: L2 prefetch ahead of a GEMV tile's dependency wait, in weight columns (never under the
+#: interpreter): bench/test_persistent.py's 8192 chain runs best with 1024.
+PREFETCH_K = 1024
+
+STATE_BUFFERS = ("ids", "pos", "tokens")
+SAMPLING_BUFFERS = ("temperature", "seed")
+
+
+@dataclass
+class DecodeStep:
+    """The lowered step: its task graph, and the names of the buffers that matter to a caller."""
+
+    graph: TaskGraph
+    plan: Plan
+    batch: int
+    max_seq: int
+    sampling: bool
+    logits: str = "logits"
+    tasks_per_op: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        return (f"decode step: {len(self.graph.tasks)} tasks over {len(self.tasks_per_op)} ops, "
+                f"batch {self.batch}, cache {self.max_seq} positions, "
+                f"{'temperature sampling' if self.sampling else 'greedy'}")
+
+
+def weight_names(graph: OpGraph) -> list[str]:
+    """The weight buffers a step of ``graph`` reads (see the module docstring)."""
+    names = ["inv_freq"]
+    for node in graph.nodes:
+        if node.kind in ("embedding", "rmsnorm", "linear"):
+            names.append(node.name)
+        elif node.kind == "rope_kv":
+            layer = node.name.rsplit(".", 1)[0]
+            names += [f"{layer}.k_cache", f"{layer}.v_cache"]
+    return names
+
+
+def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Tensor], *, eps: float,
+                      sampling: bool = False) -> DecodeStep:
+    """The task graph of one decode step of ``graph`` under ``plan`` (see module docstring).
+
+    Raises ValueError naming the buffer that is missing or of the wrong shape, or the op
+    whose choice the runtime cannot run.
+    """
+    m, B = graph.model, graph.batch
+    need = weight_names(graph) + list(STATE_BUFFERS) + (list(SAMPLING_BUFFERS) if sampling else [])
+    missing = [n for n in need if n not in buffers]
+    if missing:
+        raise ValueError(f"lower_decode_step: missing buffers {missing}")
+    weight = buffers["embed"]
+    dtype, device = weight.dtype, weight.device
+    S = buffers["tokens"].shape[1] if buffers["tokens"].dim() == 2 else -1
+    expect = {"ids": (B,), "pos": (B,), "tokens": (B, S), "inv_freq": (m.head_dim // 2,)}
+    for L in range(m.layers):
+        for c in ("k_cache", "v_cache"):
+            expect[f"l{L}.{c}"] = (B, m.kv_heads, S, m.head_dim)
+    for name, shape in expect.items():
+        if tuple(buffers[name].shape) != shape:
+            raise ValueError(f"lower_decode_step: buffer {name} has shape {tuple(buffers[name].shape)}, "
+                             f"expected {shape}")
+
+    g = TaskGraph()
+    for name in need:
+        g.buffer(name, buffers[name])
+    nodes = {n.name: n for n in graph.nodes}
+    fused_into = {f: host for host, c in plan.choices.items() for f in c.fuse}
+    step = DecodeStep(g, plan, B, S, sampling)
+
+    def activation(name: str, *shape: int, dt: torch.dtype = dtype) -> str:
+        if name not in g.buffers:
+            g.buffer(name, torch.zeros(*shape, dtype=dt, device=device))
+        return name
+
+    def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
+        tiles = op_tiles(spec, rows)
+        for a in tiles:
+            g.add(spec, **bind, **a)
+        step.tasks_per_op[node_name] = step.tasks_per_op.get(node_name, 0) + len(tiles)
+
+    for node in graph.nodes:
+        if node.name in fused_into:
+            continue
+        choice = plan.choices.get(node.name)
+        if choice is None:
+            raise ValueError(f"lower_decode_step: op {node.name} has no choice in the plan")
+        kind = node.kind
+        if kind == "embedding":
+            add_op(node.name, make_op("embedding", rows=B, vocab=m.vocab, hidden=m.hidden),
+                   ids="ids", table="embed", out=activation(node.outputs[0], B, m.hidden))
+        elif kind == "rmsnorm":
+            add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=node.name,
+                   out=activation(node.outputs[0], B, m.hidden))
+        elif kind == "linear":
+            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps)
+        elif kind == "rope_kv":
+            layer = node.name.rsplit(".", 1)[0]
+            first = layer == "l0"  # one layer publishes the lengths attention reads
+            spec = make_op("rope_kv", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
+                           max_seq=S, write_seqlens=first)
+            extra = {"seqlens": activation("seqlens", B, dt=torch.int32)} if first else {}
+            add_op(node.name, spec, qkv=node.inputs[0], pos="pos", inv_freq="inv_freq",
+                   q=activation(node.outputs[0], B, m.heads * m.head_dim), k_cache=f"{layer}.k_cache",
+                   v_cache=f"{layer}.v_cache", **extra)
+        elif kind == "attention":
+            layer = node.name.rsplit(".", 1)[0]
+            splits = choice.kv_splits
+            part = make_op("decode_attention_partial", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads,
+                           head_dim=m.head_dim, max_seq=S, num_splits=splits)
+            merge = make_op("decode_attention_merge", batch=B, num_q_heads=m.heads, head_dim=m.head_dim,
+                            num_splits=splits)
+            o_part = activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim, dt=torch.float32)
+            lse = activation(f"{layer}.lse", B, m.heads, splits, dt=torch.float32)
+            add_op(node.name, part, q=node.inputs[0], k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache",
+                   seqlens="seqlens", o_part=o_part, lse=lse)
+            add_op(node.name, merge, o_part=o_part, lse=lse, out=activation(node.outputs[0], B, m.heads * m.head_dim))
+        elif kind == "argmax":
+            if sampling:
+                part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
+                extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
+            else:
+                part = make_op("argmax_partial", rows=B, vocab=m.vocab)
+                extra = {}
+            chunks = part.constexprs["N_CHUNKS"]
+            pv = activation("argmax.val", B, chunks, dt=torch.float32)
+            pi = activation("argmax.idx", B, chunks, dt=torch.int32)
+            add_op(node.name, part, logits=node.inputs[0], part_val=pv, part_idx=pi, **extra)
+            add_op(node.name, make_op("argmax_reduce", rows=B, vocab=m.vocab), part_val=pv, part_idx=pi,
+                   out_idx="ids", out_val=activation("next_val", B, dt=torch.float32))
+            add_op("append_token", make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos",
+                   tokens="tokens")
+        else:
+            raise ValueError(f"lower_decode_step: op {node.name} of kind {kind} has no task "
+                             f"(it must be fused into {node.fuse_into})")
+    return step
+
+
+def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps) -> None:
+    """One linear op and what is fused into it: split-K partials and their reduce, or full tiles."""
+    d = node.dims
+    M, N, K = d["M"], d["N"], d["K"]
+    fused = [nodes[f] for f in choice.fuse]
+    norm = next((f for f in fused if f.kind == "rmsnorm"), None)
+    add = next((f for f in fused if f.kind == "add"), None)
+    silu = next((f for f in fused if f.kind == "silu_mul"), None)
+    x = norm.inputs[0] if norm is not None else node.inputs[0]
+    out_name, out_cols = node.outputs[0], N
+    if silu is not None:
+        out_name, out_cols = silu.outputs[0], N // 2
+    if add is not None:
+        out_name = add.outputs[0]
+    bind = {"x": x, "w": node.name}
+    if norm is not None:
+        bind["norm_w"] = norm.name
+    epilogue = {}
+    if add is not None:
+        epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
+    out = activation(out_name, M, out_cols)
+    tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
+    gemv = dict(prefetch_k=min(PREFETCH_K, K), tma_stages=choice.tma_stages) if M == 1 else {}
+    norm_kw = dict(norm=norm is not None, eps=eps)
+    try:
+        if choice.split_k == 1:
+            spec = make_op("linear", M=M, N=N, K=K, residual=add is not None, silu_mul=silu is not None,
+                           **norm_kw, **tiles, **gemv)
+            add_op(node.name, spec, **bind, **epilogue, out=out)
+        else:
+            part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
+            red = make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, residual=add is not None,
+                          silu_mul=silu is not None, **tiles)
+            ws = activation(f"{node.name}.ws", choice.split_k, M, N, dt=torch.float32)
+            add_op(node.name, part, **bind, ws=ws)
+            add_op(node.name, red, ws=ws, **epilogue, out=out)
+    except ValueError as err:
+        raise ValueError(f"lower_decode_step: op {node.name} ({M}x{N}x{K}) with {choice}: {err}") from None

@@ -1,0 +1,1 @@
+"""Tests of mk.models: config, weights, the torch reference (against transformers), tokenizer."""

@@ -1,0 +1,167 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mk.models import LlamaConfig, load_weights, random_weights, save_weights
+from mk.models.weights import INDEX_FILE, SINGLE_FILE, expected_shapes
+
+CONFIG = LlamaConfig.tiny(vocab_size=101, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16)
+TIED = LlamaConfig.tiny(vocab_size=101, hidden_size=64, intermediate_size=96, head_dim=16, tie_word_embeddings=True)
+
+
+def _same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_expected_shapes():
+    shapes = expected_shapes(CONFIG)
+    assert len(shapes) == 1 + 9 * CONFIG.num_hidden_layers + 2
+    assert shapes["model.layers.1.self_attn.q_proj.weight"] == (64, 64)
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (32, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 64)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (64, 96)
+    assert shapes["lm_head.weight"] == (101, 64)
+    assert "lm_head.weight" not in expected_shapes(TIED)
+
+
+def test_random_weights_deterministic():
+    a, b = random_weights(CONFIG, seed=3), random_weights(CONFIG, seed=3)
+    _same(a, b)
+    c = random_weights(CONFIG, seed=4)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    norm = a["model.layers.0.input_layernorm.weight"]
+    assert (norm - 1).abs().max() > 0.01 and (norm - 1).abs().mean() < 0.3   # near 1, not all ones
+    assert 0.015 < a["model.layers.0.mlp.up_proj.weight"].std() < 0.025
+    bf = random_weights(CONFIG, seed=3, dtype=torch.bfloat16)
+    assert bf["model.norm.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("config", [CONFIG, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("shard_bytes", [None, 20_000], ids=["single", "sharded"])
+def test_save_load_round_trip(tmp_path, config, shard_bytes):
+    w = random_weights(config, seed=1)
+    paths = save_weights(w, config, tmp_path, shard_bytes=shard_bytes)
+    assert (tmp_path / "config.json").is_file()
+    if shard_bytes is None:
+        assert [p.split("/")[-1] for p in paths] == [SINGLE_FILE]
+    else:
+        assert len(paths) > 2 and (tmp_path / INDEX_FILE).is_file() and not (tmp_path / SINGLE_FILE).exists()
+    assert LlamaConfig.from_pretrained(tmp_path) == config
+    loaded = load_weights(tmp_path, config, progress=False)
+    _same(loaded, w)
+    assert ("lm_head.weight" in loaded) == (not config.tie_word_embeddings)
+    half = load_weights(tmp_path, config, dtype=torch.bfloat16, progress=False)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+
+
+def test_extra_tensors_ignored(tmp_path):
+    # A tied checkpoint that stores lm_head anyway, and an old rotary buffer: both skipped.
+    w = random_weights(TIED, seed=2)
+    extra = {**w, "lm_head.weight": w["model.embed_tokens.weight"].clone(),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    TIED.save_pretrained(tmp_path)
+    save_file(extra, str(tmp_path / SINGLE_FILE))
+    _same(load_weights(tmp_path, TIED, progress=False), w)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_weights(tmp_path / "nope", CONFIG)
+
+
+def test_no_weight_file(tmp_path):
+    CONFIG.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"no weights in .*{SINGLE_FILE}"):
+        load_weights(tmp_path, CONFIG)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="pytorch_model.bin.*safetensors only"):
+        load_weights(tmp_path, CONFIG)
+
+
+def test_missing_shard(tmp_path):
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000)
+    gone = paths[1].split("/")[-1]
+    (tmp_path / gone).unlink()
+    with pytest.raises(ValueError, match=f"names shard '{gone}', which is missing"):
+        load_weights(tmp_path, CONFIG)
+
+
+def test_bad_index(tmp_path):
+    save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000)
+    (tmp_path / INDEX_FILE).write_text("{")
+    with pytest.raises(ValueError, match=INDEX_FILE.replace(".", r"\.")):
+        load_weights(tmp_path, CONFIG)
+
+
+def test_index_points_to_wrong_shard(tmp_path):
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    other = next(p.split("/")[-1] for p in paths if p.split("/")[-1] != index["weight_map"]["model.norm.weight"])
+    index["weight_map"]["model.norm.weight"] = other
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"'model.norm.weight' is in '{other}'"):
+        load_weights(tmp_path, CONFIG)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_truncated_file(tmp_path, sharded):
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000 if sharded else None)
+    victim = paths[-1]
+    data = open(victim, "rb").read()
+    open(victim, "wb").write(data[: len(data) - 100])
+    with pytest.raises(ValueError, match="truncated or corrupt") as e:
+        load_weights(tmp_path, CONFIG)
+    assert victim in str(e.value)
+
+
+def test_garbage_file(tmp_path):
+    CONFIG.save_pretrained(tmp_path)
+    (tmp_path / SINGLE_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match=f"{SINGLE_FILE}: not a readable safetensors file"):
+        load_weights(tmp_path, CONFIG)
+
+
+def test_missing_tensor(tmp_path):
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path)
+    tensors = load_file(paths[0])
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, paths[0])
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_weights(tmp_path, CONFIG)
+
+
+def test_untied_config_needs_lm_head(tmp_path):
+    save_weights(random_weights(TIED), TIED, tmp_path)
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_weights(tmp_path, CONFIG)
+
+
+def test_wrong_shape(tmp_path):
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path)
+    tensors = load_file(paths[0])
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, paths[0])
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(64, 64\), "
+                                         r"expected \(32, 64\)") as e:
+        load_weights(tmp_path, CONFIG)
+    assert SINGLE_FILE in str(e.value)
+    # The same folder read with a config of another size: every mismatch is caught from the headers.
+    with pytest.raises(ValueError, match="embed_tokens.weight' has shape"):
+        load_weights(tmp_path, LlamaConfig.tiny(vocab_size=102, hidden_size=64, intermediate_size=96, head_dim=16))
+
+
+def test_integer_tensor_rejected(tmp_path):
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path)
+    tensors = load_file(paths[0])
+    tensors["model.norm.weight"] = torch.ones(64, dtype=torch.int8)
+    save_file(tensors, paths[0])
+    with pytest.raises(ValueError, match="'model.norm.weight' has dtype I8"):
+        load_weights(tmp_path, CONFIG)
