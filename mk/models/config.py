@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 #: The only rotary embeddings mk implements (see :func:`mk.tasks.rope.rope_inv_freq`).
 SUPPORTED_ROPE_TYPES = ("default", "llama3")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +147,7 @@ class ReferenceLlama:
         key_pos = torch.arange(S, device=dev)
         # Key s is visible to query (b, t) if it is not in the future and is a real token of row b.
         allowed = (key_pos <= positions[:, :, None]) & (key_pos < ends[:, None, None])        # [B, T, S]
-        angle = (positions - start_pos[:, None]).float()[..., None] * self.inv_freq                                 # [B, T, D/2]
+        angle = positions.float()[..., None] * self.inv_freq                                 # [B, T, D/2]
         angle = torch.cat([angle, angle], dim=-1)[:, :, None, :]                             # [B, T, 1, D]
         cos, sin = angle.cos(), angle.sin()
 

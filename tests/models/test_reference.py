@@ -19,7 +19,7 @@ def model(_seed):
 def test_cache_layout():
     cache = KVCache(CONFIG, max_batch=3, max_seq_len=17)
     assert cache.k.shape == cache.v.shape == (2, 3, 2, 17, 32)
-    k0, v0 = cache.layer(0)
+    k0, _ = cache.layer(0)
     assert k0.shape == (3, 2, 17, 32) and k0.data_ptr() == cache.k.data_ptr()
     with pytest.raises(ValueError, match="max_seq_len"):
         KVCache(CONFIG, 1, 0)

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,8 +116,8 @@ def test_index_points_to_wrong_shard(tmp_path):
 def test_truncated_file(tmp_path, sharded):
     paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000 if sharded else None)
     victim = paths[-1]
-    data = open(victim, "rb").read()
-    open(victim, "wb").write(data[: len(data) - 100])
+    data = Path(victim).read_bytes()
+    Path(victim).write_bytes(data[: len(data) - 100])
     with pytest.raises(ValueError, match="truncated or corrupt") as e:
         load_weights(tmp_path, CONFIG)
     assert victim in str(e.value)
