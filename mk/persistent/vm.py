@@ -2,8 +2,10 @@
 
 It executes the same descriptor table and event counters as the megakernel, with any
 number of workers interleaved (in turn, or at random from a seed). It proves schedules
-that the interpreter cannot run (one program at a time there): no deadlock, and no
-task reading a region before every task that writes it has signalled.
+that the interpreter cannot run (one program at a time there): no deadlock, no task
+reading a region before every earlier task that writes it has run, and no task
+overwriting a region before every earlier task that reads it has run (checked on the
+data, element by element, not through the events under test).
 """
 
 from __future__ import annotations
@@ -61,11 +63,29 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
     signals = 0
     buffers = graph.buffers
 
-    # Published[buffer]: which elements hold data the current step may read. Buffers no
-    # task writes are inputs, published from the start.
+    # Data-flow check, independent of the events: per element, how many tasks (in program
+    # order) write it and read it. A task's read of an element needs every earlier writer
+    # of it done; its write needs every earlier reader done (else it clobbers data they
+    # still need: a step's inputs, such as the token ids, are overwritten by the step).
     written_by_someone = {r.buffer for t in tasks for r in t.writes()}
-    published = {name: torch.full(_view2d(buf).shape, name not in written_by_someone, dtype=torch.bool)
-                 for name, buf in buffers.items()}
+    writes_done = {n: torch.zeros(_view2d(buffers[n]).shape, dtype=torch.int32) for n in written_by_someone}
+    reads_done = {n: torch.zeros_like(c) for n, c in writes_done.items()}
+    need_writes: dict = {}  # (task, region index) -> writes each element needs first
+    need_reads: dict = {}
+    if check_reads:
+        writes_so_far = {n: torch.zeros_like(c) for n, c in writes_done.items()}
+        reads_so_far = {n: torch.zeros_like(c) for n, c in writes_done.items()}
+        for i, t in enumerate(tasks):
+            reads = [r for r in t.reads() if r.buffer in writes_done]
+            writes = t.writes()
+            for k, r in enumerate(reads):
+                need_writes[i, k] = writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1].clone()
+            for k, r in enumerate(writes):
+                need_reads[i, k] = reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1].clone()
+            for r in reads:
+                reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+            for r in writes:
+                writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
     order: list[int] = []
     max_conc = 0
 
@@ -95,17 +115,23 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
             turn += 1
         i = program.queues[w][heads[w]]
         task = tasks[i]
+        reads = [r for r in task.reads() if r.buffer in writes_done]
         if check_reads:
-            for region in task.reads():
-                view = published[region.buffer][region.r0:region.r1, region.c0:region.c1]
-                if not bool(view.all()):
-                    raise EarlyRead(f"task {i} ({task.name}) on worker {w} reads {region} before its producers "
+            for k, r in enumerate(reads):
+                if bool((writes_done[r.buffer][r.r0:r.r1, r.c0:r.c1] < need_writes[i, k]).any()):
+                    raise EarlyRead(f"task {i} ({task.name}) on worker {w} reads {r} before its producers "
                                     f"signalled")
+            for k, r in enumerate(task.writes()):
+                if bool((reads_done[r.buffer][r.r0:r.r1, r.c0:r.c1] < need_reads[i, k]).any()):
+                    raise EarlyRead(f"task {i} ({task.name}) on worker {w} writes {r} before every earlier "
+                                    f"task that reads it has run")
         if execute:
             roles = {role: buffers[name] for role, name in task.bind.items()}
             task.op.run(roles, dict(task.args))
-        for region in task.writes():
-            published[region.buffer][region.r0:region.r1, region.c0:region.c1] = True
+        for r in reads:
+            reads_done[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+        for r in task.writes():
+            writes_done[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
         ev = program.task_signal[i]
         heads[w] += 1
         if ev >= 0:

@@ -1,8 +1,9 @@
 """Plans cached on disk, keyed by everything that decides them.
 
 The key hashes the model shape, batch, KV length, the device spec (its calibration
-included), the search settings, and the Triton and mk versions: a change to any of them
-is a new plan. Files live in ``$MK_CACHE_DIR/plans`` (default ``~/.cache/mk/plans``) as
+included), the search settings, the Triton and mk versions, and the planner's own source
+(so a development checkout never reads a plan an older search made): a change to any of
+them is a new plan. Files live in ``$MK_CACHE_DIR/plans`` (default ``~/.cache/mk/plans``) as
 the plan's JSON; a file that does not parse is ignored and replaced.
 """
 
@@ -24,6 +25,13 @@ def plan_dir() -> Path:
     return root
 
 
+def _planner_source_hash() -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int) -> str:
     import triton
 
@@ -31,7 +39,8 @@ def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int) 
 
     blob = json.dumps({"model": graph.model.to_dict(), "batch": graph.batch, "kv_len": graph.kv_len,
                        "device": device.to_dict(), "workers": workers, "beam": beam_width,
-                       "triton": triton.__version__, "mk": __version__}, sort_keys=True)
+                       "triton": triton.__version__, "mk": __version__,
+                       "planner": _planner_source_hash()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

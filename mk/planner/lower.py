@@ -15,17 +15,18 @@ One launch is one whole decode step and needs no host work before the next:
 
 Buffers the caller provides (by name), all on one device:
 
-* weights, named after their op: ``embed`` [V, H]; per layer ``l{L}.attn_norm`` [H],
-  ``l{L}.qkv`` [(Hq + 2 Hkv) D, H], ``l{L}.o_proj`` [H, Hq D], ``l{L}.mlp_norm`` [H],
-  ``l{L}.gate_up`` [2 I, H] (:func:`mk.tasks.linear.interleave_gate_up`), ``l{L}.down``
-  [H, I]; ``final_norm`` [H], ``lm_head`` [V, H]; ``inv_freq`` float32 [D/2];
+* weights, named ``w.`` + their op: ``w.embed`` [V, H]; per layer ``w.l{L}.attn_norm``
+  [H], ``w.l{L}.qkv`` [(Hq + 2 Hkv) D, H], ``w.l{L}.o_proj`` [H, Hq D], ``w.l{L}.mlp_norm``
+  [H], ``w.l{L}.gate_up`` [2 I, H] (:func:`mk.tasks.linear.interleave_gate_up`),
+  ``w.l{L}.down`` [H, I]; ``w.final_norm`` [H], ``w.lm_head`` [V, H]; ``inv_freq``
+  float32 [D/2];
 * the caches ``l{L}.k_cache``, ``l{L}.v_cache`` [B, Hkv, S, D];
 * the step state: ``ids`` [B], ``pos`` [B] (the positions fed this step), ``tokens``
   [B, S] (each sequence's history), all int32; with sampling also ``temperature``
   float32 [1] and ``seed`` int64 [1].
 
-Activations and workspaces are allocated here, in the weights' dtype (float32 for the
-split-K and attention workspaces).
+Activations and workspaces are allocated here, named after the op graph's tensors, in the
+weights' dtype (float32 for the split-K and attention workspaces).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .search import Plan
 PREFETCH_K = 1024
 
 STATE_BUFFERS = ("ids", "pos", "tokens")
+WEIGHT = "w."  # weight buffer names: the prefix keeps them apart from the activations
 SAMPLING_BUFFERS = ("temperature", "seed")
 
 
@@ -74,7 +76,7 @@ def weight_names(graph: OpGraph) -> list[str]:
     names = ["inv_freq"]
     for node in graph.nodes:
         if node.kind in ("embedding", "rmsnorm", "linear"):
-            names.append(node.name)
+            names.append(WEIGHT + node.name)
         elif node.kind == "rope_kv":
             layer = node.name.rsplit(".", 1)[0]
             names += [f"{layer}.k_cache", f"{layer}.v_cache"]
@@ -93,7 +95,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     missing = [n for n in need if n not in buffers]
     if missing:
         raise ValueError(f"lower_decode_step: missing buffers {missing}")
-    weight = buffers["embed"]
+    weight = buffers[WEIGHT + "embed"]
     dtype, device = weight.dtype, weight.device
     S = buffers["tokens"].shape[1] if buffers["tokens"].dim() == 2 else -1
     expect = {"ids": (B,), "pos": (B,), "tokens": (B, S), "inv_freq": (m.head_dim // 2,)}
@@ -113,6 +115,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     step = DecodeStep(g, plan, B, S, sampling)
 
     def activation(name: str, *shape: int, dt: torch.dtype = dtype) -> str:
+        if name in buffers:
+            raise ValueError(f"lower_decode_step: activation {name} would overwrite the caller's buffer of that name")
         if name not in g.buffers:
             g.buffer(name, torch.zeros(*shape, dtype=dt, device=device))
         return name
@@ -132,9 +136,9 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         kind = node.kind
         if kind == "embedding":
             add_op(node.name, make_op("embedding", rows=B, vocab=m.vocab, hidden=m.hidden),
-                   ids="ids", table="embed", out=activation(node.outputs[0], B, m.hidden))
+                   ids="ids", table=WEIGHT + "embed", out=activation(node.outputs[0], B, m.hidden))
         elif kind == "rmsnorm":
-            add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=node.name,
+            add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=WEIGHT + node.name,
                    out=activation(node.outputs[0], B, m.hidden))
         elif kind == "linear":
             _lower_linear(node, choice, nodes, add_op, activation, dtype, eps)
@@ -194,9 +198,9 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         out_name, out_cols = silu.outputs[0], N // 2
     if add is not None:
         out_name = add.outputs[0]
-    bind = {"x": x, "w": node.name}
+    bind = {"x": x, "w": WEIGHT + node.name}
     if norm is not None:
-        bind["norm_w"] = norm.name
+        bind["norm_w"] = WEIGHT + norm.name
     epilogue = {}
     if add is not None:
         epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)

@@ -103,6 +103,8 @@ def candidates(node: OpNode, device: DeviceSpec) -> list[OpChoice]:
         if not skinny:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
             for block_n in (16, 32, 64):
                 for split_k in (1, 2, 4, 8):
+                    if math.ceil(d["K"] / 256) < split_k:
+                        continue
                     for ring in (4, whole_range_stages(d["K"], 256, split_k)):
                         out.append(OpChoice(block_n=block_n, block_k=256, split_k=split_k, num_warps=4,
                                             tma_stages=ring))

@@ -1,0 +1,392 @@
+"""``Llama``: a Hugging Face Llama that decodes through the megakernel.
+
+Prefill runs the prompt through mk's task ops (tensor-core linear tiles, prefill
+attention, RoPE + KV append). Each decode step is **one launch** of the planned
+megakernel: every layer, the final norm, the LM head, the next-token choice and the
+bookkeeping (the token appended to a device-side history, the position advanced), so
+step after step is enqueued with no host work; the host reads the history in blocks to
+stream tokens and to stop at EOS.
+
+    model = Llama.from_pretrained("path/to/llama", max_batch_size=8, max_seq_len=4096)
+    out = model.generate(input_ids, max_new_tokens=64)
+
+Greedy decoding and temperature sampling run inside the megakernel. Top-k / top-p
+sampling runs the megakernel up to the logits, then mk's radix-select sampler and the
+append task: three launches a step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from mk.tasks import INTERPRET, default_device
+from mk.tasks.append_token import append_token
+from mk.tasks.argmax import argmax
+from mk.tasks.embedding import embedding
+from mk.tasks.linear import interleave_gate_up, linear
+from mk.tasks.prefill_attention import prefill_attention
+from mk.tasks.rmsnorm import rmsnorm
+from mk.tasks.rope import rope_inv_freq, rope_kv
+from mk.tasks.sample import gumbel_noise, sample, scale_logits_ref
+
+from mk.planner.lower import WEIGHT
+
+from .config import LlamaConfig
+from .weights import load_weights, random_weights
+
+
+@dataclass
+class _Decoder:
+    """One batch size's lowered decode step, its megakernel and its state buffers."""
+
+    step: object  # mk.planner.lower.DecodeStep
+    kernel: object  # mk.persistent.runtime.Megakernel
+    state: dict
+
+
+class Llama:
+    """A Llama decoder whose decode steps each run as one megakernel launch.
+
+    Build it with :meth:`from_pretrained` (a Hugging Face checkpoint folder) or
+    :meth:`from_config` (random weights). ``device`` defaults to CUDA when there is a GPU
+    (else the CPU, through the Triton interpreter); ``dtype`` to bfloat16 on CUDA and
+    float32 on the CPU. The KV cache for ``max_batch_size`` sequences of ``max_seq_len``
+    tokens is allocated here, once.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
+                 max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str = "llama",
+                 tokenizer=None):
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        _check_target(self.device, self.dtype)
+        for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what} must be an int >= 1, got {v!r}")
+        self.config, self.name, self.tokenizer = config, name, tokenizer
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.shape = config.to_model_shape(name, dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
+        self.weights = self._pack(weights)
+        c = config
+        cache_shape = (c.num_hidden_layers, max_batch_size, c.num_key_value_heads, max_seq_len, c.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+        self._device_spec = device_spec
+        self._decoders: dict[tuple[int, bool], _Decoder] = {}
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
+                        max_seq_len: int = 4096, progress: bool = True, device_spec=None) -> "Llama":
+        """Load ``folder`` (config.json + model.safetensors, or shards with an index).
+
+        Everything is checked (config, files, every tensor's name and shape) before any
+        weight reaches the device; errors name the file or tensor. A ``tokenizer.json`` in
+        the folder enables text prompts (:attr:`tokenizer`).
+        """
+        from .tokenizer import load_tokenizer
+
+        config = LlamaConfig.from_pretrained(folder)
+        device = torch.device(device) if device is not None else default_device()
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        _check_target(device, dtype)
+        weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
+        return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                   max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
+                   tokenizer=load_tokenizer(folder))
+
+    @classmethod
+    def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
+                    max_seq_len: int = 4096, device_spec=None, name: str = "random-llama") -> "Llama":
+        """A model of any shape with random weights (deterministic for ``seed``)."""
+        device = torch.device(device) if device is not None else default_device()
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        _check_target(device, dtype)
+        weights = random_weights(config, seed=seed, device=device, dtype=dtype)
+        return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                   max_seq_len=max_seq_len, device_spec=device_spec, name=name)
+
+    def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face tensors -> the megakernel's (fused QKV, interleaved gate/up), by op name."""
+        c = self.config
+
+        def get(name):
+            return hf[name].to(device=self.device, dtype=self.dtype).contiguous()
+
+        w = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+        w["lm_head"] = w["embed"] if c.tie_word_embeddings else get("lm_head.weight")
+        for L in range(c.num_hidden_layers):
+            p = f"model.layers.{L}."
+            w[f"l{L}.attn_norm"] = get(p + "input_layernorm.weight")
+            w[f"l{L}.qkv"] = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            w[f"l{L}.o_proj"] = get(p + "self_attn.o_proj.weight")
+            w[f"l{L}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
+            w[f"l{L}.gate_up"] = interleave_gate_up(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"))
+            w[f"l{L}.down"] = get(p + "mlp.down_proj.weight")
+        w = {WEIGHT + name: t for name, t in w.items()}
+        w["inv_freq"] = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict).to(self.device)
+        return w
+
+    # ------------------------------------------------------------------ planning
+
+    @property
+    def device_spec(self):
+        """The :class:`~mk.planner.device.DeviceSpec` plans are made for (the live GPU; on
+        the CPU an H100 preset, whose tiles the interpreter runs as well)."""
+        if self._device_spec is None:
+            from mk.planner.device import DeviceSpec
+
+            self._device_spec = (DeviceSpec.from_gpu(self.device) if self.device.type == "cuda"
+                                 else DeviceSpec.preset("h100"))
+        return self._device_spec
+
+    def plan(self, batch: int):
+        """The planner's best plan of one decode step at ``batch`` (cached on disk)."""
+        from mk.planner.cache import cached_plan
+        from mk.planner.graph import llama_decode_graph
+
+        graph = llama_decode_graph(self.shape, batch, self.max_seq_len)
+        plan, _ = cached_plan(graph, self.device_spec)
+        return plan, graph
+
+    def _decoder(self, batch: int, sampling: bool) -> _Decoder:
+        key = (batch, sampling)
+        if key not in self._decoders:
+            from mk.persistent.graph import lower
+            from mk.persistent.runtime import Megakernel
+            from mk.planner.lower import lower_decode_step
+
+            plan, graph = self.plan(batch)
+            S = self.max_seq_len
+            i32 = dict(dtype=torch.int32, device=self.device)
+            state = {"ids": torch.zeros(batch, **i32), "pos": torch.zeros(batch, **i32),
+                     "tokens": torch.zeros(batch, S, **i32),
+                     "temperature": torch.ones(1, dtype=torch.float32, device=self.device),
+                     "seed": torch.zeros(1, dtype=torch.int64, device=self.device)}
+            bufs = dict(self.weights, **state)
+            for L in range(self.config.num_hidden_layers):
+                bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = self.k_cache[L, :batch], self.v_cache[L, :batch]
+            step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, sampling=sampling)
+            workers = 1 if INTERPRET else plan.workers
+            kernel = Megakernel(lower(step.graph, num_workers=workers))
+            if not INTERPRET:
+                workers = min(workers, kernel.residency().max_workers)
+                if workers != kernel.program.num_workers:
+                    kernel = Megakernel(lower(step.graph, num_workers=workers))
+            self._decoders[key] = _Decoder(step, kernel, state)
+        return self._decoders[key]
+
+    # ------------------------------------------------------------------ prefill
+
+    def _check_prompts(self, input_ids, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """Prompts (a [B, T] tensor or a list of id lists) -> right-padded int32 ids, lengths."""
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"input_ids must be an int tensor [B, T], got {input_ids.dtype} "
+                                 f"{tuple(input_ids.shape)}")
+            rows = [r.tolist() for r in input_ids.cpu()]
+        else:
+            rows = [list(r) for r in input_ids]
+            if rows and not isinstance(rows[0], list):
+                rows = [list(input_ids)]
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("every prompt needs at least one token")
+        if len(rows) > self.max_batch_size:
+            raise ValueError(f"batch of {len(rows)} prompts exceeds max_batch_size={self.max_batch_size}")
+        for b, r in enumerate(rows):
+            if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in r):
+                raise ValueError(f"prompt {b} has a token id outside [0, {self.config.vocab_size})")
+            if len(r) + max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {b}: {len(r)} tokens + {max_new_tokens} new exceed "
+                                 f"max_seq_len={self.max_seq_len}")
+        lengths = [len(r) for r in rows]
+        T = max(lengths)
+        ids = torch.zeros(len(rows), T, dtype=torch.int32)
+        for b, r in enumerate(rows):
+            ids[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        return ids.to(self.device), lengths
+
+    def _prefill(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Run the prompts through every layer, filling the cache; float32 logits of each
+        row's last token [B, V] (or of every token [B, T, V])."""
+        c, w = self.config, self.weights
+
+        def W(name):
+            return w[WEIGHT + name]
+
+        B, T = ids.shape
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
+        positions = torch.arange(T, device=self.device, dtype=torch.int32).expand(B, T).contiguous()
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        x = embedding(ids.reshape(-1), W("embed"))
+        for L in range(c.num_hidden_layers):
+            qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps)
+            q, k, v = qkv.view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            kc, vc = self.k_cache[L, :B], self.v_cache[L, :B]
+            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc)
+            # Attention reads the rotated keys back from the cache ([B, Hkv, T, D] -> [B, T, Hkv, D] views).
+            attn = prefill_attention(q, kc[:, :, :T].transpose(1, 2), vc[:, :, :T].transpose(1, 2), seqlens)
+            x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x)
+            act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True)
+            x = linear(act, W(f"l{L}.down"), residual=x)
+        if not all_logits:
+            last = torch.tensor([b * T + n - 1 for b, n in enumerate(lengths)], device=self.device)
+            x = x[last]
+        logits = linear(rmsnorm(x, W("final_norm"), eps), W("lm_head")).float()
+        return logits.view(B, T, -1) if all_logits else logits
+
+    @torch.no_grad()
+    def logits(self, input_ids) -> torch.Tensor:
+        """Prefill logits, float32 ``[B, T, V]`` (rows past a shorter prompt's end: padding)."""
+        ids, lengths = self._check_prompts(input_ids, 0)
+        return self._prefill(ids, lengths, all_logits=True)
+
+    # ------------------------------------------------------------------ decoding
+
+    def _first_token(self, logits, lengths, temperature, top_k, top_p, seed) -> torch.Tensor:
+        """The token after each prompt, chosen as the decode steps choose theirs."""
+        if temperature == 0.0:
+            return argmax(logits).to(torch.int32)
+        if top_k is None and top_p is None:
+            # The megakernel's draw for a token at position p uses Philox offset p, row b.
+            B, V = logits.shape
+            noise = torch.stack([gumbel_noise(seed, n, B, V, device=self.device)[b] for b, n in enumerate(lengths)])
+            return (scale_logits_ref(logits, temperature) + noise).argmax(dim=1).to(torch.int32)
+        return sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=0).to(torch.int32)
+
+    @torch.no_grad()
+    def stream(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int = 0, eos_token_id=None, read_every: int = 8
+               ) -> Iterator[torch.Tensor]:
+        """Yield each step's new tokens (LongTensor ``[B]``, on the CPU) as they are read back.
+
+        Decode steps are enqueued back to back; the host reads the device-side history every
+        ``read_every`` steps (one sync per block), and stops once every sequence has
+        produced an EOS token (``eos_token_id``: an id or a list of ids; default the
+        config's). Rows that finished keep yielding their EOS id.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        ids, lengths = self._check_prompts(input_ids, max_new_tokens)
+        if max_new_tokens == 0:
+            return
+        temperature = float(temperature)
+        sampled_in_kernel = temperature > 0 and top_k is None and top_p is None
+        if temperature > 0 and not sampled_in_kernel:
+            sample(torch.zeros(1, 2, device=self.device), temperature=temperature, top_k=top_k, top_p=top_p,
+                   seed=seed)  # argument checks before any work
+        eos = set(self.config.eos_token_ids if eos_token_id is None else
+                  ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)))
+        B = ids.shape[0]
+        dec = self._decoder(B, sampled_in_kernel)
+        st = dec.state
+        t0 = time.perf_counter()
+        logits = self._prefill(ids, lengths)
+        first = self._first_token(logits, lengths, temperature, top_k, top_p, seed)
+        # Device state: the history holds the prompt and the first token; pos points at it.
+        st["tokens"].zero_()
+        st["tokens"][:, :ids.shape[1]] = ids
+        st["pos"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        st["tokens"][torch.arange(B, device=self.device), st["pos"].long()] = first
+        st["ids"].copy_(first)
+        st["temperature"].fill_(temperature if sampled_in_kernel else 1.0)
+        st["seed"].fill_(seed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_prefill = time.perf_counter() - t0
+        done = [False] * B
+        starts = torch.tensor(lengths)
+        produced, t_decode = 0, time.perf_counter()
+        while produced < max_new_tokens:
+            block = min(read_every, max_new_tokens - produced)
+            # Step i of the block feeds token produced+i; the last block's final step is not needed.
+            steps = block - (1 if produced + block == max_new_tokens else 0)
+            for i in range(steps):
+                self._decode_step(dec, sampled_in_kernel, temperature, top_k, top_p, seed, produced + i + 1)
+            history = st["tokens"].cpu()  # the one sync per block
+            dec.kernel.check()  # a timed-out wait raises MegakernelTimeout here, never hangs
+            for i in range(block):
+                col = starts + produced + i
+                tok = history[torch.arange(B), col].long()
+                for b in range(B):
+                    if done[b]:
+                        tok[b] = next(iter(eos)) if eos else tok[b]
+                    elif int(tok[b]) in eos:
+                        done[b] = True
+                yield tok
+                if all(done):
+                    produced = max_new_tokens
+                    break
+            else:
+                produced += block
+        elapsed = time.perf_counter() - t_decode
+        self.last_stats = {"prefill_s": t_prefill, "decode_s": elapsed}
+
+    def _decode_step(self, dec: _Decoder, in_kernel: bool, temperature, top_k, top_p, seed, step: int) -> None:
+        """Enqueue decode step number ``step`` (1, 2, ...; the prefill chose token 0)."""
+        if in_kernel or temperature == 0.0:
+            dec.kernel.launch()
+            return
+        # Top-k / top-p: the megakernel up to the logits, then the sampler and the append.
+        dec.kernel.launch()
+        st = dec.state
+        logits = dec.step.graph.buffers[dec.step.logits]
+        st["ids"].copy_(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=step))
+        # The kernel already appended its greedy choice and advanced pos: overwrite that choice.
+        st["pos"].sub_(1)
+        append_token(st["ids"], st["pos"], st["tokens"])
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, eos_token_id=None):
+        """Prompts + generated tokens.
+
+        ``input_ids``: a LongTensor ``[B, T]`` (returns ``[B, T + n]``, n <= max_new_tokens:
+        decoding stops once every row has produced EOS, and finished rows are padded with
+        their EOS id), or a list of token-id lists of any lengths (returns a list of lists,
+        each cut after its EOS).
+        """
+        steps = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, eos_token_id=eos_token_id))
+        new = torch.stack(steps, dim=1) if steps else torch.zeros(0, 0, dtype=torch.long)
+        if isinstance(input_ids, torch.Tensor):
+            prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
+            new = new if steps else torch.zeros(prompt.shape[0], 0, dtype=torch.long)
+            return torch.cat([prompt.long().cpu(), new], dim=1)
+        rows = [list(r) for r in input_ids]
+        if rows and not isinstance(rows[0], list):
+            rows = [list(input_ids)]
+        eos = set(self.config.eos_token_ids if eos_token_id is None else
+                  ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)))
+        out = []
+        for b, r in enumerate(rows):
+            gen = new[b].tolist() if steps else []
+            cut = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
+            out.append(r + gen[:cut])
+        return out
+
+
+def _check_target(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+        raise ValueError("device cuda asked for, but there is no CUDA GPU here (mk runs on the CPU "
+                         "through the Triton interpreter)")
+    if device.type == "cpu" and not INTERPRET:
+        raise ValueError("device cpu asked for, but mk kernels are compiled for the GPU in this process "
+                         "(set TRITON_INTERPRET=1 before importing mk to run on the CPU)")
+    allowed = (torch.float32,) if device.type == "cpu" else (torch.bfloat16, torch.float16, torch.float32)
+    if dtype not in allowed:
+        raise ValueError(f"dtype {dtype} is not supported on {device.type}; use one of {list(allowed)}")

@@ -1,0 +1,182 @@
+"""mk.models.Llama: prefill through the task ops, decode through the megakernel, against the
+plain-torch reference (itself checked against transformers in test_hf_parity.py).
+
+On a CPU the megakernel runs through the Triton interpreter (one worker, a few seconds a
+step), so the decodes here are short; the GPU variants at the end run the same checks
+compiled, and the Llama-3 shapes live in bench/.
+"""
+
+import pytest
+import torch
+import triton
+
+import mk.persistent.runtime
+from mk.models import Llama, LlamaConfig, ReferenceLlama, random_weights, save_weights
+from mk.models.reference import prefill_logits
+from mk.tasks import default_device
+from mk.tasks.sample import gumbel_noise, scale_logits_ref
+from tests.conftest import HAS_CUDA, rel_err
+
+# Small enough for the interpreter; GQA 2:1, a vocabulary that is no multiple of a tile.
+CONFIG = LlamaConfig.tiny(vocab_size=301, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, eos_token_id=None)
+PROMPTS = [[1, 5, 9, 200, 7], [3, 4], [250, 251, 252, 17]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(mk model, reference) with the same random weights (float32 on the CPU)."""
+    model = Llama.from_config(CONFIG, seed=3, max_batch_size=3, max_seq_len=16)
+    return model, ReferenceLlama(CONFIG, random_weights(CONFIG, seed=3))
+
+
+def reference_continuation(ref, prompts, new_tokens, choose):
+    """Teacher-forced reference: logits after each prefix of prompt + mk's tokens, and the
+    token ``choose(logits [V], b, position)`` picks from them."""
+    out = []
+    for b, (p, gen) in enumerate(zip(prompts, new_tokens)):
+        seq = list(p)
+        picks = []
+        for i in range(len(gen)):
+            logits = ref.forward(torch.tensor([seq]), 0, ref.new_cache(1, len(seq)))[0, -1]
+            picks.append(choose(logits, b, len(seq)))
+            seq.append(gen[i])
+        out.append(picks)
+    return out
+
+
+def test_prefill_logits_match_reference(pair):
+    model, ref = pair
+    got = model.logits(PROMPTS)
+    want, _ = prefill_logits(ref, PROMPTS)
+    for b, p in enumerate(PROMPTS):
+        assert rel_err(got[b, :len(p)], want[b, :len(p)]) < 1e-4, b
+
+
+def test_greedy_generate_matches_reference(pair):
+    model, ref = pair
+    out = model.generate(PROMPTS, max_new_tokens=4)
+    new = [o[len(p):] for o, p in zip(out, PROMPTS)]
+    assert [o[:len(p)] for o, p in zip(out, PROMPTS)] == PROMPTS and all(len(n) == 4 for n in new)
+    assert new == reference_continuation(ref, PROMPTS, new, lambda logits, b, pos: int(logits.argmax()))
+
+
+def test_temperature_sampling_runs_in_the_kernel_and_replays(pair):
+    # Token at position p of row b = argmax(logits / T + gumbel(seed, offset p, row b)).
+    model, ref = pair
+    T, seed = 0.7, 1234
+    out = model.generate(PROMPTS, max_new_tokens=3, temperature=T, seed=seed)
+    new = [o[len(p):] for o, p in zip(out, PROMPTS)]
+
+    def draw(logits, b, pos):
+        noise = gumbel_noise(seed, pos, len(PROMPTS), CONFIG.vocab_size, device=logits.device)[b]
+        return int((scale_logits_ref(logits, T) + noise).argmax())
+
+    assert new == reference_continuation(ref, PROMPTS, new, draw)
+    assert model.generate(PROMPTS, max_new_tokens=3, temperature=T, seed=seed) == out
+    assert model.generate(PROMPTS, max_new_tokens=3, temperature=T, seed=seed + 1) != out
+
+
+def test_top_k_tokens_come_from_the_top_k(pair):
+    model, ref = pair
+    out = model.generate(PROMPTS[:2], max_new_tokens=3, temperature=1.5, top_k=3, seed=5)
+    new = [o[len(p):] for o, p in zip(out, PROMPTS)]
+    top3 = reference_continuation(ref, PROMPTS[:2], new, lambda logits, b, pos: set(logits.topk(3).indices.tolist()))
+    assert all(t in allowed for n, a in zip(new, top3) for t, allowed in zip(n, a))
+
+
+def test_one_decode_step_is_one_kernel_launch(pair, monkeypatch):
+    model, _ = pair
+    list(model.stream(PROMPTS, max_new_tokens=1))  # prefill, state set up, decoder built
+    dec = model._decoders[(3, False)]
+    launched, inside = [], []
+    for cls in {type(dec.kernel.kernel), triton.runtime.jit.JITFunction}:
+        original = cls.run
+
+        def counting(self, *args, _original=original, **kwargs):
+            launched.append(getattr(self, "__name__", None) or getattr(self.fn, "__name__", "?"))
+            inside.append(True)
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(cls, "run", counting)
+    ops = []
+
+    class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+        """Torch ops issued by the step itself (the interpreter's own copies inside a launch aside)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside:
+                ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with CountOps():
+        model._decode_step(dec, False, 0.0, None, None, 0, 1)
+    assert launched == ["megakernel"] and ops == [], (launched, ops)
+
+
+def test_stream_yields_what_generate_returns_and_stops_at_eos(pair):
+    model, _ = pair
+    ids = torch.tensor([PROMPTS[0], PROMPTS[2][:3] + [9, 9]])
+    full = model.generate(ids, max_new_tokens=4)
+    assert full.shape == (2, 9) and torch.equal(full[:, :5], ids)
+    steps = list(model.stream(ids, max_new_tokens=4))
+    assert torch.equal(torch.stack(steps, dim=1), full[:, 5:])
+    # EOS = row 0's second new token: row 0 stops there, the list form cuts after it.
+    eos = int(full[0, 6])
+    out = model.generate([PROMPTS[0]], max_new_tokens=4, eos_token_id=eos)
+    assert out[0][5:] == full[0, 5:7].tolist()
+
+
+def test_bad_requests_are_refused_before_any_work(pair):
+    model, _ = pair
+    before = (model.k_cache.clone(), model.v_cache.clone())
+    with pytest.raises(ValueError, match="max_batch_size=3"):
+        model.generate([[1]] * 4, max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        model.generate([[1] * 10], max_new_tokens=7)
+    with pytest.raises(ValueError, match="outside"):
+        model.generate([[1, CONFIG.vocab_size]], max_new_tokens=1)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate([[1], []], max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate([[1]], max_new_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate([[1]], max_new_tokens=1, temperature=-1.0)
+    assert torch.equal(model.k_cache, before[0]) and torch.equal(model.v_cache, before[1])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only refusals")
+def test_bad_device_or_dtype_is_named():
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        Llama.from_config(CONFIG, device="cuda")
+    with pytest.raises(ValueError, match="bfloat16"):
+        Llama.from_config(CONFIG, dtype=torch.bfloat16)
+
+
+def test_from_pretrained_folder_decodes_like_the_same_weights(pair, tmp_path):
+    model, _ = pair
+    save_weights(random_weights(CONFIG, seed=3), CONFIG, tmp_path)
+    loaded = Llama.from_pretrained(tmp_path, max_batch_size=1, max_seq_len=16, progress=False)
+    assert loaded.generate([PROMPTS[0]], max_new_tokens=2) == model.generate([PROMPTS[0]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="no-such-folder"):
+        Llama.from_pretrained(tmp_path / "no-such-folder")
+
+
+@pytest.mark.gpu
+def test_one_decode_step_is_one_cuda_kernel(pair):
+    model = Llama.from_config(CONFIG, seed=3, max_batch_size=3, max_seq_len=16)
+    list(model.stream(PROMPTS, max_new_tokens=2))
+    dec = model._decoders[(3, False)]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model._decode_step(dec, False, 0.0, None, None, 0, 1)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "megakernel" in kernels[0], kernels
+
+
+def test_device_default():
+    assert Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=8).device.type == default_device().type
