@@ -5,6 +5,9 @@ Commands:
          and print the error and time of each (CPU: Triton interpreter; GPU: compiled).
   plan   plan a decode step for a model shape (a preset name or a checkpoint folder with
          config.json) on a device (a preset or the live GPU) and print the plan.
+  generate
+         decode with a Llama (a checkpoint folder, or a small random one built on the fly)
+         through the megakernel: plan, tokens, tokens/s, and a check against the reference.
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--no-cache", action="store_true", help="search again even if a cached plan exists")
+    gen = sub.add_parser("generate", help="generate tokens with a Llama through the megakernel")
+    gen.add_argument("--model", default=None, help="a Hugging Face Llama folder (default: a small random Llama)")
+    gen.add_argument("--prompt", default=None, help="prompt text (needs the folder's tokenizer.json)")
+    gen.add_argument("--ids", default=None, help="prompt token ids, comma-separated, e.g. 1,2,3")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 8 on a CPU, "
+                     "32 on a GPU)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    gen.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
+    gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
@@ -36,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(seed=args.seed)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "generate":
+            from .generate import run_generate
+
+            return run_generate(args)
     except (ValueError, TypeError, RuntimeError, OSError) as err:
         print(f"mk: error: {err}", file=sys.stderr)
         return 1

@@ -23,3 +23,22 @@ def test_plan_command_prints_an_explained_plan(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     assert main(["plan", "--model", str(tmp_path), "--device", "h200"]) == 1
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_generate_command_runs_the_default_model_and_checks_it(capsys):
+    assert main(["generate", "--max-new-tokens", "3", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model mk-default-llama" in out and "plan:" in out and "tokens/s" in out
+    assert "[1] [1, 17, 42, 311, 7, 99] -> [" in out
+    assert "check: first 3 greedy tokens match the float32 torch reference (3/3)" in out
+
+
+def test_generate_command_errors_are_one_line(capsys, tmp_path):
+    assert main(["generate", "--ids", "1,x"]) == 1
+    assert capsys.readouterr().err.strip() == "mk: error: --ids must be comma-separated integers, got '1,x'"
+    assert main(["generate", "--model", str(tmp_path / "nope")]) == 1
+    assert "nope" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hello"]) == 1
+    assert "no tokenizer.json" in capsys.readouterr().err
+    assert main(["generate", "--ids", "1,99999"]) == 1
+    assert "[0, 512)" in capsys.readouterr().err

@@ -138,13 +138,13 @@ class Llama:
 
     @property
     def device_spec(self):
-        """The :class:`~mk.planner.device.DeviceSpec` plans are made for (the live GPU; on
-        the CPU an H100 preset, whose tiles the interpreter runs as well)."""
+        """The :class:`~mk.planner.device.DeviceSpec` plans are made for: the live GPU, or
+        on the CPU :meth:`~mk.planner.device.DeviceSpec.interpreter`."""
         if self._device_spec is None:
             from mk.planner.device import DeviceSpec
 
             self._device_spec = (DeviceSpec.from_gpu(self.device) if self.device.type == "cuda"
-                                 else DeviceSpec.preset("h100"))
+                                 else DeviceSpec.interpreter())
         return self._device_spec
 
     def plan(self, batch: int):

@@ -26,7 +26,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +193,14 @@ class DeviceSpec:
             raise ValueError(f"unknown device preset {name!r}; known: {', '.join(sorted(PRESETS))} "
                              f"(aliases: {', '.join(sorted(set(ALIASES) - set(PRESETS)))})")
         return PRESETS[key]
+
+    @classmethod
+    def interpreter(cls) -> DeviceSpec:
+        """The Triton interpreter on a CPU, as the planner sees it: one worker (programs run
+        one after another) and ~20 ms a task (measured: interpreting a tile costs far more
+        than its bytes), so plans there use few, large tiles. Shared memory and tile rules
+        are an H100's: the same tiles must stay valid GPU code."""
+        return replace(cls.preset("h100"), name="Triton interpreter (CPU)", sm_count=1, task_overhead_s=0.02)
 
     @classmethod
     def from_gpu(cls, device: Any = None, *, load_calibration: bool = True) -> DeviceSpec:
