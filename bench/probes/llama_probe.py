@@ -5,8 +5,15 @@ ms/token at batch 1 and 8 against the bf16 torch peer (eager replayed from a CUD
 and torch.compile reduce-overhead), plus 512-token prefill. JSON to $OUT/llama_probe.json.
 Usage: python bench/probes/llama_probe.py [1b|8b ...]
 """
-import json, os, sys, time, traceback
+import faulthandler, json, os, sys, time, traceback
 import torch
+
+faulthandler.dump_traceback_later(int(os.environ.get("PROBE_DUMP_S", "1e9")), exit=False)
+T_START = time.time()
+
+
+def mark(*what):
+    print(f"[{time.time() - T_START:7.1f} s]", *what, flush=True)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _llama_peer import TorchLlamaStep  # noqa: E402
@@ -82,6 +89,7 @@ def run_shape(key):
     print(key, "built", round(time.time() - t0, 1), "s; floor", round(floor_ms, 3), "ms", flush=True)
     # --- correctness: prefill + decode logits vs the float32 reference, greedy vs transformers
     ref = ReferenceLlama(cfg, hf_weights(model))
+    mark(key, "reference ready")
     prompts = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311]]
     got = model.logits(prompts)
     from mk.models.reference import prefill_logits
@@ -89,9 +97,17 @@ def run_shape(key):
     errs = [((got[b, :len(p)] - want[b, :len(p)]).norm() / want[b, :len(p)].norm()).item()
             for b, p in enumerate(prompts)]
     r["prefill_logits_rel_err"] = max(errs)
+    mark(key, "prefill checked", errs)
+    t0 = time.time()
+    plan, graph = model.plan(2)
+    mark(key, "planned", round(time.time() - t0, 2), "s")
+    dec = model._decoder(2, False)
+    mark(key, "lowered and compiled", len(dec.step.graph.tasks), "tasks")
+    mark(key, "compiled, residency", dec.kernel.residency())
     t0 = time.time()
     out = model.generate(prompts, max_new_tokens=16)
     r["first_generate_s"] = time.time() - t0
+    mark(key, "generated")
     dec = model._decoders[(2, False)]
     r["tasks"] = len(dec.step.graph.tasks)
     r["workers"] = dec.kernel.program.num_workers
