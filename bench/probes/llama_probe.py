@@ -90,7 +90,7 @@ def run_shape(key):
     # --- correctness: prefill + decode logits vs the float32 reference, greedy vs transformers
     ref = ReferenceLlama(cfg, hf_weights(model))
     mark(key, "reference ready")
-    prompts = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311]]
+    prompts = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311]][:int(os.environ.get("PROBE_CHECK_BATCH", "1"))]
     got = model.logits(prompts)
     from mk.models.reference import prefill_logits
     want, _ = prefill_logits(ref, prompts)
@@ -99,16 +99,16 @@ def run_shape(key):
     r["prefill_logits_rel_err"] = max(errs)
     mark(key, "prefill checked", errs)
     t0 = time.time()
-    plan, graph = model.plan(2)
+    plan, graph = model.plan(len(prompts))
     mark(key, "planned", round(time.time() - t0, 2), "s")
-    dec = model._decoder(2, False)
+    dec = model._decoder(len(prompts), False)
     mark(key, "lowered and compiled", len(dec.step.graph.tasks), "tasks")
     mark(key, "compiled, residency", dec.kernel.residency())
     t0 = time.time()
     out = model.generate(prompts, max_new_tokens=16)
     r["first_generate_s"] = time.time() - t0
     mark(key, "generated")
-    dec = model._decoders[(2, False)]
+    dec = model._decoders[(len(prompts), False)]
     r["tasks"] = len(dec.step.graph.tasks)
     r["workers"] = dec.kernel.program.num_workers
     r["plan_predicted_ms"] = dec.step.plan.predicted_s * 1e3
@@ -140,7 +140,7 @@ def run_shape(key):
     torch.cuda.empty_cache()
     print(key, {k: v for k, v in r.items()}, flush=True)
     # --- decode timing
-    for B in (1, 8):
+    for B in [int(b) for b in os.environ.get("PROBE_BATCHES", "1").split(",")]:
         prompts = [[128000 + b, 791, 6864, 315]] * B
         list(model.stream(prompts, max_new_tokens=2))
         dec = model._decoders[(B, False)]
