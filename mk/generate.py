@@ -31,27 +31,6 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def hf_weights(model: Llama) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face names, as views of its packed tensors."""
-    c, w = model.config, model.weights
-    hq, hkv, d = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.head_dim
-    out = {"model.embed_tokens.weight": w["w.embed"], "model.norm.weight": w["w.final_norm"]}
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = w["w.lm_head"]
-    for L in range(c.num_hidden_layers):
-        p = f"model.layers.{L}."
-        q, k, v = w[f"w.l{L}.qkv"].split([hq, hkv, hkv])
-        out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                    p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": w[f"w.l{L}.o_proj"],
-                    p + "input_layernorm.weight": w[f"w.l{L}.attn_norm"],
-                    p + "post_attention_layernorm.weight": w[f"w.l{L}.mlp_norm"],
-                    p + "mlp.gate_proj.weight": w[f"w.l{L}.gate_up"][0::2],
-                    p + "mlp.up_proj.weight": w[f"w.l{L}.gate_up"][1::2],
-                    p + "mlp.down_proj.weight": w[f"w.l{L}.down"]})
-    del d
-    return out
-
-
 def run_generate(args) -> int:
     """Build or load the model, generate, print plan, tokens (or text), tokens/s and the check."""
     if args.prompt is not None and args.ids is not None:
@@ -111,7 +90,7 @@ def run_generate(args) -> int:
           f"launch each)")
     if args.temperature == 0.0:
         check = min(args.check_steps, new)
-        ref = ReferenceLlama(config, hf_weights(model))
+        ref = ReferenceLlama(config, model.hf_weights())
         want = greedy_generate(ref, [ids], check)[0]
         got = out[0][len(ids):len(ids) + check]
         same = sum(1 for a, b in zip(got, want) if a == b)

@@ -17,7 +17,6 @@ def mark(*what):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _llama_peer import TorchLlamaStep  # noqa: E402
-from mk.generate import hf_weights  # noqa: E402
 from mk.models import Llama, LlamaConfig, ReferenceLlama  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
@@ -88,7 +87,7 @@ def run_shape(key):
     r["floor_ms"] = floor_ms
     print(key, "built", round(time.time() - t0, 1), "s; floor", round(floor_ms, 3), "ms", flush=True)
     # --- correctness: prefill + decode logits vs the float32 reference, greedy vs transformers
-    ref = ReferenceLlama(cfg, hf_weights(model))
+    ref = ReferenceLlama(cfg, model.hf_weights())
     mark(key, "reference ready")
     prompts = [[128000, 791, 6864, 315, 9822, 374], [128000, 40, 1093, 311]][:int(os.environ.get("PROBE_CHECK_BATCH", "1"))]
     got = model.logits(prompts)
@@ -101,14 +100,14 @@ def run_shape(key):
     t0 = time.time()
     plan, graph = model.plan(len(prompts))
     mark(key, "planned", round(time.time() - t0, 2), "s")
-    dec = model._decoder(len(prompts), False)
+    dec = model._decoder(len(prompts), "argmax")
     mark(key, "lowered and compiled", len(dec.step.graph.tasks), "tasks")
     mark(key, "compiled, residency", dec.kernel.residency())
     t0 = time.time()
     out = model.generate(prompts, max_new_tokens=16)
     r["first_generate_s"] = time.time() - t0
     mark(key, "generated")
-    dec = model._decoders[(len(prompts), False)]
+    dec = model._decoders[(len(prompts), "argmax")]
     r["tasks"] = len(dec.step.graph.tasks)
     r["workers"] = dec.kernel.program.num_workers
     r["plan_predicted_ms"] = dec.step.plan.predicted_s * 1e3
@@ -124,7 +123,7 @@ def run_shape(key):
     try:
         from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
         hf = LlamaForCausalLM(HFConfig(**cfg.to_hf_dict())).to(device="cuda", dtype=torch.bfloat16)
-        missing = hf.load_state_dict({k: v.contiguous() for k, v in hf_weights(model).items()}, strict=False)
+        missing = hf.load_state_dict({k: v.contiguous() for k, v in model.hf_weights().items()}, strict=False)
         hf.eval()
         agree = []
         for o, p in zip(out, prompts):
@@ -143,7 +142,7 @@ def run_shape(key):
     for B in [int(b) for b in os.environ.get("PROBE_BATCHES", "1").split(",")]:
         prompts = [[128000 + b, 791, 6864, 315]] * B
         list(model.stream(prompts, max_new_tokens=2))
-        dec = model._decoders[(B, False)]
+        dec = model._decoders[(B, "argmax")]
         r[f"mk_b{B}_ms"] = timed(dec.kernel.launch, reps=50)
         dec.kernel.check()
         peer = TorchLlamaStep(model, B)

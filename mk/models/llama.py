@@ -11,8 +11,8 @@ stream tokens and to stop at EOS.
     out = model.generate(input_ids, max_new_tokens=64)
 
 Greedy decoding and temperature sampling run inside the megakernel. Top-k / top-p
-sampling runs the megakernel up to the logits, then mk's radix-select sampler and the
-append task: three launches a step.
+sampling lowers the step to end at the logits, then runs mk's radix-select sampler and
+the append task after the launch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
@@ -32,7 +32,8 @@ from mk.tasks.linear import interleave_gate_up, linear
 from mk.tasks.prefill_attention import prefill_attention
 from mk.tasks.rmsnorm import rmsnorm
 from mk.tasks.rope import rope_inv_freq, rope_kv
-from mk.tasks.sample import gumbel_noise, sample, scale_logits_ref
+from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
+                             scale_logits_ref)
 
 from mk.planner.lower import WEIGHT
 
@@ -134,6 +135,25 @@ class Llama:
         w["inv_freq"] = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict).to(self.device)
         return w
 
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names, as views of the packed tensors (no copy)."""
+        c, w = self.config, self.weights
+        hq, hkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        out = {"model.embed_tokens.weight": w[WEIGHT + "embed"], "model.norm.weight": w[WEIGHT + "final_norm"]}
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = w[WEIGHT + "lm_head"]
+        for L in range(c.num_hidden_layers):
+            p, lw = f"model.layers.{L}.", f"{WEIGHT}l{L}."
+            q, k, v = w[lw + "qkv"].split([hq, hkv, hkv])
+            out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": w[lw + "o_proj"],
+                        p + "input_layernorm.weight": w[lw + "attn_norm"],
+                        p + "post_attention_layernorm.weight": w[lw + "mlp_norm"],
+                        p + "mlp.gate_proj.weight": w[lw + "gate_up"][0::2],
+                        p + "mlp.up_proj.weight": w[lw + "gate_up"][1::2],
+                        p + "mlp.down_proj.weight": w[lw + "down"]})
+        return out
+
     # ------------------------------------------------------------------ planning
 
     @property
@@ -156,8 +176,10 @@ class Llama:
         plan, _ = cached_plan(graph, self.device_spec)
         return plan, graph
 
-    def _decoder(self, batch: int, sampling: bool) -> _Decoder:
-        key = (batch, sampling)
+    def _decoder(self, batch: int, next_token: str) -> _Decoder:
+        """The lowered, compiled step for ``batch`` ending in ``next_token`` (see
+        :func:`mk.planner.lower.lower_decode_step`), built once."""
+        key = (batch, next_token)
         if key not in self._decoders:
             from mk.persistent.graph import lower
             from mk.persistent.runtime import Megakernel
@@ -173,7 +195,7 @@ class Llama:
             bufs = dict(self.weights, **state)
             for L in range(self.config.num_hidden_layers):
                 bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = self.k_cache[L, :batch], self.v_cache[L, :batch]
-            step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, sampling=sampling)
+            step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
             workers = 1 if INTERPRET else plan.workers
             kernel = Megakernel(lower(step.graph, num_workers=workers))
             if not INTERPRET:
@@ -187,17 +209,7 @@ class Llama:
 
     def _check_prompts(self, input_ids, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """Prompts (a [B, T] tensor or a list of id lists) -> right-padded int32 ids, lengths."""
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 1:
-                input_ids = input_ids[None]
-            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"input_ids must be an int tensor [B, T], got {input_ids.dtype} "
-                                 f"{tuple(input_ids.shape)}")
-            rows = [r.tolist() for r in input_ids.cpu()]
-        else:
-            rows = [list(r) for r in input_ids]
-            if rows and not isinstance(rows[0], list):
-                rows = [list(input_ids)]
+        rows = _rows(input_ids)
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("every prompt needs at least one token")
         if len(rows) > self.max_batch_size:
@@ -277,20 +289,17 @@ class Llama:
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
         ids, lengths = self._check_prompts(input_ids, max_new_tokens)
         if max_new_tokens == 0:
             return
-        temperature = float(temperature)
-        sampled_in_kernel = temperature > 0 and top_k is None and top_p is None
-        if temperature > 0 and not sampled_in_kernel:
-            sample(torch.zeros(1, 2, device=self.device), temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seed)  # argument checks before any work
-        eos = set(self.config.eos_token_ids if eos_token_id is None else
-                  ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)))
+        # Greedy and temperature sampling finish inside the megakernel; top-k / top-p
+        # take the step's logits to the radix-select sampler.
+        next_token = ("argmax" if temperature == 0.0 else
+                      "sample" if top_k is None and top_p is None else "logits")
+        eos = self._eos_ids(eos_token_id)
         B = ids.shape[0]
-        dec = self._decoder(B, sampled_in_kernel)
+        dec = self._decoder(B, next_token)
         st = dec.state
         t0 = time.perf_counter()
         logits = self._prefill(ids, lengths)
@@ -301,12 +310,12 @@ class Llama:
         st["pos"].copy_(torch.tensor(lengths, dtype=torch.int32))
         st["tokens"][torch.arange(B, device=self.device), st["pos"].long()] = first
         st["ids"].copy_(first)
-        st["temperature"].fill_(temperature if sampled_in_kernel else 1.0)
+        st["temperature"].fill_(temperature if next_token == "sample" else 1.0)
         st["seed"].fill_(seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t_prefill = time.perf_counter() - t0
-        done = [False] * B
+        done: list[int | None] = [None] * B  # the EOS id each finished row stopped at
         starts = torch.tensor(lengths)
         produced, t_decode = 0, time.perf_counter()
         while produced < max_new_tokens:
@@ -314,19 +323,19 @@ class Llama:
             # Step i of the block feeds token produced+i; the last block's final step is not needed.
             steps = block - (1 if produced + block == max_new_tokens else 0)
             for i in range(steps):
-                self._decode_step(dec, sampled_in_kernel, temperature, top_k, top_p, seed, produced + i + 1)
+                self._decode_step(dec, produced + i + 1, temperature, top_k, top_p, seed)
             history = st["tokens"].cpu()  # the one sync per block
             dec.kernel.check()  # a timed-out wait raises MegakernelTimeout here, never hangs
             for i in range(block):
                 col = starts + produced + i
                 tok = history[torch.arange(B), col].long()
                 for b in range(B):
-                    if done[b]:
-                        tok[b] = next(iter(eos)) if eos else tok[b]
+                    if done[b] is not None:
+                        tok[b] = done[b]
                     elif int(tok[b]) in eos:
-                        done[b] = True
+                        done[b] = int(tok[b])
                 yield tok
-                if all(done):
+                if all(d is not None for d in done):
                     produced = max_new_tokens
                     break
             else:
@@ -334,19 +343,21 @@ class Llama:
         elapsed = time.perf_counter() - t_decode
         self.last_stats = {"prefill_s": t_prefill, "decode_s": elapsed}
 
-    def _decode_step(self, dec: _Decoder, in_kernel: bool, temperature, top_k, top_p, seed, step: int) -> None:
+    def _decode_step(self, dec: _Decoder, step: int, temperature=0.0, top_k=None, top_p=None, seed=0) -> None:
         """Enqueue decode step number ``step`` (1, 2, ...; the prefill chose token 0)."""
-        if in_kernel or temperature == 0.0:
-            dec.kernel.launch()
-            return
-        # Top-k / top-p: the megakernel up to the logits, then the sampler and the append.
         dec.kernel.launch()
-        st = dec.state
-        logits = dec.step.graph.buffers[dec.step.logits]
-        st["ids"].copy_(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=step))
-        # The kernel already appended its greedy choice and advanced pos: overwrite that choice.
-        st["pos"].sub_(1)
-        append_token(st["ids"], st["pos"], st["tokens"])
+        if dec.step.next_token == "logits":  # top-k / top-p: the sampler, then the append
+            st = dec.state
+            logits = dec.step.graph.buffers[dec.step.logits]
+            st["ids"].copy_(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   offset=step))
+            append_token(st["ids"], st["pos"], st["tokens"])
+
+    def _eos_ids(self, eos_token_id) -> set[int]:
+        """``eos_token_id`` (an id, a list of ids, or None for the config's) as a set."""
+        if eos_token_id is None:
+            return set(self.config.eos_token_ids)
+        return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
@@ -365,17 +376,25 @@ class Llama:
             prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
             new = new if steps else torch.zeros(prompt.shape[0], 0, dtype=torch.long)
             return torch.cat([prompt.long().cpu(), new], dim=1)
-        rows = [list(r) for r in input_ids]
-        if rows and not isinstance(rows[0], list):
-            rows = [list(input_ids)]
-        eos = set(self.config.eos_token_ids if eos_token_id is None else
-                  ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)))
+        eos = self._eos_ids(eos_token_id)
         out = []
-        for b, r in enumerate(rows):
+        for b, r in enumerate(_rows(input_ids)):
             gen = new[b].tolist() if steps else []
             cut = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
             out.append(r + gen[:cut])
         return out
+
+
+def _rows(input_ids) -> list[list[int]]:
+    """Prompts as lists of ids: a [B, T] (or [T]) int tensor, a list of lists, or one list."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an int tensor [B, T], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        return [r.tolist() for r in input_ids.cpu()]
+    return [list(r) for r in input_ids] if input_ids and isinstance(input_ids[0], (list, tuple)) else [list(input_ids)]
 
 
 def _check_target(device: torch.device, dtype: torch.dtype) -> None:

@@ -13,6 +13,9 @@ One launch is one whole decode step and needs no host work before the next:
         -> argmax (or temperature sampling) -> ids (the next tokens)
         -> append_token: tokens[b, pos[b] + 1] = ids[b], pos[b] += 1
 
+``next_token="logits"`` ends the step at the LM head instead, for a caller that picks the
+token itself (top-k / top-p) and appends it with :func:`mk.tasks.append_token.append_token`.
+
 Buffers the caller provides (by name), all on one device:
 
 * weights, named ``w.`` + their op: ``w.embed`` [V, H]; per layer ``w.l{L}.attn_norm``
@@ -22,8 +25,8 @@ Buffers the caller provides (by name), all on one device:
   float32 [D/2];
 * the caches ``l{L}.k_cache``, ``l{L}.v_cache`` [B, Hkv, S, D];
 * the step state: ``ids`` [B], ``pos`` [B] (the positions fed this step), ``tokens``
-  [B, S] (each sequence's history), all int32; with sampling also ``temperature``
-  float32 [1] and ``seed`` int64 [1].
+  [B, S] (each sequence's history), all int32; with ``next_token="sample"`` also
+  ``temperature`` float32 [1] and ``seed`` int64 [1].
 
 Activations and workspaces are allocated here, named after the op graph's tensors, in the
 weights' dtype (float32 for the split-K and attention workspaces).
@@ -51,6 +54,8 @@ PREFETCH_K = 1024
 STATE_BUFFERS = ("ids", "pos", "tokens")
 WEIGHT = "w."  # weight buffer names: the prefix keeps them apart from the activations
 SAMPLING_BUFFERS = ("temperature", "seed")
+#: How a step ends: greedy argmax, temperature sampling (both + append_token), or the logits.
+NEXT_TOKEN = ("argmax", "sample", "logits")
 
 
 @dataclass
@@ -61,14 +66,14 @@ class DecodeStep:
     plan: Plan
     batch: int
     max_seq: int
-    sampling: bool
+    next_token: str
     logits: str = "logits"
     tasks_per_op: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         return (f"decode step: {len(self.graph.tasks)} tasks over {len(self.tasks_per_op)} ops, "
                 f"batch {self.batch}, cache {self.max_seq} positions, "
-                f"{'temperature sampling' if self.sampling else 'greedy'}")
+                f"next token: {self.next_token}")
 
 
 def weight_names(graph: OpGraph) -> list[str]:
@@ -84,14 +89,17 @@ def weight_names(graph: OpGraph) -> list[str]:
 
 
 def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Tensor], *, eps: float,
-                      sampling: bool = False) -> DecodeStep:
+                      next_token: str = "argmax") -> DecodeStep:
     """The task graph of one decode step of ``graph`` under ``plan`` (see module docstring).
 
     Raises ValueError naming the buffer that is missing or of the wrong shape, or the op
     whose choice the runtime cannot run.
     """
+    if next_token not in NEXT_TOKEN:
+        raise ValueError(f"lower_decode_step: next_token must be one of {NEXT_TOKEN}, got {next_token!r}")
     m, B = graph.model, graph.batch
-    need = weight_names(graph) + list(STATE_BUFFERS) + (list(SAMPLING_BUFFERS) if sampling else [])
+    need = (weight_names(graph) + list(STATE_BUFFERS)
+            + (list(SAMPLING_BUFFERS) if next_token == "sample" else []))
     missing = [n for n in need if n not in buffers]
     if missing:
         raise ValueError(f"lower_decode_step: missing buffers {missing}")
@@ -112,7 +120,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         g.buffer(name, buffers[name])
     nodes = {n.name: n for n in graph.nodes}
     fused_into = {f: host for host, c in plan.choices.items() for f in c.fuse}
-    step = DecodeStep(g, plan, B, S, sampling)
+    step = DecodeStep(g, plan, B, S, next_token)
 
     def activation(name: str, *shape: int, dt: torch.dtype = dtype) -> str:
         if name in buffers:
@@ -164,7 +172,9 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                    seqlens="seqlens", o_part=o_part, lse=lse)
             add_op(node.name, merge, o_part=o_part, lse=lse, out=activation(node.outputs[0], B, m.heads * m.head_dim))
         elif kind == "argmax":
-            if sampling:
+            if next_token == "logits":
+                continue
+            if next_token == "sample":
                 part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
                 extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
             else:

@@ -88,7 +88,7 @@ def test_top_k_tokens_come_from_the_top_k(pair):
 def test_one_decode_step_is_one_kernel_launch(pair, monkeypatch):
     model, _ = pair
     list(model.stream(PROMPTS, max_new_tokens=1))  # prefill, state set up, decoder built
-    dec = model._decoders[(3, False)]
+    dec = model._decoders[(3, "argmax")]
     launched, inside = [], []
     for cls in {type(dec.kernel.kernel), triton.runtime.jit.JITFunction}:
         original = cls.run
@@ -113,7 +113,7 @@ def test_one_decode_step_is_one_kernel_launch(pair, monkeypatch):
             return func(*args, **(kwargs or {}))
 
     with CountOps():
-        model._decode_step(dec, False, 0.0, None, None, 0, 1)
+        model._decode_step(dec, 1)
     assert launched == ["megakernel"] and ops == [], (launched, ops)
 
 
@@ -169,10 +169,10 @@ def test_from_pretrained_folder_decodes_like_the_same_weights(pair, tmp_path):
 def test_one_decode_step_is_one_cuda_kernel(pair):
     model = Llama.from_config(CONFIG, seed=3, max_batch_size=3, max_seq_len=16)
     list(model.stream(PROMPTS, max_new_tokens=2))
-    dec = model._decoders[(3, False)]
+    dec = model._decoders[(3, "argmax")]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model._decode_step(dec, False, 0.0, None, None, 0, 1)
+        model._decode_step(dec, 1)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1 and "megakernel" in kernels[0], kernels
