@@ -179,6 +179,60 @@ def dependency_intervals(tasks) -> list[list[Interval]]:
     return deps
 
 
+def subtract_intervals(intervals: list[Interval], remove: list[Interval]) -> list[Interval]:
+    """``intervals`` minus ``remove`` (both sorted and disjoint)."""
+    out: list[Interval] = []
+    k = 0
+    for a, b in intervals:
+        while k < len(remove) and remove[k][1] <= a:
+            k += 1
+        j = k
+        while a < b and j < len(remove) and remove[j][0] < b:
+            ra, rb = remove[j]
+            if ra > a:
+                out.append((a, ra))
+            a = max(a, rb)
+            j += 1
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def drop_implied(deps: list[list[Interval]], max_intervals: int = 64, full_span: int = 1024) -> list[list[Interval]]:
+    """Dependencies without those that another dependency already implies.
+
+    A task that depends on p and on w, where w (transitively) depends on p, need not
+    wait for p: w cannot finish before p. Without this, a layer's O-projection tile that
+    reads one column block of the residual (written by one down-projection tile of the
+    layer before) gives every down-projection tile its own consumer set, and the next
+    layer's QKV tiles then wait on one event per down-projection tile (hundreds of waits,
+    each a branch of generated code) instead of one.
+
+    Ancestors are tracked as interval lists, under-approximated so that this stays cheap:
+    a task's ancestors are its dependencies plus the ancestors of every task of each
+    dependency interval (of its first and last task only, for intervals longer than
+    ``full_span``), keeping the latest ``max_intervals`` intervals; unions are cached
+    per interval, since the tiles of one op share theirs. Dropping only what is in a
+    dependency's ancestors is sound whatever is left out.
+    """
+    ancestors: list[list[Interval]] = []
+    span_cache: dict[Interval, list[Interval]] = {}
+
+    def span_ancestors(a: int, b: int) -> list[Interval]:
+        got = span_cache.get((a, b))
+        if got is None:
+            tasks = range(a, b) if b - a <= full_span else (a, b - 1)
+            got = span_cache[(a, b)] = merge_intervals([iv for w in tasks for iv in ancestors[w]])
+        return got
+
+    out: list[list[Interval]] = []
+    for intervals in deps:
+        implied = merge_intervals([iv for a, b in intervals for iv in span_ancestors(a, b)])
+        out.append(subtract_intervals(intervals, implied) if implied else intervals)
+        ancestors.append(merge_intervals(implied + intervals)[-max_intervals:])
+    return out
+
+
 @dataclass
 class Events:
     """Producers grouped by consumer set: what each task signals and waits on."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .deps import RangeMax, dependency_intervals, group_events, split_events
+from .deps import RangeMax, dependency_intervals, drop_implied, group_events, split_events
 from .ops import TL_DTYPES, OpSpec, Region
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
@@ -192,7 +192,7 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     tasks = graph.tasks
-    deps = graph.dependency_intervals()
+    deps = drop_implied(graph.dependency_intervals())
     # Producers with the same set of consumers share one event: every consumer of the
     # event needs all of its producers, so "count reached" means exactly "inputs ready".
     events = group_events(len(tasks), deps)

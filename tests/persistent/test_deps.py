@@ -5,7 +5,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from mk.persistent.deps import RangeMax, dependency_intervals, group_events, merge_intervals
+from mk.persistent.deps import (
+    RangeMax,
+    dependency_intervals,
+    drop_implied,
+    group_events,
+    merge_intervals,
+    subtract_intervals,
+)
 from mk.persistent.ops import Region
 
 
@@ -100,6 +107,65 @@ def test_a_long_gemv_chain_is_one_event_per_layer():
     ev = group_events(len(tasks), ivs)
     assert ev.event_counts == [tiles] * (layers - 1)
     assert ev.task_waits[-1] == [(layers - 2, tiles)] and ev.task_waits[0] == []
+
+
+def closure(deps):
+    """Transitive predecessors of each task, by brute force."""
+    anc = []
+    for d in deps:
+        mine = set(d)
+        for w in d:
+            mine |= anc[w]
+        anc.append(mine)
+    return anc
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dropping_implied_dependencies_keeps_the_same_order(seed):
+    rng = random.Random(300 + seed)
+    tasks = random_tasks(rng, rng.randint(1, 80))
+    ivs = dependency_intervals(tasks)
+    expand = lambda iv: [[t for a, b in x for t in range(a, b)] for x in iv]  # noqa: E731
+    kept = drop_implied(ivs, max_intervals=rng.choice([1, 2, 64]), full_span=rng.choice([1, 3, 1024]))
+    full, kept = expand(ivs), expand(kept)
+    assert all(set(k) <= set(f) for k, f in zip(kept, full))
+    assert closure(kept) == closure(full)  # same happens-before: nothing needed was dropped
+
+
+def test_a_residual_read_does_not_split_the_layer_event():
+    """Down-projection tiles write x columns; the next layer's norm+QKV tiles read all of x,
+    its O-projection tiles read their x columns as the residual, after attention (which
+    waits on the QKV tiles). The residual reads are implied, so the down tiles share one
+    event and every QKV tile waits once."""
+    tiles = 64
+    tasks = []
+    for j in range(tiles):  # down projection
+        tasks.append(FakeTask(len(tasks), [Region("act", 0, 1, 0, 8)], [Region("x", 0, 1, 2 * j, 2 * j + 2)]))
+    for j in range(tiles):  # qkv (norm prologue reads all of x)
+        tasks.append(FakeTask(len(tasks), [Region("x", 0, 1, 0, 2 * tiles)], [Region("qkv", 0, 1, j, j + 1)]))
+    for h in range(4):  # attention heads, through a merge
+        tasks.append(FakeTask(len(tasks), [Region("qkv", 0, 1, 16 * h, 16 * h + 16)], [Region("part", h, h + 1, 0, 4)]))
+    tasks.append(FakeTask(len(tasks), [Region("part", 0, 4, 0, 4)], [Region("attn", 0, 1, 0, 8)]))
+    for j in range(tiles):  # O projection + residual
+        tasks.append(FakeTask(len(tasks), [Region("attn", 0, 1, 0, 8), Region("x", 0, 1, 2 * j, 2 * j + 2)],
+                              [Region("h", 0, 1, 2 * j, 2 * j + 2)]))
+    full = dependency_intervals(tasks)
+    assert len(group_events(len(tasks), full).task_waits[tiles]) == tiles  # one event per down tile
+    ev = group_events(len(tasks), drop_implied(full))
+    assert ev.task_waits[tiles] == [(ev.task_signal[0], tiles)]
+    assert all(len(w) == 1 for w in ev.task_waits[tiles:])
+
+
+def test_subtract_intervals():
+    rng = random.Random(1)
+    for _ in range(200):
+        def ivs():
+            return merge_intervals([(a, a + rng.randint(1, 5)) for a in rng.sample(range(30), rng.randint(0, 6))])
+        x, y = ivs(), ivs()
+        want = sorted({t for a, b in x for t in range(a, b)} - {t for a, b in y for t in range(a, b)})
+        got = subtract_intervals(x, y)
+        assert [t for a, b in got for t in range(a, b)] == want
+        assert got == merge_intervals(got) or all(got[i][1] <= got[i + 1][0] for i in range(len(got) - 1))
 
 
 def test_merge_and_range_max():
