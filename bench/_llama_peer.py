@@ -1,7 +1,9 @@
 """The decode peer: the same Llama in plain bf16 PyTorch with a static KV cache (gpt-fast
 style), for eager replay from a CUDA graph and for torch.compile(mode="reduce-overhead").
 
-Weights come from an :class:`mk.models.Llama` (its packed tensors, shared, not copied).
+Weights come from an :class:`mk.models.Llama` (its packed tensors, shared, not copied). The
+caches are module buffers, updated in place with ``index_copy_`` at one position shared by
+the batch, as gpt-fast does, so that torch.compile's CUDA graphs accept the mutation.
 """
 
 from __future__ import annotations
@@ -10,53 +12,62 @@ import torch
 import torch.nn.functional as F
 
 
-class TorchLlamaStep:
-    """``step(ids [B], pos [B]) -> next ids [B]``: one decode step for B sequences, each
-    attending to its cache positions <= pos[b]. ``forward(ids [B, T], start)`` for prefill."""
+class TorchLlamaStep(torch.nn.Module):
+    """``step(ids [B], pos [1]) -> next ids [B]``: one decode step for B sequences at cache
+    position ``pos``, attending to positions <= pos. ``forward(ids [B, T], pos [T])`` for
+    prefill (returns the last token's logits)."""
 
     def __init__(self, model, batch: int):
+        super().__init__()
         c = model.config
-        self.c, self.w, self.B = c, model.weights, batch
-        self.S = model.max_seq_len
-        self.k = torch.zeros(c.num_hidden_layers, batch, c.num_key_value_heads, self.S, c.head_dim,
-                             dtype=model.dtype, device=model.device)
-        self.v = torch.zeros_like(self.k)
-        self.inv_freq = self.w["inv_freq"]
-        # gate/up de-interleaved once (the peer runs them as two matmuls, or one on a cat).
-        self.gate_up = {L: torch.cat([self.w[f"w.l{L}.gate_up"][0::2], self.w[f"w.l{L}.gate_up"][1::2]])
-                        for L in range(c.num_hidden_layers)}
+        self.c, self.B, self.S = c, batch, model.max_seq_len
+        shape = (batch, c.num_key_value_heads, self.S, c.head_dim)
+        for L in range(c.num_hidden_layers):
+            self.register_buffer(f"k{L}", torch.zeros(shape, dtype=model.dtype, device=model.device))
+            self.register_buffer(f"v{L}", torch.zeros(shape, dtype=model.dtype, device=model.device))
+        w = model.weights
+        self.register_buffer("inv_freq", w["inv_freq"])
+        self.register_buffer("embed", w["w.embed"])
+        self.register_buffer("final_norm", w["w.final_norm"])
+        self.register_buffer("lm_head", w["w.lm_head"])
+        for L in range(c.num_hidden_layers):
+            for name in ("attn_norm", "qkv", "o_proj", "mlp_norm", "down"):
+                self.register_buffer(f"l{L}_{name}", w[f"w.l{L}.{name}"])
+            # gate/up are stored interleaved for mk's epilogue; the peer takes them apart once.
+            gu = w[f"w.l{L}.gate_up"]
+            self.register_buffer(f"l{L}_gate_up", torch.cat([gu[0::2], gu[1::2]]))
 
     def _norm(self, x, w):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps)).to(x.dtype) * w
 
-    def _rope(self, x, pos):  # x [B, T, H, D], pos [B, T]
-        ang = pos[..., None].float() * self.inv_freq
-        cos, sin = ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+    def _rope(self, x, pos):  # x [B, T, H, D], pos [T]
+        ang = pos[:, None].float() * self.inv_freq
+        cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """ids [B, T], pos [B, T] (absolute positions) -> logits of the last token [B, V]."""
-        c, w = self.c, self.w
+        """ids [B, T], pos [T] (absolute positions) -> logits of the last token [B, V]."""
+        c = self.c
         B, T = ids.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = w["w.embed"][ids]
-        rows = torch.arange(B, device=ids.device)[:, None].expand(B, T)
-        key_pos = torch.arange(self.S, device=ids.device)
-        mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        x = self.embed[ids]
+        mask = torch.arange(self.S, device=ids.device)[None, :] <= pos[:, None]  # [T, S]
         for L in range(c.num_hidden_layers):
-            h = self._norm(x, w[f"w.l{L}.attn_norm"])
-            q, k, v = (h @ w[f"w.l{L}.qkv"].T).view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            g = lambda name: getattr(self, f"l{L}_{name}")  # noqa: E731
+            h = self._norm(x, g("attn_norm"))
+            q, k, v = (h @ g("qkv").T).view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             q, k = self._rope(q, pos), self._rope(k, pos)
-            self.k[L][rows, :, pos] = k
-            self.v[L][rows, :, pos] = v
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), self.k[L], self.v[L], attn_mask=mask[:, None],
+            kc, vc = getattr(self, f"k{L}"), getattr(self, f"v{L}")
+            kc.index_copy_(2, pos, k.transpose(1, 2))
+            vc.index_copy_(2, pos, v.transpose(1, 2))
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask[None, None],
                                                enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ w[f"w.l{L}.o_proj"].T
-            g, u = (self._norm(x, w[f"w.l{L}.mlp_norm"]) @ self.gate_up[L].T).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ w[f"w.l{L}.down"].T
-        return (self._norm(x[:, -1], w["w.final_norm"]) @ w["w.lm_head"].T).float()
+            x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T
+            gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ g("down").T
+        return (self._norm(x[:, -1], self.final_norm) @ self.lm_head.T).float()
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.forward(ids[:, None], pos[:, None]).argmax(-1)
+        return self.forward(ids[:, None], pos).argmax(-1)

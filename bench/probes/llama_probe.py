@@ -17,19 +17,11 @@ def mark(*what):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _llama_peer import TorchLlamaStep  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from llama_probe_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig, ReferenceLlama  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
-SHAPES = {
-    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
-               rope_theta=500000.0, max_position_embeddings=131072, eos_token_id=None,
-               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-               rope_theta=500000.0, max_position_embeddings=8192, eos_token_id=None),
-}
 OUT = os.environ.get("OUT", ".")
 results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MK_COMMIT"),
            "copy_Bps": copy_bandwidth()["copy_Bps"], "shapes": {}}
@@ -60,18 +52,6 @@ def graph_of(fn, warmup=2):
     with torch.cuda.graph(g):
         fn()
     return g
-
-
-def random_model(cfg, seed=0):
-    """Random bf16 weights drawn on the GPU (std 0.02, norms 1 + 0.1 N), HF names."""
-    from mk.models.weights import expected_shapes
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    w = {}
-    for name, shape in expected_shapes(cfg).items():
-        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
-        w[name] = ((1 + 0.1 * t) if name.endswith("norm.weight") else 0.02 * t).to(torch.bfloat16)
-        del t
-    return w
 
 
 def run_shape(key):
@@ -154,7 +134,7 @@ def time_shape(key, cfg, model, r):
         dec.kernel.check()
         peer = TorchLlamaStep(model, B)
         ids = torch.ones(B, dtype=torch.long, device="cuda")
-        pos = torch.full((B,), 10, dtype=torch.long, device="cuda")
+        pos = torch.tensor([10], dtype=torch.long, device="cuda")
         with torch.no_grad():
             g = graph_of(lambda: peer.step(ids, pos))
             r[f"torch_graph_b{B}_ms"] = timed(g.replay, reps=30)
@@ -176,7 +156,7 @@ def time_shape(key, cfg, model, r):
     with torch.no_grad():
         r["mk_prefill512_ms"] = timed(lambda: model._prefill(ids, lengths), reps=5, warmup=2)
         peer = TorchLlamaStep(model, 1)
-        pos = torch.arange(512, device="cuda")[None]
+        pos = torch.arange(512, device="cuda")
         r["torch_prefill512_ms"] = timed(lambda: peer.forward(ids.long(), pos), reps=5, warmup=2)
     print(key, "prefill", r["mk_prefill512_ms"], r["torch_prefill512_ms"], flush=True)
     del model, peer

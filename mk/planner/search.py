@@ -84,7 +84,22 @@ def _pow2s(lo: int, hi: int) -> list[int]:
     return out
 
 
-def candidates(node: OpNode, device: DeviceSpec) -> list[OpChoice]:
+#: Register bytes per thread a GEMV tile's weight chunk may take. The register path keeps
+#: two chunks in flight (double buffering), and every op of the megakernel shares one
+#: register allocation, the largest any variant needs: a 32 x 1024 bf16 chunk (256
+#: registers a thread for two) made the 1B step spill 546 registers and run 5x its floor.
+GEMV_REG_CHUNK_BYTES = 256
+#: Warps of the GEMV tiles (the megakernel runs all its ops with the widest variant's warps).
+GEMV_WARPS = 4
+
+
+def gemv_chunk_fits(block_n: int, block_k: int, dtype_bytes: int = 2, num_warps: int = GEMV_WARPS) -> bool:
+    """Whether a register-path GEMV chunk of ``block_n x block_k`` stays within
+    :data:`GEMV_REG_CHUNK_BYTES` a thread."""
+    return block_n * block_k * dtype_bytes <= GEMV_REG_CHUNK_BYTES * 32 * num_warps
+
+
+def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[OpChoice]:
     """Every choice the search tries for ``node`` (before the shared-memory check)."""
     d = node.dims
     if node.kind == "linear":
@@ -94,19 +109,21 @@ def candidates(node: OpNode, device: DeviceSpec) -> list[OpChoice]:
             for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
                 if block_k > 2 * d["K"]:
                     continue
+                if not skinny and not gemv_chunk_fits(block_n, block_k, dtype_bytes):
+                    continue
                 for split_k in (1, 2, 4):
                     if math.ceil(d["K"] / block_k) < split_k:
                         continue
                     for stages in ((2, 3, 4) if skinny else (1,)):
                         out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
-                                            num_warps=2))
+                                            num_warps=2 if skinny else GEMV_WARPS))
         if not skinny:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
             for block_n in (16, 32, 64):
                 for split_k in (1, 2, 4, 8):
                     if math.ceil(d["K"] / 256) < split_k:
                         continue
                     for ring in (4, whole_range_stages(d["K"], 256, split_k)):
-                        out.append(OpChoice(block_n=block_n, block_k=256, split_k=split_k, num_warps=4,
+                        out.append(OpChoice(block_n=block_n, block_k=256, split_k=split_k, num_warps=GEMV_WARPS,
                                             tma_stages=ring))
         return out
     if node.kind == "attention":
@@ -168,7 +185,8 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
 
     for node in iterator:
         if shape(node) not in ranked_of:
-            options = [c for c in candidates(node, device) if cost_of(node, c, ()).smem_bytes <= budget]
+            options = [c for c in candidates(node, device, graph.model.dtype_bytes)
+                       if cost_of(node, c, ()).smem_bytes <= budget]
             if not options:
                 raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "
                                  f"budget of {budget} bytes")

@@ -1,0 +1,150 @@
+"""GPU probe: one Llama decode step under several plans — measured vs predicted, and where
+the time goes (per-op busy and wait time from a traced launch).
+
+For each plan variant (the search's, and hand-made uniform tilings of the linears):
+compile, time 50 launches, read residency (registers, spills, shared memory), then one
+traced launch summarised per op. The search plan's trace is saved (JSON + PNG).
+Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all).
+Writes $OUT/llama_plan_probe.json.
+"""
+import json, os, sys, time, traceback
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from llama_probe_shapes import SHAPES, random_model  # noqa: E402
+from mk.models import Llama, LlamaConfig  # noqa: E402
+from mk.persistent.runtime import Megakernel  # noqa: E402
+from mk.planner.cost import OpChoice, estimate_step  # noqa: E402
+from mk.timing import copy_bandwidth  # noqa: E402
+
+OUT = os.environ.get("OUT", ".")
+KEY, B = os.environ.get("PROBE_SHAPE", "1b"), int(os.environ.get("PROBE_BATCH", "1"))
+T0 = time.time()
+
+
+def mark(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def timed(fn, reps=50, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def uniform(linear_choice, workers=None, **per_op):
+    """A plan transform: every linear gets ``linear_choice`` (its fusions kept); ``per_op``
+    overrides by op-name suffix (e.g. down=OpChoice(...))."""
+    def transform(plan, graph):
+        choices = {}
+        for name, c in plan.choices.items():
+            kind = next(n.kind for n in graph.nodes if n.name == name)
+            if kind == "linear":
+                pick = per_op.get(name.split(".")[-1], linear_choice)
+                choices[name] = replace(pick, fuse=c.fuse)
+            else:
+                choices[name] = c
+        return replace(plan, choices=choices, workers=workers or plan.workers)
+    return transform
+
+
+REG = lambda bn, bk: OpChoice(block_n=bn, block_k=bk, num_warps=4)  # noqa: E731
+TMA = lambda bn, ring=4: OpChoice(block_n=bn, block_k=256, num_warps=4, tma_stages=ring)  # noqa: E731
+VARIANTS = {
+    "search": lambda p, g: p,
+    "search_2perSM": lambda p, g: replace(p, workers=2 * p.workers),
+    "reg8x2048": uniform(REG(8, 2048)),
+    "reg8x2048_2perSM": uniform(REG(8, 2048), workers=264),
+    "reg16x1024": uniform(REG(16, 1024)),
+    "tma32r4": uniform(TMA(32)),
+    "tma32r4_2perSM": uniform(TMA(32), workers=264),
+    "tma16r4": uniform(TMA(16)),
+    "tma64r2": uniform(TMA(64, 2)),
+    "mixed": uniform(TMA(32), o_proj=REG(8, 2048), down=REG(8, 2048)),
+}
+
+
+def summarize(events):
+    by_op = defaultdict(lambda: [0, 0.0, 0.0])
+    for e in events:
+        s = by_op[e["label"]]
+        s[0] += 1
+        s[1] += e["end_us"] - e["ready_us"]
+        s[2] += e["ready_us"] - e["start_us"]
+    span = max(e["end_us"] for e in events) - min(e["start_us"] for e in events)
+    workers = 1 + max(e["worker"] for e in events)
+    busy = sum(e["end_us"] - e["ready_us"] for e in events)
+    wait = sum(e["ready_us"] - e["start_us"] for e in events)
+    return {"span_us": span, "busy_frac": busy / (span * workers), "wait_frac": wait / (span * workers),
+            "ops": {k: {"tasks": v[0], "busy_us_per_worker": v[1] / workers, "run_us_per_task": v[1] / v[0],
+                        "wait_us_per_task": v[2] / v[0]} for k, v in sorted(by_op.items())}}
+
+
+def main():
+    cfg = LlamaConfig(**SHAPES[KEY])
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MK_COMMIT"),
+           "shape": KEY, "batch": B, "copy_Bps": copy_bandwidth()["copy_Bps"], "variants": {}}
+    w = random_model(cfg)
+    model = Llama(cfg, w, device="cuda", dtype=torch.bfloat16, max_batch_size=max(B, 1), max_seq_len=1024,
+                  name=f"llama-{KEY}")
+    del w
+    res["floor_ms"] = model.shape.weight_bytes / res["copy_Bps"] * 1e3
+    base_plan, graph = model.plan(B)
+    res["search_explain"] = base_plan.explain()
+    prompts = [[128000 + b, 791, 6864, 315] for b in range(B)]
+    names = os.environ.get("PROBE_VARIANTS", ",".join(VARIANTS)).split(",")
+    for name in names:
+        r = res["variants"][name] = {}
+        try:
+            plan = VARIANTS[name](base_plan, graph)
+            r["predicted_ms"] = estimate_step(graph, plan.choices, model.device_spec, plan.workers).seconds * 1e3
+            model.plan = lambda batch, plan=plan: (plan, graph)
+            model._decoders.clear()
+            t = time.time()
+            out = model.generate(prompts, max_new_tokens=8)
+            r["build_s"] = time.time() - t
+            r["tokens"] = [o[-8:] for o in out]
+            dec = model._decoders[(B, "argmax")]
+            res_ = dec.kernel.residency()
+            r["residency"] = dict(n_regs=res_.n_regs, n_spills=res_.n_spills, smem=res_.shared_bytes,
+                                  blocks_per_sm=res_.blocks_per_sm)
+            r["workers"] = dec.kernel.program.num_workers
+            r["tasks"] = len(dec.step.graph.tasks)
+            r["variants"] = len(dec.kernel.program.variants)
+            r["ms"] = timed(dec.kernel.launch)
+            dec.kernel.check()
+            traced = Megakernel(dec.kernel.program, trace=True)
+            for _ in range(3):
+                traced.launch()
+            torch.cuda.synchronize()
+            traced.check()
+            events = traced.trace_events()
+            tasks = dec.step.graph.tasks
+            for e in events:
+                t = tasks[e["task"]]
+                out_buf = next((t.bind[k] for k in ("out", "o_part", "part_val", "ws", "q", "tokens") if k in t.bind), "")
+                e["label"] = f"{t.op.name}:{out_buf.split('.', 1)[-1]}"
+            r["trace"] = summarize(events)
+            if name == "search":
+                traced.save_trace(os.path.join(OUT, f"trace_{KEY}_b{B}.json"), os.path.join(OUT, f"trace_{KEY}_b{B}.png"))
+            del traced
+            mark(name, {k: v for k, v in r.items() if k not in ("trace", "tokens")},
+                 "span", round(r["trace"]["span_us"], 1), "busy", round(r["trace"]["busy_frac"], 2))
+        except Exception:  # noqa: BLE001
+            r["error"] = traceback.format_exc()[-2000:]
+            mark(name, "failed", r["error"][-400:])
+        json.dump(res, open(os.path.join(OUT, "llama_plan_probe.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The Llama shapes of the GPU probes and their random bf16 weights."""
+import torch
+
+SHAPES = {
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+               rope_theta=500000.0, max_position_embeddings=131072, eos_token_id=None,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+               rope_theta=500000.0, max_position_embeddings=8192, eos_token_id=None),
+}
+
+
+def random_model(cfg, seed=0):
+    """Random bf16 weights drawn on the GPU (std 0.02, norms 1 + 0.1 N), HF names."""
+    from mk.models.weights import expected_shapes
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = {}
+    for name, shape in expected_shapes(cfg).items():
+        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+        w[name] = ((1 + 0.1 * t) if name.endswith("norm.weight") else 0.02 * t).to(torch.bfloat16)
+        del t
+    return w
