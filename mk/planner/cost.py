@@ -151,9 +151,11 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
 
 
 #: How many times its even share of DRAM bandwidth one worker can pull when the others are
-#: idle (a placeholder until calibration measures it): it bounds ops with fewer tasks than
-#: workers, and the tail of ops whose tasks do not divide evenly.
-WORKER_BURST = 4.0
+#: idle: it bounds ops with fewer tasks than workers, and the tail of ops whose tasks do not
+#: divide evenly. Measured in the 1B step on an H200 (bench/NOTES.md, session 4): a TMA GEMV
+#: worker streams 25-28 GB/s whether 64 or all 132 workers are busy, about 0.85x its even
+#: share of the copy bandwidth, so a lone worker gets no burst at all.
+WORKER_BURST = 1.0
 
 
 def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,

@@ -105,7 +105,11 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
     if node.kind == "linear":
         out = []
         skinny = d["M"] > 1
-        for block_n in _pow2s(16 if skinny else 2, 64 if skinny else 32):
+        # GEMV weights stream through the TMA ring where there is one (Hopper on): in the
+        # whole 1B step on an H200, register-path tiles ran at 4-7 GB/s a worker against
+        # 25-28 GB/s for TMA 32 x 256 tiles (bench/NOTES.md, session 4).
+        tma = not skinny and device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
+        for block_n in ((), _pow2s(16 if skinny else 2, 64 if skinny else 32))[not tma]:
             for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
                 if block_k > 2 * d["K"]:
                     continue
@@ -117,7 +121,7 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
                     for stages in ((2, 3, 4) if skinny else (1,)):
                         out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
                                             num_warps=2 if skinny else GEMV_WARPS))
-        if not skinny:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
+        if tma:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
             for block_n in (16, 32, 64):
                 for split_k in (1, 2, 4, 8):
                     if math.ceil(d["K"] / 256) < split_k:
