@@ -8,7 +8,7 @@ Usage: python bench/probes/llama_probe.py [1b|8b ...]
 import faulthandler, json, os, sys, time, traceback
 import torch
 
-faulthandler.dump_traceback_later(int(os.environ.get("PROBE_DUMP_S", "1e9")), exit=False)
+faulthandler.dump_traceback_later(int(float(os.environ.get("PROBE_DUMP_S", "1e9"))), exit=False)
 T_START = time.time()
 
 
