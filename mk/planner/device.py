@@ -104,11 +104,14 @@ class DeviceSpec:
     compute_capability: tuple[int, int]
     max_threads_per_block: int = 1024
     reserved_smem_per_block: int = _RESERVED_SMEM_PER_BLOCK
-    # Placeholder: descriptor fetch + pointer binding are a few hundred cycles.
-    task_overhead_s: float = 0.3e-6
-    # Placeholder from this project's probe: one signal/wait hop measured ~0.5-0.85 µs
-    # on an H200 (Triton 3.6), depending on how the consumer polls.
-    wait_overhead_s: float = 0.6e-6
+    # Measured in the 1B step on an H200 (bench/NOTES.md, session 4): halving the GEMV
+    # tile (twice the tasks) cost ~2.6 µs of worker time per extra task at one worker an
+    # SM: the TMA ring fills again at every task. 1.5 µs with two workers an SM, which
+    # hide part of it.
+    task_overhead_s: float = 1.5e-6
+    # One dependency phase (producers' signals seen, the consumers ramping up): 2 µs
+    # between the ops of the 1B step's trace; the bare signal/wait hop is ~0.5-0.85 µs.
+    wait_overhead_s: float = 2.0e-6
     # Placeholder: a CUDA-graph-replayed launch cost ~2 µs of ramp-up and tail on an H200
     # (bench/NOTES.md).
     launch_overhead_s: float = 2.0e-6

@@ -89,6 +89,8 @@ def _pow2s(lo: int, hi: int) -> list[int]:
 #: register allocation, the largest any variant needs: a 32 x 1024 bf16 chunk (256
 #: registers a thread for two) made the 1B step spill 546 registers and run 5x its floor.
 GEMV_REG_CHUNK_BYTES = 256
+#: Persistent workers per SM when the caller does not fix the count.
+WORKERS_PER_SM = 2
 #: Warps of the GEMV tiles (the megakernel runs all its ops with the widest variant's warps).
 GEMV_WARPS = 4
 
@@ -122,7 +124,8 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
                         out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
                                             num_warps=2 if skinny else GEMV_WARPS))
         if tma:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
-            for block_n in (16, 32, 64):
+            # 64-row boxes measured 17.5 GB/s a worker on the 1B LM head, 32-row 28 GB/s.
+            for block_n in (16, 32):
                 for split_k in (1, 2, 4, 8):
                     if math.ceil(d["K"] / 256) < split_k:
                         continue
@@ -163,8 +166,13 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
     """
     if beam_width < 1 or top_k < 1:
         raise ValueError(f"beam_width and top_k must be >= 1, got {beam_width}, {top_k}")
-    workers = workers or device.sm_count
     budget = device.smem_per_block
+    if workers is None:
+        # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
+        # NOTES.md, session 4), 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit
+        # in the SM's shared memory, so each gets at most half of it.
+        workers = device.sm_count * WORKERS_PER_SM
+        budget = min(budget, device.smem_per_sm // WORKERS_PER_SM - device.reserved_smem_per_block)
     beam = [_State(0.0, 0, ())]
     nodes = {n.name: n for n in graph.nodes}
     cache: dict = {}

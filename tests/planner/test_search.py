@@ -18,12 +18,12 @@ def test_plans_fit_the_budget_and_beat_the_naive_plan(name, batch, device):
     g = llama_decode_graph(ModelShape.preset(name), batch, 512)
     plans = search(g, spec, beam_width=4, top_k=3)
     assert plans and [p.predicted_s for p in plans] == sorted(p.predicted_s for p in plans)
-    naive = estimate_step(g, naive_plan(g), spec, spec.sm_count).seconds
     best = plans[0]
+    naive = estimate_step(g, naive_plan(g), spec, best.workers).seconds
     assert best.predicted_s < naive  # strictly better under the same cost model
     assert best.peak_smem_bytes <= spec.smem_per_block
     # The plan's own estimate is the cost model's estimate of its choices.
-    assert estimate_step(g, best.choices, spec, spec.sm_count).seconds == pytest.approx(best.predicted_s)
+    assert estimate_step(g, best.choices, spec, best.workers).seconds == pytest.approx(best.predicted_s)
     # Every op is either chosen or fused into exactly one chosen op.
     fused = [f for c in best.choices.values() for f in c.fuse]
     assert sorted(list(best.choices) + fused) == sorted(n.name for n in g.nodes)
@@ -49,3 +49,13 @@ def test_search_is_deterministic_and_explains_itself():
     assert data["choices"]["l0.qkv"]["fuse"] == ["l0.attn_norm"]
     with pytest.raises(ValueError, match="beam_width"):
         search(g, spec, beam_width=0)
+
+
+def test_default_plans_put_two_workers_on_each_sm_within_half_its_shared_memory():
+    spec = DeviceSpec.preset("h200")
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 512)
+    plan = search(g, spec, beam_width=2, top_k=1)[0]
+    assert plan.workers == 2 * spec.sm_count
+    assert spec.max_resident_blocks(128, plan.peak_smem_bytes) >= 2
+    fixed = search(g, spec, workers=spec.sm_count, beam_width=2, top_k=1)[0]
+    assert fixed.workers == spec.sm_count
