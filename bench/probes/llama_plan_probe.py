@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from llama_probe_shapes import SHAPES, random_model  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _llama_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
 from mk.planner.cost import OpChoice, estimate_step  # noqa: E402

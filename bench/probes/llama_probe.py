@@ -17,8 +17,7 @@ def mark(*what):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _llama_peer import TorchLlamaStep  # noqa: E402
-sys.path.insert(0, os.path.dirname(__file__))
-from llama_probe_shapes import SHAPES, random_model  # noqa: E402
+from _llama_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig, ReferenceLlama  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 

@@ -50,7 +50,6 @@ def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = Non
 
     Returns (plan, hit). A miss runs :func:`~mk.planner.search.search` and stores the result.
     """
-    workers = workers or device.sm_count
     path = plan_dir() / f"{plan_key(graph, device, workers, beam_width)}.json"
     if path.is_file():
         try:

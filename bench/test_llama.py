@@ -1,0 +1,78 @@
+"""Llama decode and prefill on the GPU: mk's megakernel against its torch peers, same run.
+
+Random bf16 weights at the Llama-3.2-1B and Llama-3-8B shapes. Per (shape, batch): one
+decode step of mk (one megakernel launch, replayed from a CUDA graph for pytest-benchmark,
+event-timed for the record) against the same model in bf16 PyTorch replayed from a CUDA
+graph (eager) and under torch.compile(mode="reduce-overhead"); and a 512-token prefill.
+The floor is the weight bytes over the copy bandwidth measured in this run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _harness import bench_graph
+from _llama_peer import TorchLlamaStep
+from _llama_shapes import SHAPES, random_model
+
+MAX_SEQ = 1024
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def llama(request):
+    from mk.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(**SHAPES[request.param])
+    weights = random_model(cfg)
+    model = Llama(cfg, weights, device="cuda", dtype=torch.bfloat16, max_batch_size=8, max_seq_len=MAX_SEQ,
+                  name=f"llama-{request.param}")
+    del weights
+    yield request.param, model
+    del model
+    torch.cuda.empty_cache()
+
+
+def _event_ms(fn, reps=30, warmup=3) -> float:
+    from mk.timing import event_time_us
+
+    return event_time_us(fn, reps=reps, warmup=warmup) / 1e3
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_step(benchmark, record, gpu_env, llama, batch):
+    key, model = llama
+    prompts = [[128000 + b, 791, 6864, 315] for b in range(batch)]
+    list(model.stream(prompts, max_new_tokens=2))  # prefill, compile, two steps
+    dec = model._decoders[(batch, "argmax")]
+    mk_ms = bench_graph(benchmark, [dec.kernel.launch]) / 1e3
+    dec.kernel.check()
+    peer = TorchLlamaStep(model, batch)
+    ids = torch.ones(batch, dtype=torch.long, device="cuda")
+    pos = torch.tensor([10], dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        from mk.timing import capture_graph
+
+        eager = capture_graph([lambda: peer.step(ids, pos)])
+        eager_ms = _event_ms(eager.replay)
+        compiled = torch.compile(peer.step, mode="reduce-overhead")
+        for _ in range(3):
+            compiled(ids, pos)
+        compile_ms = _event_ms(lambda: compiled(ids, pos))
+    floor_ms = model.shape.weight_bytes / gpu_env["copy_Bps"] * 1e3
+    record("llama", op="decode_step", model=key, batch=batch, mk_ms=mk_ms, torch_graph_ms=eager_ms,
+           torch_compile_ms=compile_ms, floor_ms=floor_ms, vs_compile=compile_ms / mk_ms,
+           of_floor=floor_ms / mk_ms, workers=dec.kernel.program.num_workers, tasks=len(dec.step.graph.tasks),
+           predicted_ms=dec.step.plan.predicted_s * 1e3)
+
+
+def test_prefill_512(benchmark, record, llama):
+    key, model = llama
+    ids = torch.randint(0, model.config.vocab_size, (1, 512), device="cuda", dtype=torch.int32)
+    with torch.no_grad():
+        benchmark.pedantic(lambda: (model._prefill(ids, [512]), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
+        mk_ms = _event_ms(lambda: model._prefill(ids, [512]), reps=5, warmup=1)
+        peer = TorchLlamaStep(model, 1)
+        pos = torch.arange(512, device="cuda")
+        torch_ms = _event_ms(lambda: peer.forward(ids.long(), pos), reps=5, warmup=1)
+    record("llama", op="prefill", model=key, tokens=512, mk_ms=mk_ms, torch_eager_ms=torch_ms)
