@@ -25,6 +25,20 @@ def bench_graph(benchmark, calls, rounds: int = 30):
     return us
 
 
+def back_to_back_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Mean ms of ``fn()`` called ``reps`` times back to back (one pair of CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def gemv_chain(layers: int, n: int, *, weights=None, x=None, **linear_kw):
     """A TaskGraph of ``layers`` chained n x n GEMVs (h[l+1] = W[l] @ h[l], bf16, M=1), one
     task per output tile: each tile of layer l+1 waits for all tiles of layer l (it reads

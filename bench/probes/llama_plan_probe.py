@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _harness import back_to_back_ms  # noqa: E402
 from _llama_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
@@ -30,16 +31,7 @@ def mark(*a):
 
 
 def timed(fn, reps=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return back_to_back_ms(fn, reps, warmup)
 
 
 def uniform(linear_choice, workers=None, **per_op):

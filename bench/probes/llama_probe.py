@@ -17,6 +17,7 @@ def mark(*what):
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _llama_peer import TorchLlamaStep  # noqa: E402
+from _harness import back_to_back_ms  # noqa: E402
 from _llama_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig, ReferenceLlama  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
@@ -28,16 +29,7 @@ print("copy", results["copy_Bps"] / 1e12, "TB/s", flush=True)
 
 
 def timed(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return back_to_back_ms(fn, reps, warmup)
 
 
 def graph_of(fn, warmup=2):
