@@ -40,8 +40,7 @@ def uniform(linear_choice, workers=None, **per_op):
     def transform(plan, graph):
         choices = {}
         for name, c in plan.choices.items():
-            kind = next(n.kind for n in graph.nodes if n.name == name)
-            if kind == "linear":
+            if graph.node(name).kind == "linear":
                 pick = per_op.get(name.split(".")[-1], linear_choice)
                 choices[name] = replace(pick, fuse=c.fuse)
             else:

@@ -27,7 +27,6 @@ if os.environ.get("PROBE_QUICK"):
     CASES = {(64, 2048): [(8, 2048, 4, 2, 2048, 0), (16, 2048, 8, 1, 2048, 0)]}
     VARIANTS = [dict(defer_signals=True)]
 # Lowering variants: at most this many producers per event counter (None: one per consumer set).
-FANINS = [int(f) if f != "None" else None for f in os.environ.get("PROBE_FANIN", "None").split(",")]
 for (layers, n), configs in CASES.items():
     g0, ws, x, _ = gemv_chain(layers, n, block_n=2)
     ref = gemv_chain_ref(ws, x)
@@ -47,12 +46,12 @@ for (layers, n), configs in CASES.items():
           f"mk linear launches {t_ops:.2f}", flush=True)
     rows.append(dict(layers=layers, n=n, provider="torch", us_per_layer=t_torch))
     rows.append(dict(layers=layers, n=n, provider="mk_ops", us_per_layer=t_ops))
-    for (bn, bk, warps, wps, pf, tma), var, fanin in [(c, v, f) for c in configs for v in VARIANTS for f in FANINS]:
+    for (bn, bk, warps, wps, pf, tma), var in [(c, v) for c in configs for v in VARIANTS]:
         try:
             t0 = time.time()
             g, _, _, out = gemv_chain(layers, n, weights=ws, x=x, block_n=bn, block_k=bk, num_warps=warps,
                                       prefetch_k=pf, tma_stages=tma)
-            prog = lower(g, num_workers=sms * wps, max_fanin=fanin)
+            prog = lower(g, num_workers=sms * wps)
             t_lower = time.time() - t0
             k = Megakernel(prog, **var)
             res = k.residency()
@@ -66,7 +65,7 @@ for (layers, n), configs in CASES.items():
             us = event_time_us(graph.replay, reps=10, warmup=2) / 3 / layers
             k.check()
             r = dict(layers=layers, n=n, provider="mk", bn=bn, bk=bk, warps=warps, workers=prog.num_workers,
-                     prefetch_k=pf, tma_stages=tma, **var, max_fanin=fanin, us_per_layer=us, vs_torch=t_torch / us, frac_of_copy=nbytes / (us * 1e-6) / bw,
+                     prefetch_k=pf, tma_stages=tma, **var, us_per_layer=us, vs_torch=t_torch / us, frac_of_copy=nbytes / (us * 1e-6) / bw,
                      err=err, regs=res.n_regs, smem=res.shared_bytes, lower_s=t_lower, tasks=len(g.tasks))
             rows.append(r)
             print({a: round(b, 3) if isinstance(b, float) else b for a, b in r.items()}, flush=True)

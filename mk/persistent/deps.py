@@ -292,31 +292,6 @@ def group_events(num_tasks: int, deps: list[list[Interval]], seed: int = 0x6D6B)
     return Events(task_signal, event_counts, event_signallers, task_waits)
 
 
-def split_events(events: Events, max_fanin: int) -> Events:
-    """Cut every event with more than ``max_fanin`` producers into events of at most that many.
-
-    Every producer of an event bumps one counter in device memory; hundreds of same-address
-    atomics and the pollers of that one address queue at one L2 slice. Smaller events
-    spread them over several counters, and a consumer waits on each in turn.
-    """
-    if max_fanin < 1:
-        raise ValueError(f"max_fanin must be >= 1, got {max_fanin}")
-    task_signal = list(events.task_signal)
-    signallers: list[list[int]] = []
-    pieces_of: list[list[int]] = []
-    for producers in events.event_signallers:
-        pieces = []
-        for i in range(0, len(producers), max_fanin):
-            pieces.append(len(signallers))
-            signallers.append(producers[i:i + max_fanin])
-            for t in signallers[-1]:
-                task_signal[t] = pieces[-1]
-        pieces_of.append(pieces)
-    counts = [len(s) for s in signallers]
-    waits = [[(e, counts[e]) for ev, _ in w for e in pieces_of[ev]] for w in events.task_waits]
-    return Events(task_signal, counts, signallers, waits)
-
-
 class RangeMax:
     """Maximum of a growing list over index ranges, in O(sqrt n) per query (list schedules)."""
 

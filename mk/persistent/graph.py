@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .deps import RangeMax, dependency_intervals, drop_implied, group_events, split_events
+from .deps import RangeMax, dependency_intervals, drop_implied, group_events
 from .ops import TL_DTYPES, OpSpec, Region
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
@@ -184,11 +184,8 @@ def assign_workers(num_tasks: int, deps: list[list[tuple[int, int]]], num_worker
 
 
 def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
-          cost: list[float] | None = None, max_fanin: int | None = None) -> Program:
-    """Lower ``graph`` to a :class:`Program` for ``num_workers`` workers.
-
-    ``max_fanin``: at most this many producers per event (see :func:`deps.split_events`).
-    """
+          cost: list[float] | None = None) -> Program:
+    """Lower ``graph`` to a :class:`Program` for ``num_workers`` workers."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     tasks = graph.tasks
@@ -196,8 +193,6 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
     # Producers with the same set of consumers share one event: every consumer of the
     # event needs all of its producers, so "count reached" means exactly "inputs ready".
     events = group_events(len(tasks), deps)
-    if max_fanin is not None:
-        events = split_events(events, max_fanin)
     task_signal, task_waits = events.task_signal, events.task_waits
     event_counts, event_signallers = events.event_counts, events.event_signallers
 
@@ -246,4 +241,4 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
                    num_events=len(event_signallers), event_counts=event_counts,
                    event_signallers=event_signallers, task_waits=task_waits, task_signal=task_signal,
                    queues=queues, max_waits=max_waits, max_slots=max_slots, max_args=max_args,
-                   meta={"schedule": schedule, "max_fanin": max_fanin})
+                   meta={"schedule": schedule})

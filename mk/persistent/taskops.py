@@ -50,6 +50,26 @@ def _check_tile(op: str, name: str, value: int, count: int) -> None:
         raise ValueError(f"{op}: {name}={value} out of range [0, {count})")
 
 
+def _check_sizes(op: str, **sizes) -> None:
+    for name, v in sizes.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+
+
+def _check_pow2(op: str, name: str, v: int, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v & (v - 1):
+        raise ValueError(f"{op}: {name} must be a power of two >= {minimum}, got {v!r}")
+    return v
+
+
+def _block_cols(op: str, a, blocks: int, block: int, width: int) -> tuple[int, int]:
+    """Columns [c0, c1) of tile ``a["col_block"]`` of a row cut into ``blocks`` blocks of
+    ``block`` (the last clipped to ``width``)."""
+    _check_tile(op, "col_block", a["col_block"], blocks)
+    c0 = a["col_block"] * block
+    return c0, min(c0 + block, width)
+
+
 @register("rmsnorm")
 def rmsnorm_op(n: int, eps: float = 1e-6, residual: bool = False) -> OpSpec:
     """One row of RMSNorm (optionally h = x + res first, written to res_out). Args: row."""
@@ -103,9 +123,7 @@ class _LinearShape:
 
     def __init__(self, op, M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                  prefetch_k, dtype):
-        for name, v in (("M", M), ("N", N), ("K", K), ("split_k", split_k)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+        _check_sizes(op, M=M, N=N, K=K, split_k=split_k)
         if silu_mul and N % 2:
             raise ValueError(f"{op}: silu_mul needs an even N (gate/up pairs), got N={N}")
         if silu_mul and residual:
@@ -400,17 +418,12 @@ def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = N
     Operands: gate, up, out, each ``[rows, i]``. Args: row, col_block (``cdiv(i, BLOCK_I)``
     blocks per row; the last one is clipped to i).
     """
-    if isinstance(i, bool) or not isinstance(i, int) or i < 1:
-        raise ValueError(f"silu_mul: i must be an int >= 1, got {i!r}")
-    block_i = block_i or silu_mul_block_i(i)
-    if block_i & (block_i - 1):
-        raise ValueError(f"silu_mul: block_i must be a power of two, got {block_i}")
+    _check_sizes("silu_mul", i=i)
+    block_i = _check_pow2("silu_mul", "block_i", block_i or silu_mul_block_i(i))
     blocks = _cdiv(i, block_i)
 
     def cols(a):
-        _check_tile("silu_mul", "col_block", a["col_block"], blocks)
-        c0 = a["col_block"] * block_i
-        return c0, min(c0 + block_i, i)
+        return _block_cols("silu_mul", a, blocks, block_i, i)
 
     def run(b, a):
         row, (c0, c1) = a["row"], cols(a)
@@ -436,18 +449,6 @@ def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = N
 # ---------------------------------------------------------------------------------------
 # The decode step's other ops: embedding, RoPE + KV append, split-KV attention, argmax
 # ---------------------------------------------------------------------------------------
-
-
-def _check_sizes(op: str, **sizes) -> None:
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
-
-
-def _check_pow2(op: str, name: str, v: int, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v & (v - 1):
-        raise ValueError(f"{op}: {name} must be a power of two >= {minimum}, got {v!r}")
-    return v
 
 
 def _view(op: str, role: str, t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -477,9 +478,7 @@ def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = No
 
     def cols(a):
         _check_tile("embedding", "row", a["row"], rows)
-        _check_tile("embedding", "col_block", a["col_block"], blocks)
-        c0 = a["col_block"] * block_h
-        return c0, min(c0 + block_h, hidden)
+        return _block_cols("embedding", a, blocks, block_h, hidden)
 
     def run(b, a):
         (c0, c1), row = cols(a), a["row"]

@@ -111,7 +111,8 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
         # whole 1B step on an H200, register-path tiles ran at 4-7 GB/s a worker against
         # 25-28 GB/s for TMA 32 x 256 tiles (bench/NOTES.md, session 4).
         tma = not skinny and device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
-        for block_n in ((), _pow2s(16 if skinny else 2, 64 if skinny else 32))[not tma]:
+        register_block_ns = [] if tma else _pow2s(16 if skinny else 2, 64 if skinny else 32)
+        for block_n in register_block_ns:
             for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
                 if block_k > 2 * d["K"]:
                     continue

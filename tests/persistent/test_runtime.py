@@ -8,7 +8,6 @@ import torch
 from mk.persistent.graph import TaskGraph, lower
 from mk.persistent.ops import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
-from mk.persistent.taskops import linear_tiles
 from mk.persistent.vm import Deadlock, run_vm
 from mk.tasks import default_device, rmsnorm
 from tests.conftest import assert_close
@@ -158,44 +157,3 @@ def test_deferred_signals_are_safe_and_fewer(defer):
         assert_close(g.buffers["h3"], expected, torch.float32, "h3")
         # Layers 0 and 1 signal (layer 2 has no consumer): 16 tasks, or 2 workers x 2 runs.
         assert report.signals == (4 if defer else 16)
-
-
-def fan_in_graph(rows: int = 5, n: int = 24, cols: int = 56):
-    """rmsnorm rows -> linear tiles (each waits for every row) -> rmsnorm rows (each waits
-    for every tile): events with several producers. Returns the graph and the reference."""
-    g = TaskGraph()
-    g.buffer("x", torch.randn(rows, n, device=DEV)), g.buffer("w", torch.randn(n, device=DEV) * 0.2 + 1)
-    g.buffer("wl", torch.randn(cols, n, device=DEV) / n**0.5), g.buffer("w2", torch.randn(cols, device=DEV) + 1)
-    for name, width in (("h", n), ("y", cols), ("z", cols)):
-        g.buffer(name, torch.full((rows, width), float("nan"), device=DEV))
-    norm, norm2 = make_op("rmsnorm", n=n, eps=1e-5), make_op("rmsnorm", n=cols, eps=1e-5)
-    lin = make_op("linear", M=rows, N=cols, K=n, block_n=16, dtype=torch.float32)
-    for r in range(rows):
-        g.add(norm, x="x", w="w", out="h", row=r)
-    for a in linear_tiles(lin):
-        g.add(lin, x="h", w="wl", out="y", **a)
-    for r in range(rows):
-        g.add(norm2, x="y", w="w2", out="z", row=r)
-    h = rmsnorm(g.buffers["x"], g.buffers["w"], 1e-5)
-    y = h @ g.buffers["wl"].T
-    return g, {"h": h, "y": y, "z": rmsnorm(y, g.buffers["w2"], 1e-5)}
-
-
-@pytest.mark.parametrize("max_fanin", [1, 2, 3])
-def test_split_events_keep_every_dependency(max_fanin):
-    g, expected = fan_in_graph()
-    whole, split = lower(g, num_workers=3), lower(g, num_workers=3, max_fanin=max_fanin)
-    assert max(split.event_counts) <= max_fanin < max(whole.event_counts)
-    # The same producers behind every consumer, only spread over more counters.
-    for t in range(len(g.tasks)):
-        want = sorted(p for ev, _ in whole.task_waits[t] for p in whole.event_signallers[ev])
-        got = sorted(p for ev, _ in split.task_waits[t] for p in split.event_signallers[ev])
-        assert got == want, t
-        assert all(split.event_counts[ev] == n for ev, n in split.task_waits[t])
-    for seed in range(2):
-        run_vm(split, interleave="random", seed=seed)
-        for name, ref in expected.items():
-            assert_close(g.buffers[name], ref, torch.float32, name)
-    Megakernel(lower(g, num_workers=1, max_fanin=max_fanin)).run()
-    for name, ref in expected.items():
-        assert_close(g.buffers[name], ref, torch.float32, name)
