@@ -240,17 +240,21 @@ class Llama:
         eps = c.rms_norm_eps
         positions = torch.arange(T, device=self.device, dtype=torch.int32).expand(B, T).contiguous()
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-        x = embedding(ids.reshape(-1), W("embed"))
+        dt = self.dtype
+        # The residual stream x stays float32 (as in the decode step); the ops between
+        # residual adds take the weights' dtype.
+        x = embedding(ids.reshape(-1), W("embed")).float()
         for L in range(c.num_hidden_layers):
-            qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps)
+            qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=dt)
             q, k, v = qkv.view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             kc, vc = self.k_cache[L, :B], self.v_cache[L, :B]
             q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc)
             # Attention reads the rotated keys back from the cache ([B, Hkv, T, D] -> [B, T, Hkv, D] views).
             attn = prefill_attention(q, kc[:, :, :T].transpose(1, 2), vc[:, :, :T].transpose(1, 2), seqlens)
-            x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x)
-            act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True)
-            x = linear(act, W(f"l{L}.down"), residual=x)
+            x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=torch.float32)
+            act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
+                         out_dtype=dt)
+            x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=torch.float32)
         if not all_logits:
             last = torch.tensor([b * T + n - 1 for b, n in enumerate(lengths)], device=self.device)
             x = x[last]

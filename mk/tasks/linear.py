@@ -46,7 +46,8 @@ import triton.language as tl
 from ._dot import mma
 
 from ._cost import TaskCost
-from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, smem_per_block, use_pdl
+from ._device import (SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype, check_tensor,
+                      smem_per_block, use_pdl)
 
 #: Largest M served by the skinny (decode) configs; above it, prefill tiles.
 SKINNY_MAX_M = 16
@@ -166,12 +167,16 @@ def _linear_acc(
         x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
     w_rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    if HAS_NORM:
+    # The TMA body gathers the RMSNorm statistics from the x chunks it streams anyway and
+    # scales by rstd after the loop (rstd is one number per row, so it factors out of the
+    # sum): a separate pass over x first would cost K/BLOCK_K more round trips to L2.
+    LATE_RSTD: tl.constexpr = HAS_NORM & (BLOCK_M == 1) & (TMA_STAGES > 0)
+    if HAS_NORM & (not LATE_RSTD):
         # x is small next to W (M*K vs N*K), so every tile recomputes its rows' rstd over
         # the full K rather than waiting on another task for it.
         rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     else:
-        rstd = 1.0  # unused
+        rstd = 1.0  # unused, or applied after the loop
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -183,14 +188,22 @@ def _linear_acc(
         # (Triton pipelines descriptor loads): many bytes in flight per program without
         # holding them in registers, which is what a persistent worker lacks. Rows past N
         # come back as zeros. Needs 16-byte aligned rows and BLOCK_N, BLOCK_K <= 256.
+        # The x (and norm weight) chunks are plain loads that Triton pipelines alongside
+        # (cp.async) once it knows they are 16-byte aligned; unpipelined, each chunk would
+        # wait one L2 round trip and cap a worker near 30 GB/s.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
             w = w_desc.load([pid_n * BLOCK_N, k])
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M).to(tl.float32)
             if HAS_NORM:
-                xt = xt * rstd * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
+                sum_sq += xt * xt
+                xt = xt * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
             acc += w.to(tl.float32) * xt[None, :]
+        if HAS_NORM & (k_full < k_hi):
+            x_tail = _load_x(x_rows, k_full + offs_k, k_hi, MASKED=True, BLOCK_M=BLOCK_M).to(tl.float32)
+            sum_sq += x_tail * x_tail
     elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
@@ -218,6 +231,12 @@ def _linear_acc(
     if BLOCK_M == 1:
         # The one cross-thread reduction of the GEMV, after the weight stream.
         acc = tl.sum(acc, axis=1)[None, :]
+    if LATE_RSTD:
+        if (k_lo == 0) & (k_hi == K):
+            rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
+        else:  # a K split: its chunks are not the whole row
+            rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+        acc = acc * rstd
     return acc
 
 
@@ -706,23 +725,27 @@ def linear(
     silu_mul: bool = False,
     split_k: int = 1,
     config: LinearConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
 
     Args:
-        x: ``[..., K]``; rows may be strided, the last dim must be contiguous.
-        weight: ``[N, K]`` contiguous (Hugging Face layout), same dtype as x. With
+        x: ``[..., K]``; rows may be strided, the last dim must be contiguous. Same dtype
+            as weight, or float32 (a float32 residual stream over low-precision weights).
+        weight: ``[N, K]`` contiguous (Hugging Face layout). With
             ``silu_mul`` the gate/up rows interleaved by :func:`interleave_gate_up`.
-        residual: optional ``[..., N]`` added to the product (not with silu_mul).
+        residual: optional ``[..., N]`` added to the product (not with silu_mul), of
+            dtype ``out_dtype``.
         norm_weight: optional ``[K]``: x is replaced by rmsnorm(x) (float32 statistics).
         norm_eps: the RMSNorm epsilon.
         silu_mul: return ``silu(gate) * up``, ``[..., N/2]``.
         split_k: K splits, summed by a deterministic reduce. With a config, config.split_k
             is used, and split_k must be 1 or equal to it.
         config: tile sizes; :func:`linear_config` picks them when None.
+        out_dtype: dtype of the result; x's dtype when None.
 
     Returns:
-        ``[..., N]`` (``[..., N/2]`` with silu_mul) in x's dtype.
+        ``[..., N]`` (``[..., N/2]`` with silu_mul) in ``out_dtype``.
     """
     check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
     K = x.shape[-1]
@@ -734,8 +757,12 @@ def linear(
         raise ValueError(f"weight must have at least one row and one column, got shape {tuple(weight.shape)}")
     if weight.numel() >= 2**31:
         raise ValueError(f"weight has {weight.numel()} elements; the kernels index with int32 (< 2**31)")
-    check_same_dtype(x=x, weight=weight)
+    if x.dtype != weight.dtype and x.dtype != torch.float32:
+        raise TypeError(f"x must have weight's dtype ({weight.dtype}) or float32, got {x.dtype}")
     check_same_device(x=x, weight=weight)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype must be one of {list(SUPPORTED_DTYPES)}, got {out_dtype!r}")
     if not isinstance(silu_mul, bool):
         raise TypeError(f"silu_mul must be a bool, got {type(silu_mul).__name__}")
     if silu_mul and N % 2:
@@ -745,7 +772,8 @@ def linear(
     n_out = N // 2 if silu_mul else N
     if residual is not None:
         check_tensor("residual", residual, shape=(*x.shape[:-1], N), contiguous=False, last_dim_contiguous=True)
-        check_same_dtype(x=x, residual=residual)
+        if residual.dtype != out_dtype:
+            raise TypeError(f"residual must have the result's dtype ({out_dtype}), got {residual.dtype}")
         check_same_device(x=x, residual=residual)
     if norm_weight is not None:
         check_tensor("norm_weight", norm_weight, shape=(K,))
@@ -755,13 +783,14 @@ def linear(
     check_positive_int("split_k", split_k)
     M = x.numel() // K
     if config is None:
+        # x's dtype: a float32 x with bf16 weights sizes shared memory conservatively.
         config = linear_config(M, N, K, x.dtype, split_k=split_k, smem_limit=smem_per_block(x))
     elif isinstance(config, LinearConfig) and split_k != 1 and split_k != config.split_k:
         raise ValueError(f"split_k={split_k} conflicts with config.split_k={config.split_k}")
     config = _check_config(config, K, silu_mul)
 
     x2 = x.reshape(M, K)
-    out = torch.empty((M, n_out), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return out.reshape(*x.shape[:-1], n_out)
     res2 = residual.reshape(M, N) if residual is not None else out
@@ -772,9 +801,9 @@ def linear(
     # tiles (M=8: 0.49 vs 0.56 of copy at 4096->6144), whose early-launched successors
     # hold shared memory that the running tiles' pipelines want.
     pdl = use_pdl(x) and config.block_m == 1
-    lines, line = prefetch_lines(config, K, x.element_size()) if x.is_cuda else (0, 1)
+    eb = weight.element_size()
+    lines, line = prefetch_lines(config, K, eb) if x.is_cuda else (0, 1)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
-    eb = x.element_size()
     # TMA bulk prefetch needs 16-byte aligned row segments.
     bulk = weight.data_ptr() % 16 == 0 and (weight.stride(0) * eb) % 16 == 0 and (bk * eb) % 16 == 0
     prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk)

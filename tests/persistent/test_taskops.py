@@ -441,19 +441,44 @@ def test_ops_differing_only_in_eps_get_their_own_branch():
         lower(g, 1)
 
 
-@pytest.mark.parametrize("preload,tma", [(False, 0), (True, 0), (False, 3)])
-def test_gemv_tile_variants_of_the_weight_stream(preload, tma):
+@pytest.mark.parametrize("preload,tma,norm", [(False, 0, False), (True, 0, False), (False, 3, False),
+                                               (False, 0, True), (False, 3, True)])
+def test_gemv_tile_variants_of_the_weight_stream(preload, tma, norm):
     """Weights preloaded before the wait and TMA-streamed weights
     (descriptor loads, zero-filled past N) give the same product,
-    including a ragged last chunk (K=200 over 64-wide chunks) and a clipped last tile."""
+    including a ragged last chunk (K=200 over 64-wide chunks) and a clipped last tile;
+    with an RMSNorm prologue the TMA body gathers the statistics inside its loop."""
     dev = default_device()
     g = TaskGraph()
-    g.buffer("x", torch.randn(1, 200, device=dev)), g.buffer("w", torch.randn(40, 200, device=dev))
+    g.buffer("x", torch.randn(1, 200, device=dev) * 3), g.buffer("w", torch.randn(40, 200, device=dev))
+    g.buffer("g", torch.rand(200, device=dev) + 0.5)
     g.buffer("y", torch.full((1, 40), float("nan"), device=dev))
     op = make_op("linear", M=1, N=40, K=200, block_n=16, block_k=64, preload_weights=preload,
-                 tma_stages=tma, dtype=F32)
+                 tma_stages=tma, norm=norm, eps=EPS, dtype=F32)
     assert bool(op.preload) == preload and op.constexprs["TMA_STAGES"] == tma
     for a in linear_tiles(op):
-        g.add(op, x="x", w="w", out="y", **a)
+        g.add(op, x="x", w="w", out="y", **({"norm_w": "g"} if norm else {}), **a)
     Megakernel(lower(g, 1)).run()
-    assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"]), F32)
+    norm_kw = dict(norm_weight=g.buffers["g"], norm_eps=EPS) if norm else {}
+    assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"], **norm_kw), F32)
+
+
+def test_tma_gemv_split_with_norm_takes_statistics_over_the_whole_row():
+    """A K split of a TMA GEMV with an RMSNorm prologue sees only its own chunks, so it must
+    not take its rstd from them: the reduced splits equal the whole normalised product."""
+    dev = default_device()
+    g = TaskGraph()
+    g.buffer("x", torch.randn(1, 256, device=dev) * 3), g.buffer("w", torch.randn(32, 256, device=dev))
+    g.buffer("g", torch.rand(256, device=dev) + 0.5)
+    g.buffer("ws", torch.zeros(4, 1, 32, device=dev)), g.buffer("y", torch.full((1, 32), float("nan"), device=dev))
+    part = make_op("linear_partial", M=1, N=32, K=256, split_k=4, block_n=16, block_k=64, tma_stages=3,
+                   norm=True, eps=EPS, dtype=F32)
+    red = make_op("linear_reduce", M=1, N=32, K=256, split_k=4, block_n=16, block_k=64, dtype=F32)
+    assert part.constexprs["TMA_STAGES"] == 3
+    for a in linear_tiles(part):
+        g.add(part, x="x", w="w", norm_w="g", ws="ws", **a)
+    for a in linear_tiles(red):
+        g.add(red, ws="ws", out="y", **a)
+    Megakernel(lower(g, 1)).run()
+    assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"], norm_weight=g.buffers["g"], norm_eps=EPS),
+                 F32)

@@ -269,6 +269,23 @@ def test_linear_cost():
     assert split.bytes_written == c.bytes_written + 4 * N * 4 and split.bytes_read == c.bytes_read + 4 * N * 4
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 64])
+@pytest.mark.parametrize("variant", ["residual", "norm", "norm_silu_mul"])
+def test_linear_float32_stream_over_bf16_weights(M, variant, device):
+    """A float32 x (the residual stream) with bf16 weights: the product in float32 math,
+    the result in out_dtype (float32 with a float32 residual, bf16 for the next op)."""
+    x, w, kw = make_inputs(M, 96, 256, variant, torch.bfloat16, device)
+    x = x.float() * 1.5  # values bf16 could not hold
+    out_dtype = torch.float32 if "residual" in variant else torch.bfloat16
+    if "residual" in variant:
+        kw["residual"] = kw["residual"].float() + 1e-3
+    y = linear(x, w, out_dtype=out_dtype, **kw)
+    assert y.dtype == out_dtype
+    ref = linear_ref(x, w, **kw)
+    assert_close(y.float(), ref, torch.bfloat16)  # the tensor-core tiles round x to bf16
+
+
 # --- argument checks -------------------------------------------------------------------------
 
 
@@ -295,6 +312,8 @@ def test_linear_rejects_bad_input(device):
         linear(x, w, residual=torch.randn(2, 9, device=device))
     with pytest.raises(TypeError, match="residual"):
         linear(x, w, residual=res.double())
+    with pytest.raises(TypeError, match="out_dtype"):
+        linear(x, w, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="silu_mul"):
         linear(x, torch.randn(7, 16, device=device), silu_mul=True)  # odd N
     with pytest.raises(ValueError, match="silu_mul"):
