@@ -105,6 +105,13 @@ def run_shape(key):
                             attention_mask=torch.ones(1, len(p), device="cuda", dtype=torch.long))[0, len(p):].tolist()
             agree.append(next((i for i, (a, b) in enumerate(zip(o[len(p):], g)) if a != b), 16))
         r["greedy_agree_steps_vs_transformers"] = agree
+        # The yardstick: transformers' own bf16 model against the float32 reference.
+        with torch.no_grad():
+            hf_err = [((hf(torch.tensor([p], device="cuda")).logits[0].float() - want[b, :len(p)]).norm()
+                       / want[b, :len(p)].norm()).item() for b, p in enumerate(prompts)]
+        r["transformers_bf16_prefill_logits_rel_err"] = max(hf_err)
+        r["mk_steps_equal_f32_reference"] = [next((i for i, (a, c) in enumerate(zip(o[len(p):], t)) if a != c), 16)
+                                             for o, p, t in zip(out, prompts, ref_tokens)]
         r["hf_missing"] = [k for k in missing.missing_keys if "rotary" not in k][:5]
         del hf
     except Exception as e:  # noqa: BLE001

@@ -1,4 +1,5 @@
 import math
+import sys
 
 import pytest
 import torch
@@ -210,3 +211,17 @@ def test_rope_kv_cost_counts_every_byte():
     cost = rope_kv_cost(batch=2, tokens=1, num_q_heads=32, num_kv_heads=8, head_dim=64, dtype_bytes=2)
     assert cost.bytes_written == 2 * (32 + 16) * 64 * 2
     assert cost.bytes_read >= cost.bytes_written and cost.flops > 0
+
+
+def test_rope_kv_heads_over_several_blocks(monkeypatch, device):
+    """More heads than one [BLOCK_H, BLOCK_HALF] block holds: the first block of q, k and v
+    goes load-all-then-store, the rest block by block; every head is rotated and cached."""
+    rope_module = sys.modules["mk.tasks.rope"]  # the package's `rope` names the function
+    monkeypatch.setattr(rope_module, "MAX_TILE_ELEMENTS", 64)  # head_dim 16: 8 heads a block
+    batch, tokens, hq, hkv, d, max_seq = 2, 2, 20, 12, 16, 12
+    assert rope_module.rope_blocks(d, max(hq, hkv))[0] == 8
+    q = torch.randn(batch, tokens, hq, d, device=device)
+    k = torch.randn(batch, tokens, hkv, d, device=device)
+    v = torch.randn(batch, tokens, hkv, d, device=device)
+    positions = _scattered_positions(batch, tokens, max_seq, device)
+    _run_and_check(q, k, v, positions, rope_inv_freq(d, 10000.0).to(device), max_seq, torch.float32)
