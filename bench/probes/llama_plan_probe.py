@@ -4,7 +4,8 @@ the time goes (per-op busy and wait time from a traced launch).
 For each plan variant (the search's, and hand-made uniform tilings of the linears):
 compile, time 50 launches, read residency (registers, spills, shared memory), then one
 traced launch summarised per op. The search plan's trace is saved (JSON + PNG).
-Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all).
+Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all), PROBE_KNOBS
+(comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program).
 Writes $OUT/llama_plan_probe.json.
 """
 import json, os, sys, time, traceback
@@ -53,16 +54,18 @@ REG = lambda bn, bk: OpChoice(block_n=bn, block_k=bk, num_warps=4)  # noqa: E731
 TMA = lambda bn, ring=4: OpChoice(block_n=bn, block_k=256, num_warps=4, tma_stages=ring)  # noqa: E731
 def prefetch(columns):
     """A plan transform that keeps the plan and sets how many weight columns each GEMV tile
-    asks L2 for before its dependency wait (lowering reads mk.planner.lower.PREFETCH_K)."""
+    asks L2 for before its dependency wait (TMA tiles included; None: lowering's own rule)."""
     def transform(plan, graph):
         import mk.planner.lower as lower
-        lower.PREFETCH_K = columns
+        lower.PREFETCH_K = 1024 if columns is None else columns
+        lower.PREFETCH_TMA = columns is not None
         return plan
     return transform
 
 
 VARIANTS = {
-    "search": prefetch(1024),
+    "search": prefetch(None),
+    "search_pf1024": prefetch(1024),
     "search_pf0": prefetch(0),
     "search_pf4096": prefetch(4096),
     "search_pfall": prefetch(1 << 20),
@@ -127,6 +130,14 @@ def main():
             r["variants"] = len(dec.kernel.program.variants)
             r["ms"] = timed(dec.kernel.launch)
             dec.kernel.check()
+            # Runtime knobs on the same program: spin-wait backoff (ns) and deferred signals.
+            for knob in filter(None, os.environ.get("PROBE_KNOBS", "").split(",")):
+                backoff, defer = int(knob.split(":")[0]), knob.endswith(":nodefer")
+                alt = Megakernel(dec.kernel.program, backoff_ns=backoff, defer_signals=not defer)
+                r[f"ms_backoff{knob}"] = timed(alt.launch)
+                alt.check()
+                mark(name, "knob", knob, r[f"ms_backoff{knob}"])
+                del alt
             traced = Megakernel(dec.kernel.program, trace=True)
             for _ in range(3):
                 traced.launch()
