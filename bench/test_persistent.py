@@ -25,7 +25,7 @@ from mk.tasks.linear import linear
 #: block columns, warps per worker, workers per SM, weight columns prefetched before the wait,
 #: TMA ring depth (weights streamed through shared memory).
 CHAINS = {
-    (16, 8192): dict(block_n=32, block_k=256, num_warps=4, workers_per_sm=2, prefetch_k=1024, tma_stages=4,
+    (16, 8192): dict(block_n=32, block_k=256, num_warps=4, workers_per_sm=2, prefetch_k=0, tma_stages=4,
                      floor=0.95),
     (64, 2048): dict(block_n=8, block_k=2048, num_warps=4, workers_per_sm=2, prefetch_k=2048, floor=1.5),
 }
