@@ -5,6 +5,9 @@ Commands:
          and print the error and time of each (CPU: Triton interpreter; GPU: compiled).
   plan   plan a decode step for a model shape (a preset name or a checkpoint folder with
          config.json) on a device (a preset or the live GPU) and print the plan.
+  calibrate
+         measure the cost model's constants on the live GPU (copy bandwidth, matrix rate,
+         launch, task and dependency-wait overheads) and save them for the planner.
   generate
          decode with a Llama (a checkpoint folder, or a small random one built on the fly)
          through the megakernel: plan, tokens, tokens/s, and a check against the reference.
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--no-cache", action="store_true", help="search again even if a cached plan exists")
+    cal = sub.add_parser("calibrate", help="measure the planner's cost-model constants on the live GPU")
+    cal.add_argument("--no-save", action="store_true", help="print the constants without saving them")
     gen = sub.add_parser("generate", help="generate tokens with a Llama through the megakernel")
     gen.add_argument("--model", default=None, help="a Hugging Face Llama folder (default: a small random Llama)")
     gen.add_argument("--prompt", default=None, help="prompt text (needs the folder's tokenizer.json)")
@@ -50,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(seed=args.seed)
         if args.command == "plan":
             return run_plan(args)
+        if args.command == "calibrate":
+            from .planner.calibrate import run_calibrate
+
+            return run_calibrate(save=not args.no_save)
         if args.command == "generate":
             from .generate import run_generate
 
