@@ -52,23 +52,8 @@ def uniform(linear_choice, workers=None, **per_op):
 
 REG = lambda bn, bk: OpChoice(block_n=bn, block_k=bk, num_warps=4)  # noqa: E731
 TMA = lambda bn, ring=4: OpChoice(block_n=bn, block_k=256, num_warps=4, tma_stages=ring)  # noqa: E731
-def prefetch(columns):
-    """A plan transform that keeps the plan and sets how many weight columns each GEMV tile
-    asks L2 for before its dependency wait (TMA tiles included; None: lowering's own rule)."""
-    def transform(plan, graph):
-        import mk.planner.lower as lower
-        lower.PREFETCH_K = 1024 if columns is None else columns
-        lower.PREFETCH_TMA = columns is not None
-        return plan
-    return transform
-
-
 VARIANTS = {
-    "search": prefetch(None),
-    "search_pf1024": prefetch(1024),
-    "search_pf0": prefetch(0),
-    "search_pf4096": prefetch(4096),
-    "search_pfall": prefetch(1 << 20),
+    "search": lambda p, g: p,
     "search_2perSM": lambda p, g: replace(p, workers=2 * p.workers),
     "reg8x2048": uniform(REG(8, 2048)),
     "reg8x2048_2perSM": uniform(REG(8, 2048), workers=264),

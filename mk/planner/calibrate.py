@@ -79,9 +79,9 @@ def _tiny_linear_graph(tasks: int, chain: bool, device: torch.device):
         g.buffer("w", torch.randn(TINY_ROWS, TINY_ROWS, device=device, dtype=bf16) / TINY_ROWS ** 0.5)
         for i in range(tasks + 1):
             g.buffer(f"h{i}", torch.randn(1, TINY_ROWS, device=device, dtype=bf16))
+        (tile,) = linear_tiles(op)
         for i in range(tasks):
-            (a,) = linear_tiles(op)
-            g.add(op, x=f"h{i}", w="w", out=f"h{i + 1}", **a)
+            g.add(op, x=f"h{i}", w="w", out=f"h{i + 1}", **tile)
     else:
         n = TINY_ROWS * tasks
         op = make_op("linear", M=1, N=n, K=TINY_K, block_n=TINY_ROWS, dtype=bf16)
@@ -97,12 +97,11 @@ def _launch_seconds(graph, workers: int, replays: int = 20) -> float:
     """Seconds per launch of ``graph``'s megakernel, replayed back to back from a CUDA graph."""
     from mk.persistent.graph import lower
     from mk.persistent.runtime import Megakernel
-    from mk.timing import capture_graph, event_time_us
+    from mk.timing import graph_time_us
 
     kernel = Megakernel(lower(graph, num_workers=workers))
     kernel.run()
-    cuda_graph = capture_graph([kernel.launch] * replays)
-    us = event_time_us(cuda_graph.replay, reps=10, warmup=2) / replays
+    us = graph_time_us([kernel.launch] * replays, reps=10)
     kernel.check()
     return us * 1e-6
 

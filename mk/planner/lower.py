@@ -54,7 +54,6 @@ from .search import Plan
 #: that stream through the TMA ring: there it slowed the 1B step on an H200 (1.087 ms
 #: without, 1.175 with 1024 columns, 1.34 with whole rows; bench/NOTES.md).
 PREFETCH_K = 1024
-PREFETCH_TMA = False  # a probe's switch (bench/probes/llama_plan_probe.py)
 
 STATE_BUFFERS = ("ids", "pos", "tokens")
 WEIGHT = "w."  # weight buffer names: the prefix keeps them apart from the activations
@@ -224,7 +223,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
     out = activation(out_name, M, out_cols)
     tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
-    prefetch_k = 0 if choice.tma_stages and not PREFETCH_TMA else min(PREFETCH_K, K)
+    prefetch_k = 0 if choice.tma_stages else min(PREFETCH_K, K)
     gemv = dict(prefetch_k=prefetch_k, tma_stages=choice.tma_stages) if M == 1 else {}
     norm_kw = dict(norm=norm is not None, eps=eps)
     try:

@@ -116,50 +116,34 @@ def rope_cos_sin(inv_freq_ptr, position, HALF: tl.constexpr, BLOCK_HALF: tl.cons
 
 
 @triton.jit
-def _load_heads(x_ptr, stride_xh, h0, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_HALF: tl.constexpr):
-    """Both halves of heads ``h0 .. h0 + BLOCK_H`` (those below num_heads) of one token."""
-    heads = h0 + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_HALF)
-    mask = (heads < num_heads)[:, None] & (offs_c < HALF)[None, :]
-    ptrs = x_ptr + heads[:, None] * stride_xh + offs_c[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + HALF, mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_heads(out_ptr, stride_oh, h0, num_heads, x1, x2, cos, sin,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr):
-    """out[h] = rope(x[h]) (or x[h] if not ROTATE) for the heads :func:`_load_heads` loaded."""
-    heads = h0 + tl.arange(0, BLOCK_H)
-    offs_c = tl.arange(0, BLOCK_HALF)
-    mask = (heads < num_heads)[:, None] & (offs_c < HALF)[None, :]
-    ptrs = out_ptr + heads[:, None] * stride_oh + offs_c[None, :]
-    if ROTATE:
-        x1 = x1.to(tl.float32)
-        x2 = x2.to(tl.float32)
-        o1 = x1 * cos[None, :] - x2 * sin[None, :]
-        o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    else:
-        o1 = x1
-        o2 = x2
-    tl.store(ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptrs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def rope_rotate_heads(
     x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos, sin,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr, first_head=0,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """Heads ``first_head..num_heads`` of one token: out[h] = rope(x[h]) (or a plain copy if not ROTATE).
+    """Heads ``0..num_heads`` of one token: out[h] = rope(x[h]) (or a plain copy if not ROTATE).
 
     ``x_ptr`` / ``out_ptr`` point at head 0 of the token; rows are ``stride_*h`` apart and
     contiguous inside. ``cos`` / ``sin`` come from :func:`rope_cos_sin`.
     """
-    for h0 in range(first_head, num_heads, BLOCK_H):
-        x1, x2 = _load_heads(x_ptr, stride_xh, h0, num_heads, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
-        _store_heads(out_ptr, stride_oh, h0, num_heads, x1, x2, cos, sin,
-                     HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=ROTATE)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, BLOCK_HALF)
+    for h0 in range(0, num_heads, BLOCK_H):
+        heads = h0 + offs_h
+        mask = (heads < num_heads)[:, None] & (offs_c < HALF)[None, :]
+        x1_ptrs = x_ptr + heads[:, None] * stride_xh + offs_c[None, :]
+        o1_ptrs = out_ptr + heads[:, None] * stride_oh + offs_c[None, :]
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0)
+        x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0)
+        if ROTATE:
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+            o1 = x1 * cos[None, :] - x2 * sin[None, :]
+            o2 = x2 * cos[None, :] + x1 * sin[None, :]
+        else:
+            o1 = x1
+            o2 = x2
+        tl.store(o1_ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o1_ptrs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -198,35 +182,21 @@ def rope_kv_tile(
     position outside ``[0, max_seq)`` writes no cache row (launchers reject it first, this
     guard only keeps a bad position in a fused kernel from corrupting memory).
     """
-    # Every load of the first head block of q, k and v is issued before any store: a load
-    # after a store that may alias it waits for the store, so rotating q, then k, then v
-    # head by head would cost a round trip to L2 each (most of this task's time in a
-    # decode step, where it sits on the critical path of every layer).
     position = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
-    q_tok, k_tok, v_tok = q_ptr + b * stride_qb + t * stride_qt, k_ptr + b * stride_kb + t * stride_kt, \
-        v_ptr + b * stride_vb + t * stride_vt
-    q1, q2 = _load_heads(q_tok, stride_qh, 0, num_q_heads, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
-    k1, k2 = _load_heads(k_tok, stride_kh, 0, num_kv_heads, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
-    v1, v2 = _load_heads(v_tok, stride_vh, 0, num_kv_heads, HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
     cos, sin = rope_cos_sin(inv_freq_ptr, position, HALF, BLOCK_HALF)
-    # A head count of 0 makes the cache stores and loops empty: no branch on a tensor condition needed.
+    rope_rotate_heads(q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_qob + t * stride_qot,
+                      stride_qh, stride_qoh, num_q_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+    # A head count of 0 makes the cache loops empty: no branch on a tensor condition needed.
     kv_heads = tl.where((position >= 0) & (position < max_seq), num_kv_heads, 0)
-    q_out = q_out_ptr + b * stride_qob + t * stride_qot
-    k_out = k_cache_ptr + b * stride_kcb + position * stride_kcs
-    v_out = v_cache_ptr + b * stride_vcb + position * stride_vcs
-    _store_heads(q_out, stride_qoh, 0, num_q_heads, q1, q2, cos, sin,
-                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
-    _store_heads(k_out, stride_kch, 0, kv_heads, k1, k2, cos, sin,
-                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
-    _store_heads(v_out, stride_vch, 0, kv_heads, v1, v2, cos, sin,
-                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=False)
-    # Heads past the first block (a block holds 2048 / (head_dim / 2) heads) go block by block.
-    rope_rotate_heads(q_tok, q_out, stride_qh, stride_qoh, num_q_heads, cos, sin,
-                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, first_head=BLOCK_H)
-    rope_rotate_heads(k_tok, k_out, stride_kh, stride_kch, kv_heads, cos, sin,
-                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, first_head=BLOCK_H)
-    rope_rotate_heads(v_tok, v_out, stride_vh, stride_vch, kv_heads, cos, sin,
-                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=False, first_head=BLOCK_H)
+    rope_rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
+                      k_cache_ptr + b * stride_kcb + position * stride_kcs,
+                      stride_kh, stride_kch, kv_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+    rope_rotate_heads(v_ptr + b * stride_vb + t * stride_vt,
+                      v_cache_ptr + b * stride_vcb + position * stride_vcs,
+                      stride_vh, stride_vch, kv_heads, cos, sin,
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=False)
 
 
 @triton.jit

@@ -214,8 +214,8 @@ def test_rope_kv_cost_counts_every_byte():
 
 
 def test_rope_kv_heads_over_several_blocks(monkeypatch, device):
-    """More heads than one [BLOCK_H, BLOCK_HALF] block holds: the first block of q, k and v
-    goes load-all-then-store, the rest block by block; every head is rotated and cached."""
+    """More heads than one [BLOCK_H, BLOCK_HALF] block holds: the heads go block by block,
+    and every head is rotated and cached."""
     rope_module = sys.modules["mk.tasks.rope"]  # the package's `rope` names the function
     monkeypatch.setattr(rope_module, "MAX_TILE_ELEMENTS", 64)  # head_dim 16: 8 heads a block
     batch, tokens, hq, hkv, d, max_seq = 2, 2, 20, 12, 16, 12
