@@ -4,7 +4,8 @@ the time goes (per-op busy and wait time from a traced launch).
 For each plan variant (the search's, and hand-made uniform tilings of the linears):
 compile, time 50 launches, read residency (registers, spills, shared memory), then one
 traced launch summarised per op. The search plan's trace is saved (JSON + PNG).
-Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all), PROBE_KNOBS
+Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all), PROBE_TRACE=0
+(trace only the search's plan), PROBE_KNOBS
 (comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program).
 Writes $OUT/llama_plan_probe.json.
 """
@@ -20,6 +21,7 @@ from _llama_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
 from mk.planner.cost import OpChoice, estimate_step  # noqa: E402
+from mk.planner.search import search  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
@@ -52,14 +54,30 @@ def uniform(linear_choice, workers=None, **per_op):
 
 REG = lambda bn, bk: OpChoice(block_n=bn, block_k=bk, num_warps=4)  # noqa: E731
 TMA = lambda bn, ring=4: OpChoice(block_n=bn, block_k=256, num_warps=4, tma_stages=ring)  # noqa: E731
+def ranked(i, **budget):
+    """The search's i-th plan (0: best), optionally under a shared-memory budget."""
+    def transform(plan, graph):
+        spec = MODEL_SPEC[0]
+        if budget:
+            spec = spec.with_smem_budget(budget["smem"])
+        return search(graph, spec, top_k=i + 1)[i]
+    return transform
+
+
+MODEL_SPEC = []  # the live DeviceSpec, set in main
 VARIANTS = {
     "search": lambda p, g: p,
-    "search_2perSM": lambda p, g: replace(p, workers=2 * p.workers),
+    "top2": ranked(1),
+    "top3": ranked(2),
+    "budget99": ranked(0, smem="99KiB"),
     "reg8x2048": uniform(REG(8, 2048)),
     "reg8x2048_2perSM": uniform(REG(8, 2048), workers=264),
     "reg16x1024": uniform(REG(16, 1024)),
     "tma32r4": uniform(TMA(32)),
     "tma32r4_2perSM": uniform(TMA(32), workers=264),
+    "tma32r4_1perSM": uniform(TMA(32), workers=132),
+    "reg8x2048_1perSM": uniform(REG(8, 2048), workers=132),
+    "tma16_split2": uniform(replace(TMA(16), split_k=2)),
     "tma16r4": uniform(TMA(16)),
     "tma64r2": uniform(TMA(64, 2)),
     "mixed": uniform(TMA(32), o_proj=REG(8, 2048), down=REG(8, 2048)),
@@ -91,6 +109,8 @@ def main():
                   name=f"llama-{KEY}")
     del w
     res["floor_ms"] = model.shape.weight_bytes / res["copy_Bps"] * 1e3
+    MODEL_SPEC.append(model.device_spec)
+    res["device_spec"] = model.device_spec.to_dict()
     base_plan, graph = model.plan(B)
     res["search_explain"] = base_plan.explain()
     prompts = [[128000 + b, 791, 6864, 315] for b in range(B)]
@@ -99,7 +119,10 @@ def main():
         r = res["variants"][name] = {}
         try:
             plan = VARIANTS[name](base_plan, graph)
-            r["predicted_ms"] = estimate_step(graph, plan.choices, model.device_spec, plan.workers).seconds * 1e3
+            est = estimate_step(graph, plan.choices, model.device_spec, plan.workers)
+            r["predicted_ms"] = est.seconds * 1e3
+            r["model_smem"] = est.peak_smem_bytes
+            r["plan"] = json.loads(plan.to_json())
             model.plan = lambda batch, plan=plan: (plan, graph)
             model._decoders.clear()
             t = time.time()
@@ -123,6 +146,10 @@ def main():
                 alt.check()
                 mark(name, "knob", knob, r[f"ms_backoff{knob}"])
                 del alt
+            if name != "search" and os.environ.get("PROBE_TRACE", "1") == "0":
+                mark(name, {k: v for k, v in r.items() if k not in ("tokens", "plan")})
+                json.dump(res, open(os.path.join(OUT, "llama_plan_probe.json"), "w"), indent=1)
+                continue
             traced = Megakernel(dec.kernel.program, trace=True)
             for _ in range(3):
                 traced.launch()
@@ -138,7 +165,7 @@ def main():
             if name == "search":
                 traced.save_trace(os.path.join(OUT, f"trace_{KEY}_b{B}.json"), os.path.join(OUT, f"trace_{KEY}_b{B}.png"))
             del traced
-            mark(name, {k: v for k, v in r.items() if k not in ("trace", "tokens")},
+            mark(name, {k: v for k, v in r.items() if k not in ("trace", "tokens", "plan")},
                  "span", round(r["trace"]["span_us"], 1), "busy", round(r["trace"]["busy_frac"], 2))
         except Exception:  # noqa: BLE001
             r["error"] = traceback.format_exc()[-2000:]

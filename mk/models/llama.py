@@ -40,6 +40,17 @@ from mk.planner.lower import WEIGHT
 from .config import LlamaConfig
 from .weights import load_weights, random_weights
 
+#: How a model picks each batch size's decode plan: the planner's best prediction, or
+#: the fastest of its top plans timed on the device (:meth:`Llama.plan`).
+PLAN_MODES = ("predict", "measure")
+def _check_plan_mode(plan_mode) -> None:
+    if plan_mode not in PLAN_MODES:
+        raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
+
+
+#: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
+MEASURE_BURST, MEASURE_REPS = 20, 3
+
 
 @dataclass
 class _Decoder:
@@ -57,19 +68,22 @@ class Llama:
     :meth:`from_config` (random weights). ``device`` defaults to CUDA when there is a GPU
     (else the CPU, through the Triton interpreter); ``dtype`` to bfloat16 on CUDA and
     float32 on the CPU. The KV cache for ``max_batch_size`` sequences of ``max_seq_len``
-    tokens is allocated here, once.
+    tokens is allocated here, once. ``plan_mode="measure"`` times the planner's top plans
+    on the device the first time a batch size decodes and keeps the fastest (cached on
+    disk like predicted plans).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
                  max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str = "llama",
-                 tokenizer=None):
+                 tokenizer=None, plan_mode: str = "predict"):
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         _check_target(self.device, self.dtype)
         for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
-        self.config, self.name, self.tokenizer = config, name, tokenizer
+        _check_plan_mode(plan_mode)
+        self.config, self.name, self.tokenizer, self.plan_mode = config, name, tokenizer, plan_mode
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.shape = config.to_model_shape(name, dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
         self.weights = self._pack(weights)
@@ -85,7 +99,8 @@ class Llama:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
-                        max_seq_len: int = 4096, progress: bool = True, device_spec=None) -> "Llama":
+                        max_seq_len: int = 4096, progress: bool = True, device_spec=None,
+                        plan_mode: str = "predict") -> "Llama":
         """Load ``folder`` (config.json + model.safetensors, or shards with an index).
 
         Everything is checked (config, files, every tensor's name and shape) before any
@@ -94,6 +109,7 @@ class Llama:
         """
         from .tokenizer import load_tokenizer
 
+        _check_plan_mode(plan_mode)
         config = LlamaConfig.from_pretrained(folder)
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -101,18 +117,20 @@ class Llama:
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
-                   tokenizer=load_tokenizer(folder))
+                   tokenizer=load_tokenizer(folder), plan_mode=plan_mode)
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
-                    max_seq_len: int = 4096, device_spec=None, name: str = "random-llama") -> "Llama":
+                    max_seq_len: int = 4096, device_spec=None, name: str = "random-llama",
+                    plan_mode: str = "predict") -> "Llama":
         """A model of any shape with random weights (deterministic for ``seed``)."""
+        _check_plan_mode(plan_mode)
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         _check_target(device, dtype)
         weights = random_weights(config, seed=seed, device=device, dtype=dtype)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                   max_seq_len=max_seq_len, device_spec=device_spec, name=name)
+                   max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode)
 
     def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hugging Face tensors -> the megakernel's (fused QKV, interleaved gate/up), by op name."""
@@ -168,12 +186,17 @@ class Llama:
         return self._device_spec
 
     def plan(self, batch: int):
-        """The planner's best plan of one decode step at ``batch`` (cached on disk)."""
+        """The plan of one decode step at ``batch`` (cached on disk) and its op graph: the
+        planner's best predicted plan, or with ``plan_mode="measure"`` the fastest of its
+        top plans timed on this device (:func:`mk.planner.search.pick_measured`)."""
         from mk.planner.cache import cached_plan
         from mk.planner.graph import llama_decode_graph
 
         graph = llama_decode_graph(self.shape, batch, self.max_seq_len)
-        plan, _ = cached_plan(graph, self.device_spec)
+        if self.plan_mode == "measure":
+            plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch))
+        else:
+            plan, _ = cached_plan(graph, self.device_spec)
         return plan, graph
 
     def _decoder(self, batch: int, next_token: str) -> _Decoder:
@@ -181,29 +204,66 @@ class Llama:
         :func:`mk.planner.lower.lower_decode_step`), built once."""
         key = (batch, next_token)
         if key not in self._decoders:
-            from mk.persistent.graph import lower
-            from mk.persistent.runtime import Megakernel
-            from mk.planner.lower import lower_decode_step
-
             plan, graph = self.plan(batch)
-            S = self.max_seq_len
-            i32 = dict(dtype=torch.int32, device=self.device)
-            state = {"ids": torch.zeros(batch, **i32), "pos": torch.zeros(batch, **i32),
-                     "tokens": torch.zeros(batch, S, **i32),
-                     "temperature": torch.ones(1, dtype=torch.float32, device=self.device),
-                     "seed": torch.zeros(1, dtype=torch.int64, device=self.device)}
-            bufs = dict(self.weights, **state)
-            for L in range(self.config.num_hidden_layers):
-                bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = self.k_cache[L, :batch], self.v_cache[L, :batch]
-            step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
-            workers = 1 if INTERPRET else plan.workers
-            kernel = Megakernel(lower(step.graph, num_workers=workers))
-            if not INTERPRET:
-                workers = min(workers, kernel.residency().max_workers)
-                if workers != kernel.program.num_workers:
-                    kernel = Megakernel(lower(step.graph, num_workers=workers))
-            self._decoders[key] = _Decoder(step, kernel, state)
+            self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
         return self._decoders[key]
+
+    def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
+        """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh state."""
+        from mk.persistent.graph import lower
+        from mk.persistent.runtime import Megakernel
+        from mk.planner.lower import lower_decode_step
+
+        S = self.max_seq_len
+        i32 = dict(dtype=torch.int32, device=self.device)
+        state = {"ids": torch.zeros(batch, **i32), "pos": torch.zeros(batch, **i32),
+                 "tokens": torch.zeros(batch, S, **i32),
+                 "temperature": torch.ones(1, dtype=torch.float32, device=self.device),
+                 "seed": torch.zeros(1, dtype=torch.int64, device=self.device)}
+        bufs = dict(self.weights, **state)
+        for L in range(self.config.num_hidden_layers):
+            bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = self.k_cache[L, :batch], self.v_cache[L, :batch]
+        step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
+        workers = 1 if INTERPRET else plan.workers
+        kernel = Megakernel(lower(step.graph, num_workers=workers))
+        if not INTERPRET:
+            workers = min(workers, kernel.residency().max_workers)
+            if workers != kernel.program.num_workers:
+                kernel = Megakernel(lower(step.graph, num_workers=workers))
+        return _Decoder(step, kernel, state)
+
+    def _time_plan(self, plan, graph, batch: int) -> float:
+        """Seconds one greedy decode step of ``plan`` takes here (median of a few bursts).
+
+        The timing steps write only the last cache rows (their positions start at
+        ``max_seq_len - 1 - burst``), which a request reaches only at its very end and then
+        overwrites before reading: plans are measured before the prompt is prefilled.
+        """
+        dec = self._build_decoder(plan, graph, batch, "argmax")
+        burst = max(1, min(MEASURE_BURST, self.max_seq_len - 1)) if not INTERPRET else 1
+        start = max(self.max_seq_len - 1 - burst, 0)
+        times = []
+        for rep in range(MEASURE_REPS + 1):
+            dec.state["pos"].fill_(start)
+            if self.device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(burst):
+                    dec.kernel.launch()
+                end.record()
+                end.synchronize()
+                seconds = begin.elapsed_time(end) * 1e-3 / burst
+            else:
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    dec.kernel.launch()
+                seconds = (time.perf_counter() - t0) / burst
+            if rep or INTERPRET:  # the first burst warms up (on the GPU)
+                times.append(seconds)
+            if INTERPRET:
+                break
+        dec.kernel.check()
+        return sorted(times)[len(times) // 2]
 
     # ------------------------------------------------------------------ prefill
 

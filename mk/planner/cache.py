@@ -16,7 +16,10 @@ from pathlib import Path
 
 from .device import DeviceSpec
 from .graph import OpGraph
-from .search import Plan, search
+from .search import Plan, pick_measured, search
+
+#: Plans ``measure`` mode times: the search's best few.
+MEASURE_TOP_K = 4
 
 
 def plan_dir() -> Path:
@@ -32,31 +35,41 @@ def _planner_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int) -> str:
+def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int, measured_top_k: int = 0) -> str:
     import triton
 
     from mk import __version__
 
     blob = json.dumps({"model": graph.model.to_dict(), "batch": graph.batch, "kv_len": graph.kv_len,
                        "device": device.to_dict(), "workers": workers, "beam": beam_width,
+                       "measured_top_k": measured_top_k,
                        "triton": triton.__version__, "mk": __version__,
                        "planner": _planner_source_hash()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, beam_width: int = 6,
-                progress: bool = False) -> tuple[Plan, bool]:
+                progress: bool = False, measure=None, top_k: int = MEASURE_TOP_K) -> tuple[Plan, bool]:
     """The best plan for ``graph`` on ``device``, from the cache when it is there.
 
     Returns (plan, hit). A miss runs :func:`~mk.planner.search.search` and stores the result.
+    With ``measure`` (a function: plan -> measured seconds a step), a miss times the
+    search's ``top_k`` plans and keeps the fastest (:func:`~mk.planner.search.pick_measured`);
+    measured plans are cached apart from predicted ones.
     """
-    path = plan_dir() / f"{plan_key(graph, device, workers, beam_width)}.json"
+    key = plan_key(graph, device, workers, beam_width, top_k if measure is not None else 0)
+    path = plan_dir() / f"{key}.json"
     if path.is_file():
         try:
             return Plan.from_json(path.read_text()), True
         except (ValueError, KeyError, TypeError):
             pass  # corrupt or from an older layout: plan again
-    plan = search(graph, device, workers=workers, beam_width=beam_width, top_k=1, progress=progress)[0]
+    if measure is None:
+        plan = search(graph, device, workers=workers, beam_width=beam_width, top_k=1, progress=progress)[0]
+    else:
+        plans = search(graph, device, workers=workers, beam_width=max(beam_width, top_k), top_k=top_k,
+                       progress=progress)
+        plan = pick_measured(plans, measure)[0]
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(plan.to_json())
     tmp.replace(path)

@@ -1,37 +1,84 @@
 """Calibration: measure the cost model's constants on the live GPU (``python -m mk calibrate``).
 
-The planner's :class:`~mk.planner.device.DeviceSpec` carries five measured figures
-(:data:`~mk.planner.device.CALIBRATED_FIELDS`). Each comes from a micro-benchmark here:
+The planner's :class:`~mk.planner.device.DeviceSpec` carries the measured figures of
+:data:`~mk.planner.device.CALIBRATED_FIELDS`. They come from micro-benchmarks, each a
+megakernel replayed from a CUDA graph so that no host time is counted:
 
 * ``dram_bandwidth``: a device-to-device copy far larger than L2 (:func:`mk.timing.copy_bandwidth`).
 * ``bf16_flops``: a large bf16 ``torch.mm``.
-* ``launch_overhead_s``, ``task_overhead_s``, ``wait_overhead_s``: megakernels of tiny GEMV
-  tasks (a few KiB of weights each, so their bytes cost next to nothing), replayed from a
-  CUDA graph so no host time is counted:
+* ``launch_overhead_s``: megakernels of tiny GEMV tasks (a few KiB of weights), every
+  worker running 1 or :data:`SPREAD_TASKS` independent tasks: the one-task launch less one
+  (bare) task is the launch, ramp-up and tail.
+* ``task_overhead_s``, ``wait_overhead_s``, ``tma_worker_bandwidth``, ``worker_bandwidth``:
+  chains of square GEMV layers (:data:`CHAINS`), each layer's tiles reading the whole
+  output of the layer before (so a layer is one dependency phase, as an op of a decode
+  step is), with weights far larger than L2, tiled so that some chains are limited by
+  what one worker streams (few wide tiles), some by DRAM (every worker busy), some run two
+  waves, through the TMA ring and through registers. The cost model's own phase formula
+  (:func:`mk.planner.cost.estimate_op`) is then fitted to the time a layer takes, by least
+  squares: the constants are what makes the model reproduce these chains.
 
-  - *spread*: every worker runs ``k`` independent tasks, for ``k = 1`` and ``k = K``; the
-    slope is the cost of one task, the rest of the ``k = 1`` launch is the launch cost;
-  - *chain*: ``L`` tasks, each waiting for the one before, dealt round-robin so that every
-    hop crosses workers; what a link costs beyond a task is one dependency hop.
-
-:func:`fit_constants` turns those timings into constants (a pure function, tested on the
-CPU); :func:`calibrate` measures and fits; ``python -m mk calibrate`` also saves them where
+:func:`fit_constants` turns timings into constants (a pure function, tested on the CPU);
+:func:`calibrate` measures and fits; ``python -m mk calibrate`` also saves them where
 ``DeviceSpec.from_gpu()`` loads them (:func:`~mk.planner.device.calibration_path`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 #: Rows and columns of one tiny GEMV task: 16 x 64 bf16 weights = 2 KiB.
 TINY_ROWS, TINY_K = 16, 64
-#: Tasks per worker in the "many tasks" spread; links in the chain.
-SPREAD_TASKS, CHAIN_LINKS = 9, 128
+#: Tasks per worker in the "many tasks" spread.
+SPREAD_TASKS = 9
 #: The matrix-rate benchmark: one n x n x n bf16 product.
 MM_N = 8192
+#: Bytes of weights a chain streams per launch, at least: well past any L2, so that every
+#: replay reads them from DRAM.
+CHAIN_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """One calibration chain: square ``n x n`` GEMV layers cut into ``block_n``-row tiles
+    (``tma_stages`` > 0: streamed through the TMA ring; else ``block_k``-column register
+    chunks), split ``split_k`` ways along K."""
+
+    n: int
+    block_n: int
+    block_k: int = 256
+    tma_stages: int = 0
+    split_k: int = 1
+
+    @property
+    def layers(self) -> int:
+        return max(4, math.ceil(CHAIN_BYTES / (self.n * self.n * 2)))
+
+
+#: Few wide tiles (worker-limited), every worker busy (DRAM-limited), two waves; TMA and
+#: register paths; one split-K chain (partials, then reduces). Task counts are for 264 workers.
+CHAINS = (
+    ChainConfig(2048, 32, tma_stages=4),  # 64 tasks of 128 KiB
+    ChainConfig(2048, 16, tma_stages=4),  # 128 tasks of 64 KiB
+    ChainConfig(4096, 16, tma_stages=4),  # 256 tasks of 128 KiB
+    ChainConfig(8192, 16, tma_stages=4),  # 512 tasks: two waves
+    ChainConfig(4096, 32, tma_stages=4, split_k=2),  # 256 partials of 128 KiB, 128 reduces
+    ChainConfig(2048, 16, block_k=1024),  # register path: 128 tasks of 64 KiB
+    ChainConfig(2048, 8, block_k=2048),  # 256 tasks of 32 KiB
+    ChainConfig(4096, 8, block_k=2048),  # 512 tasks: two waves
+)
+
+
+@dataclass(frozen=True)
+class ChainTiming:
+    config: ChainConfig
+    layers: int
+    seconds: float  # one launch of the whole chain
 
 
 @dataclass(frozen=True)
@@ -39,57 +86,161 @@ class Timings:
     """Raw micro-benchmark results (seconds per launch, bytes/s, flop/s)."""
 
     workers: int
-    spread_one_s: float  # every worker runs 1 task
-    spread_many_s: float  # every worker runs SPREAD_TASKS tasks
+    sm_count: int
+    spread_one_s: float  # every worker runs 1 tiny task
+    spread_many_s: float  # every worker runs spread_tasks tiny tasks
     spread_tasks: int
-    chain_s: float  # CHAIN_LINKS dependent tasks, round-robin over the workers
-    chain_links: int
     copy_Bps: float
     mm_flops: float
+    chains: tuple[ChainTiming, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _chain_graph_op(config: ChainConfig):
+    """The chain's layer as the planner sees it: an op node and its choice."""
+    from mk.tasks.linear import linear_cost
+
+    from .cost import OpChoice
+    from .graph import OpNode
+
+    n = config.n
+    c = linear_cost(1, n, n)
+    node = OpNode("layer", "linear", ("x",), ("y",), {"M": 1, "N": n, "K": n}, c.bytes_read, c.bytes_written, c.flops)
+    choice = OpChoice(block_n=config.block_n, block_k=config.block_k, split_k=config.split_k,
+                      tma_stages=config.tma_stages)
+    return node, choice
+
+
+def _phase_rows(config: ChainConfig, workers: int, copy_Bps: float):
+    """The phases of one layer as (waves, task bytes, busy workers, tma) - what the cost model sees."""
+    from .cost import op_bytes_flops, op_phases
+
+    node, choice = _chain_graph_op(config)
+    nbytes, _ = op_bytes_flops(node, choice)
+    rows = []
+    for tasks, phase_bytes in op_phases(node, choice, nbytes):
+        rows.append((math.ceil(tasks / workers), max(phase_bytes, 0) / tasks, min(tasks, workers),
+                     config.tma_stages > 0))
+    return rows
 
 
 def fit_constants(t: Timings) -> dict[str, float]:
     """The cost-model constants that the timings imply.
 
-    task = slope of the spread over tasks per worker; launch = the one-task spread minus
-    one task; wait = what a chain link costs beyond a task (never below zero: a hop can
-    hide behind the task's own latency).
+    launch = the one-task spread minus one bare task (the spread's slope). The chains fit
+    ``per layer = sum over its phases of [wait + waves x (task + bytes / rate)]`` with rate
+    = min(worker rate of the path, bandwidth / busy workers): a least-squares fit of task,
+    wait and the two inverse worker rates, repeated until the set of worker-limited phases
+    settles. A worker rate no chain is limited by stays 0 (unmeasured); overheads are never
+    below zero.
     """
-    if t.spread_tasks < 2 or t.chain_links < 1:
-        raise ValueError("fit_constants needs a spread of at least 2 tasks a worker and a chain of at least 1 link")
-    task = max((t.spread_many_s - t.spread_one_s) / (t.spread_tasks - 1), 0.0)
-    launch = max(t.spread_one_s - task, 0.0)
-    wait = max((t.chain_s - launch) / t.chain_links - task, 0.0)
-    return {"dram_bandwidth": float(t.copy_Bps), "bf16_flops": float(t.mm_flops), "task_overhead_s": task,
-            "wait_overhead_s": wait, "launch_overhead_s": launch}
+    if t.spread_tasks < 2:
+        raise ValueError("fit_constants needs a spread of at least 2 tasks a worker")
+    bare_task = max((t.spread_many_s - t.spread_one_s) / (t.spread_tasks - 1), 0.0)
+    launch = max(t.spread_one_s - bare_task, 0.0)
+    out = {"dram_bandwidth": float(t.copy_Bps), "bf16_flops": float(t.mm_flops), "launch_overhead_s": launch,
+           "task_overhead_s": bare_task, "wait_overhead_s": 0.0, "tma_worker_bandwidth": 0.0, "worker_bandwidth": 0.0}
+    if not t.chains:
+        return out
+    share = t.copy_Bps / t.sm_count  # first guess of a worker's rate
+    inv = {True: 1 / share, False: 1 / share}  # inverse worker rates by path (tma?)
+    limited = None
+    for _ in range(20):
+        A, b, now = [], [], []
+        for ch in t.chains:
+            row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
+            for waves, task_bytes, busy, tma in _phase_rows(ch.config, t.workers, t.copy_Bps):
+                row[0] += waves
+                row[1] += 1
+                worker_limited = inv[tma] > busy / t.copy_Bps
+                now.append(worker_limited)
+                if worker_limited:
+                    row[2 if tma else 3] += waves * task_bytes
+                else:
+                    rhs -= waves * task_bytes * busy / t.copy_Bps
+            A.append(row)
+            b.append(rhs)
+        A, b = np.array(A), np.array(b)
+        used = [j for j in range(4) if A[:, j].any()]
+        sol = np.zeros(4)
+        sol[used] = np.linalg.lstsq(A[:, used], b, rcond=None)[0]
+        for j, tma in ((2, True), (3, False)):
+            if j in used and sol[j] > 0:
+                inv[tma] = sol[j]
+        if now == limited:
+            break
+        limited = now
+    out["task_overhead_s"] = max(float(sol[0]), 0.0)
+    out["wait_overhead_s"] = max(float(sol[1]), 0.0)
+    out["tma_worker_bandwidth"] = 1 / float(sol[2]) if sol[2] > 0 else 0.0
+    out["worker_bandwidth"] = 1 / float(sol[3]) if sol[3] > 0 else 0.0
+    return out
 
 
-def _tiny_linear_graph(tasks: int, chain: bool, device: torch.device):
-    """A TaskGraph of ``tasks`` tiny GEMV tiles: independent (one op of ``tasks`` tiles
-    reading one x), or a chain (tile i reads what tile i-1 wrote)."""
+def chain_residuals(t: Timings, spec) -> list[dict]:
+    """Per chain: measured and modelled µs a layer with ``spec``'s constants (how well the fit holds)."""
+    from .cost import estimate_op
+
+    out = []
+    for ch in t.chains:
+        node, choice = _chain_graph_op(ch.config)
+        model = estimate_op(node, choice, spec, t.workers).seconds
+        measured = (ch.seconds - spec.launch_overhead_s) / ch.layers
+        out.append({**asdict(ch.config), "measured_us": measured * 1e6, "model_us": model * 1e6})
+    return out
+
+
+def _tiny_linear_graph(tasks: int, device: torch.device):
+    """A TaskGraph of ``tasks`` independent tiny GEMV tiles (one op reading one x)."""
     from mk.persistent.graph import TaskGraph
     from mk.persistent.ops import make_op
     from mk.persistent.taskops import linear_tiles
 
     bf16 = torch.bfloat16
     g = TaskGraph()
-    if chain:
-        # Square TINY_ROWS x TINY_ROWS layers: h[i + 1] = W[i] @ h[i], one tile each.
-        op = make_op("linear", M=1, N=TINY_ROWS, K=TINY_ROWS, block_n=TINY_ROWS, dtype=bf16)
-        g.buffer("w", torch.randn(TINY_ROWS, TINY_ROWS, device=device, dtype=bf16) / TINY_ROWS ** 0.5)
-        for i in range(tasks + 1):
-            g.buffer(f"h{i}", torch.randn(1, TINY_ROWS, device=device, dtype=bf16))
-        (tile,) = linear_tiles(op)
-        for i in range(tasks):
-            g.add(op, x=f"h{i}", w="w", out=f"h{i + 1}", **tile)
-    else:
-        n = TINY_ROWS * tasks
-        op = make_op("linear", M=1, N=n, K=TINY_K, block_n=TINY_ROWS, dtype=bf16)
-        g.buffer("x", torch.randn(1, TINY_K, device=device, dtype=bf16))
-        g.buffer("w", torch.randn(n, TINY_K, device=device, dtype=bf16))
-        g.buffer("y", torch.empty(1, n, device=device, dtype=bf16))
-        for a in linear_tiles(op):
-            g.add(op, x="x", w="w", out="y", **a)
+    n = TINY_ROWS * tasks
+    op = make_op("linear", M=1, N=n, K=TINY_K, block_n=TINY_ROWS, dtype=bf16)
+    g.buffer("x", torch.randn(1, TINY_K, device=device, dtype=bf16))
+    g.buffer("w", torch.randn(n, TINY_K, device=device, dtype=bf16))
+    g.buffer("y", torch.empty(1, n, device=device, dtype=bf16))
+    for a in linear_tiles(op):
+        g.add(op, x="x", w="w", out="y", **a)
+    return g
+
+
+def _chain_graph(config: ChainConfig, device: torch.device, layers: int | None = None):
+    """A TaskGraph of ``layers`` square GEMV layers, h[i + 1] = W[i] @ h[i], cut as ``config``
+    says (split-K layers: float32 partials, then a reduce per tile)."""
+    from mk.persistent.graph import TaskGraph
+    from mk.persistent.ops import make_op
+    from mk.persistent.taskops import op_tiles
+
+    from .lower import PREFETCH_K
+
+    bf16, n = torch.bfloat16, config.n
+    layers = layers or config.layers
+    g = TaskGraph()
+    # As the decode step's lowering does: L2 prefetch ahead of register tiles only.
+    kw = dict(M=1, N=n, K=n, block_n=config.block_n, block_k=config.block_k, tma_stages=config.tma_stages,
+              prefetch_k=0 if config.tma_stages else min(PREFETCH_K, n), dtype=bf16)
+    for i in range(layers + 1):
+        g.buffer(f"h{i}", torch.randn(1, n, device=device, dtype=bf16))
+    for i in range(layers):
+        g.buffer(f"w{i}", torch.randn(n, n, device=device, dtype=bf16) / n ** 0.5)
+        if config.split_k == 1:
+            op = make_op("linear", **kw)
+            for a in op_tiles(op):
+                g.add(op, x=f"h{i}", w=f"w{i}", out=f"h{i + 1}", **a)
+        else:
+            part = make_op("linear_partial", split_k=config.split_k, **kw)
+            red = make_op("linear_reduce", M=1, N=n, K=n, block_n=config.block_n, split_k=config.split_k, dtype=bf16)
+            g.buffer(f"ws{i}", torch.empty(config.split_k, 1, n, device=device, dtype=torch.float32))
+            for a in op_tiles(part):
+                g.add(part, x=f"h{i}", w=f"w{i}", ws=f"ws{i}", **a)
+            for a in op_tiles(red):
+                g.add(red, ws=f"ws{i}", out=f"h{i + 1}", **a)
     return g
 
 
@@ -122,6 +273,11 @@ def _require_gpu() -> None:
         raise RuntimeError("calibrate measures the GPU: it needs CUDA and compiled kernels (TRITON_INTERPRET unset)")
 
 
+def steps() -> int:
+    """How many micro-benchmarks :func:`measure` runs (for a progress bar)."""
+    return 4 + len(CHAINS)
+
+
 def measure(workers: int | None = None, progress: Callable[[str], None] | None = None) -> Timings:
     """Run the micro-benchmarks on the current CUDA device (``workers``: the planner's
     default, two an SM, when None)."""
@@ -130,22 +286,27 @@ def measure(workers: int | None = None, progress: Callable[[str], None] | None =
     from mk.timing import copy_bandwidth
 
     device = torch.device("cuda")
-    workers = workers or WORKERS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    workers = workers or WORKERS_PER_SM * sms
     say = progress or (lambda _msg: None)
-    steps = [("copy bandwidth", lambda: copy_bandwidth()["copy_Bps"]),
-             ("bf16 matrix rate", _mm_flops),
-             ("one task a worker", lambda: _launch_seconds(_tiny_linear_graph(workers, False, device), workers)),
-             (f"{SPREAD_TASKS} tasks a worker",
-              lambda: _launch_seconds(_tiny_linear_graph(SPREAD_TASKS * workers, False, device), workers)),
-             (f"a chain of {CHAIN_LINKS}", lambda: _launch_seconds(_tiny_linear_graph(CHAIN_LINKS, True, device),
-                                                                    workers))]
-    got = []
-    for what, fn in steps:
-        say(what)
-        got.append(fn())
-    copy_bps, flops, one, many, chain = got
-    return Timings(workers=workers, spread_one_s=one, spread_many_s=many, spread_tasks=SPREAD_TASKS,
-                   chain_s=chain, chain_links=CHAIN_LINKS, copy_Bps=copy_bps, mm_flops=flops)
+    say("copy bandwidth")
+    copy_bps = copy_bandwidth()["copy_Bps"]
+    say("bf16 matrix rate")
+    flops = _mm_flops()
+    say("one task a worker")
+    one = _launch_seconds(_tiny_linear_graph(workers, device), workers)
+    say(f"{SPREAD_TASKS} tasks a worker")
+    many = _launch_seconds(_tiny_linear_graph(SPREAD_TASKS * workers, device), workers)
+    chains = []
+    for config in CHAINS:
+        say(f"chain {config.n}x{config.n} / {config.block_n} rows" + (" TMA" if config.tma_stages else "")
+            + (f" split {config.split_k}" if config.split_k > 1 else ""))
+        graph = _chain_graph(config, device)
+        chains.append(ChainTiming(config, config.layers, _launch_seconds(graph, workers, replays=5)))
+        del graph
+        torch.cuda.empty_cache()
+    return Timings(workers=workers, sm_count=sms, spread_one_s=one, spread_many_s=many, spread_tasks=SPREAD_TASKS,
+                   copy_Bps=copy_bps, mm_flops=flops, chains=tuple(chains))
 
 
 def calibrate(workers: int | None = None, progress: Callable[[str], None] | None = None):
@@ -169,7 +330,7 @@ def run_calibrate(save: bool = True) -> int:
     from .device import CALIBRATED_FIELDS, save_calibration
 
     _require_gpu()  # before the progress bar, so that the refusal is one clean line
-    bar = tqdm(total=5, desc="calibrate", file=sys.stderr)
+    bar = tqdm(total=steps(), desc="calibrate", file=sys.stderr)
 
     def step(what: str) -> None:
         bar.set_postfix_str(what)
@@ -177,8 +338,9 @@ def run_calibrate(save: bool = True) -> int:
 
     spec, timings = calibrate(progress=step)
     bar.close()
-    print(json.dumps({"device": spec.name, "constants": {f: getattr(spec, f) for f in CALIBRATED_FIELDS},
-                      "timings": asdict(timings)}, indent=2))
+    constants = {f: getattr(spec, f) for f in CALIBRATED_FIELDS}
+    print(json.dumps({"device": spec.name, "constants": constants, "timings": timings.to_dict(),
+                      "chains": chain_residuals(timings, spec)}, indent=2))
     if save:
         print(f"saved to {save_calibration(spec)}")
     return 0

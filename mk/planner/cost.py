@@ -1,16 +1,18 @@
 """The cost model: predicted time of each op of a decode step under a tiling choice.
 
 For one op and its :class:`OpChoice` the model counts the tasks the choice makes and the
-bytes and flops they move (the tasks' own cost hooks, split-K workspace included), then
+bytes and flops they move (the tasks' own cost hooks, split-K workspace included). An op
+is one or more dependency phases (a split-K linear: partials, then reduces); each costs
 
-    time = max(bytes / bandwidth, flops / rate) + waves x task overhead + wait
+    wait + waves x (task overhead + task bytes / min(worker rate, bandwidth / busy workers))
 
-where ``waves`` is the number of tasks the busiest worker runs (whole tasks over
-``workers``) and ``wait`` is one dependency hop from the op's producers. A decode step at batch 1 is a
-chain (every op needs its predecessor's whole output), so the step is the sum over ops.
-(with the busiest worker's streaming rate capped, see WORKER_BURST). The constants
-(bandwidth, rate, overheads) are the :class:`~mk.planner.device.DeviceSpec`'s,
-measured by calibration on the GPU; presets carry spec-sheet placeholders.
+where ``waves`` is the number of tasks the busiest worker runs, ``busy`` how many workers
+have a task, and the worker rate what one worker streams when DRAM is not the limit (a
+few wide tiles cannot pull the whole bandwidth). A decode step at batch 1 is a chain
+(every op needs its predecessor's whole output), so the step is the launch plus the sum
+over ops. The constants (bandwidths, overheads) are the
+:class:`~mk.planner.device.DeviceSpec`'s, measured by ``python -m mk calibrate``;
+presets carry placeholders.
 
 Fused ops (an RMSNorm folded into the next linear's prologue, SiLU·mul or a residual add
 into a linear's epilogue) cost no task and no hop of their own; the host op reads what the
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mk.tasks.argmax import argmax_block_v
+from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
 from mk.tasks.linear import DOT_MIN, LinearConfig, _tile_rows, linear_config, linear_cost, linear_smem_bytes
 
 from .device import DeviceSpec
@@ -76,13 +79,14 @@ class OpEstimate:
 
 @dataclass
 class StepEstimate:
-    """Predicted decode step: per-op estimates in program order and their sum."""
+    """Predicted decode step: per-op estimates in program order; the step is the launch plus their sum."""
 
     ops: list[OpEstimate] = field(default_factory=list)
+    launch_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return sum(o.seconds for o in self.ops)
+        return self.launch_s + sum(o.seconds for o in self.ops)
 
     @property
     def tasks(self) -> int:
@@ -139,28 +143,90 @@ def whole_range_stages(K: int, block_k: int, split_k: int = 1) -> int:
     return math.ceil(math.ceil(K / split_k) / block_k)
 
 
+#: Operand buffers a tl.dot loop gets inside the megakernel. The megakernel is compiled
+#: with Triton's default software pipelining (num_stages=3: two buffers in flight), whatever
+#: the tile's own ``stages``; checked against the compiled kernel (tests/planner, GPU).
+MEGAKERNEL_DOT_BUFFERS = 2
+#: Shared memory of the small tasks (embedding, RMSNorm, RoPE, merges, reduces, argmax):
+#: cross-warp reduction scratch, at most 2 KiB in the compiled megakernel.
+SMALL_TASK_SMEM = 2 * 1024
+
+
+def _x_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int) -> int:
+    """Bytes of one element of a linear's x: the residual stream is float32 (see
+    :mod:`mk.planner.lower`), and a linear reads it exactly when an RMSNorm is fused in."""
+    return 4 if any(f.endswith("norm") for f in choice.fuse) else dtype_bytes
+
+
 def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
-    """Shared memory of one task: the linear's 3-D tile model (tile rows x block_n x block_k
-    x stages x dtype, plus split-K staging; or the TMA ring), a small scratch otherwise."""
+    """Shared memory one task of the op takes in the megakernel (Triton 3.6 on sm_90), from
+    the 3-D tile (rows x block_n x block_k) x buffers x dtype bytes:
+
+    * TMA GEMV (M = 1, ``tma_stages`` = S): S - 1 buffers in flight (at least one), each a
+      [block_n, block_k] weight chunk and an 8-byte barrier, plus, pipelined beside it
+      (S > 1), x's chunk and the RMSNorm weight's chunk when fused;
+    * register GEMV (M = 1): the weights go to registers; what remains is the cross-warp
+      reduction (64 B a weight row bounds it);
+    * tl.dot tiles (M > 1): :data:`MEGAKERNEL_DOT_BUFFERS` x (x chunk [rows, block_k] + weight
+      chunk [block_n, block_k]); a float32 x (fused RMSNorm) is also converted to the dtype
+      through one [rows, block_k] buffer (+1 KiB of layout padding).
+
+    Split-K needs nothing more: the partial is stored after the ring is dead and reuses it.
+    Decode attention takes :func:`~mk.tasks.decode_attention.decode_attention_smem_bytes`; the
+    other tasks at most :data:`SMALL_TASK_SMEM`. The megakernel's shared memory is the most
+    any task takes (the task bodies are branches of one program and share the allocation).
+    """
     if node.kind == "linear":
-        base = linear_smem_bytes(_linear_config(node, choice), node.dims["M"], dtype_bytes)
-        if choice.tma_stages and node.dims["M"] == 1:
-            base += choice.tma_stages * choice.block_n * choice.block_k * dtype_bytes
-        return base
-    return 4 * choice.num_warps * 32  # cross-warp reduction scratch of the row-wise tasks
+        x_bytes = _x_bytes(node, choice, dtype_bytes)
+        norm = x_bytes != dtype_bytes
+        if node.dims["M"] == 1 and choice.tma_stages:
+            chunk = choice.block_n * choice.block_k * dtype_bytes
+            if choice.tma_stages == 1:
+                return chunk + 8
+            side = choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
+            return (choice.tma_stages - 1) * (chunk + side)
+        if node.dims["M"] == 1:
+            return 64 * choice.block_n
+        rows = _tile_rows_for(node.dims["M"])
+        ring = MEGAKERNEL_DOT_BUFFERS * (rows * x_bytes + choice.block_n * dtype_bytes) * choice.block_k
+        return ring + (rows * choice.block_k * dtype_bytes + 1024 if norm else 0)
+    if node.kind == "attention":
+        d = node.dims
+        return decode_attention_smem_bytes(decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"],
+                                                                   dtype_bytes))
+    return SMALL_TASK_SMEM
 
 
-#: How many times its even share of DRAM bandwidth one worker can pull when the others are
-#: idle: it bounds ops with fewer tasks than workers, and the tail of ops whose tasks do not
-#: divide evenly. Measured in the 1B step on an H200 (bench/NOTES.md, session 4): a TMA GEMV
-#: worker streams 25-28 GB/s whether 64 or all 132 workers are busy, about 0.85x its even
-#: share of the copy bandwidth, so a lone worker gets no burst at all.
-WORKER_BURST = 1.0
+def op_phases(node: OpNode, choice: OpChoice, nbytes: int) -> list[tuple[int, int]]:
+    """The op's dependency phases as (tasks, bytes): tasks of one phase run in parallel and
+    the next phase waits for them. A split-K linear is its partial tiles, then the reduces
+    (reading the float32 workspace back); decode attention its KV splits, then the merges;
+    argmax its chunk partials, the row reduce, and the token append."""
+    d = node.dims
+    if node.kind == "linear" and choice.split_k > 1:
+        tiles = op_tasks(node, choice) // (choice.split_k + 1)
+        workspace = d["M"] * d["N"] * choice.split_k * 4
+        return [(tiles * choice.split_k, nbytes - workspace), (tiles, workspace)]
+    if node.kind == "attention":
+        partials = d["batch"] * d["kv_heads"] * choice.kv_splits
+        workspace = d["batch"] * d["heads"] * choice.kv_splits * (d["head_dim"] + 1) * 4
+        return [(partials, nbytes - workspace), (d["batch"] * d["heads"], workspace)]
+    if node.kind == "argmax":
+        rows = d["rows"]
+        return [(rows * math.ceil(d["v"] / argmax_block_v(d["v"])), nbytes), (rows, 0), (rows, 0)]
+    return [(op_tasks(node, choice), nbytes)]
 
 
 def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
                 fused: list[OpNode] = (), dtype_bytes: int = 2) -> OpEstimate:
-    """Predicted time of ``node`` (with ``fused`` folded into it) on ``workers`` workers."""
+    """Predicted time of ``node`` (with ``fused`` folded into it) on ``workers`` workers.
+
+    Each phase (:func:`op_phases`) costs one dependency wait plus, on its busiest worker,
+    ``waves`` tasks of (task overhead + the task's bytes at the worker's rate), where the
+    rate is the lesser of what one worker streams alone (:meth:`DeviceSpec.worker_rate`)
+    and an even share of DRAM among the busy workers; compute counts where flops outweigh
+    bytes (prefill-sized M).
+    """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     tasks = op_tasks(node, choice)
@@ -176,13 +242,13 @@ def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         nbytes += (f.bytes_written - f.bytes_read) if f.kind == "silu_mul" else (f.bytes_read - f.bytes_written)
         flops += f.flops
     nbytes = max(nbytes, 0)
-    waves = math.ceil(tasks / workers)
-    # All workers together stream at the device's bandwidth; the busiest one streams its
-    # `waves` tasks at most WORKER_BURST times its even share.
-    worker_bandwidth = device.dram_bandwidth / workers * WORKER_BURST
-    memory_s = max(nbytes / device.dram_bandwidth, waves * (nbytes / tasks) / worker_bandwidth)
+    rate = device.worker_rate(tma=node.kind == "linear" and choice.tma_stages > 0)
+    memory_s = overhead_s = 0.0
+    for phase_tasks, phase_bytes in op_phases(node, choice, nbytes):
+        waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
+        memory_s += waves * max(phase_bytes, 0) / phase_tasks / min(rate, device.dram_bandwidth / busy)
+        overhead_s += waves * device.task_overhead_s + device.wait_overhead_s
     compute_s = flops / device.bf16_flops
-    overhead_s = waves * device.task_overhead_s + device.wait_overhead_s
     seconds = max(memory_s, compute_s) + overhead_s
     return OpEstimate(node.name, node.kind, tasks, nbytes, flops, op_smem_bytes(node, choice, dtype_bytes),
                       memory_s, compute_s, overhead_s, seconds)
@@ -198,7 +264,7 @@ def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec,
                 raise ValueError(f"op {name} fused into both {fused_into[name]} and {host}")
             fused_into[name] = host
     nodes = {n.name: n for n in graph.nodes}
-    step = StepEstimate()
+    step = StepEstimate(launch_s=device.launch_overhead_s)
     for node in graph.nodes:
         if node.name in fused_into:
             continue

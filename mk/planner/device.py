@@ -35,8 +35,8 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 #: Cost-model constants that calibration measures; everything else is a hardware fact.
-CALIBRATED_FIELDS = ("dram_bandwidth", "bf16_flops", "task_overhead_s", "wait_overhead_s",
-                     "launch_overhead_s")
+CALIBRATED_FIELDS = ("dram_bandwidth", "bf16_flops", "tma_worker_bandwidth", "worker_bandwidth",
+                     "task_overhead_s", "wait_overhead_s", "launch_overhead_s")
 
 # Shared memory the driver reserves per block on sm_80 and later
 # (cudaDevAttrReservedSharedMemoryPerBlock). It is not in the opt-in per-block limit nor
@@ -59,6 +59,8 @@ _INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_
                "max_blocks_per_sm", "l2_bytes", "max_threads_per_block", "reserved_smem_per_block")
 _RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
 _OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s")
+# Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
+_WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class DeviceSpec:
         dram_bandwidth: bytes/s of a device-to-device copy, counting bytes read plus
             written — the figure a weight-streaming kernel is compared against.
         bf16_flops: dense bf16 tensor-core flop/s.
+        tma_worker_bandwidth, worker_bandwidth: bytes/s one persistent worker streams a
+            GEMV tile's weights at when DRAM is not the limit (few workers busy): through
+            the TMA ring, and through registers (every other task). 0 until measured:
+            :meth:`worker_rate` then falls back to an even share of ``dram_bandwidth``.
 
     Cost-model constants (placeholders until calibrated; ``calibrated`` says which):
         task_overhead_s: fixed cost of one task in a persistent worker (fetch descriptor,
@@ -104,6 +110,8 @@ class DeviceSpec:
     compute_capability: tuple[int, int]
     max_threads_per_block: int = 1024
     reserved_smem_per_block: int = _RESERVED_SMEM_PER_BLOCK
+    tma_worker_bandwidth: float = 0.0
+    worker_bandwidth: float = 0.0
     # Measured in the 1B step on an H200 (bench/NOTES.md, session 4): halving the GEMV
     # tile (twice the tasks) cost ~2.6 µs of worker time per extra task at one worker an
     # SM: the TMA ring fills again at every task. 1.5 µs with two workers an SM, which
@@ -126,7 +134,7 @@ class DeviceSpec:
                 raise TypeError(f"DeviceSpec.{f} must be an int, got {type(v).__name__} {v!r}")
             if v < 0 or (v == 0 and f != "reserved_smem_per_block"):
                 raise ValueError(f"DeviceSpec.{f} must be positive, got {v}")
-        for f in _RATE_FIELDS + _OVERHEAD_FIELDS:
+        for f in _RATE_FIELDS + _OVERHEAD_FIELDS + _WORKER_RATE_FIELDS:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"DeviceSpec.{f} must be a number, got {type(v).__name__} {v!r}")
@@ -142,6 +150,12 @@ class DeviceSpec:
         if self.smem_per_block > self.smem_per_sm:
             raise ValueError(f"DeviceSpec {self.name!r}: smem_per_block {self.smem_per_block} "
                              f"exceeds smem_per_sm {self.smem_per_sm}")
+
+    def worker_rate(self, tma: bool) -> float:
+        """Bytes/s one worker streams at when DRAM is not the limit (TMA ring or registers):
+        the calibrated figure, else an even share of ``dram_bandwidth`` over one worker an SM."""
+        measured = self.tma_worker_bandwidth if tma else self.worker_bandwidth
+        return measured or self.dram_bandwidth / self.sm_count
 
     # ---- serialisation -------------------------------------------------------------
 
@@ -252,6 +266,8 @@ class DeviceSpec:
             compute_capability=cc,
             max_threads_per_block=base.max_threads_per_block,
             reserved_smem_per_block=base.reserved_smem_per_block,
+            tma_worker_bandwidth=base.tma_worker_bandwidth,
+            worker_bandwidth=base.worker_bandwidth,
             task_overhead_s=base.task_overhead_s,
             wait_overhead_s=base.wait_overhead_s,
             launch_overhead_s=base.launch_overhead_s,
@@ -366,7 +382,10 @@ PRESETS: dict[str, DeviceSpec] = {
     # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured in bench/results
     # (tasks-nvidia-h200-2026-11-22.json, copy_Bps). L2: torch reports 60 MiB on this
     # project's H200 (spec sheets often say 50 MB, the H100's figure).
-    "h200": _hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12),
+    # Per-worker rates from traces of the 1B step (bench/NOTES.md, session 6): a TMA GEMV
+    # worker streams ~26 GB/s when few are busy, a register-path one ~12 GB/s.
+    "h200": replace(_hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12), tma_worker_bandwidth=26e9,
+                    worker_bandwidth=12e9),
     # Peak HBM2e 2.04 TB/s (80 GB SXM); not measured here.
     "a100-sxm": DeviceSpec(name="NVIDIA A100-SXM4-80GB", sm_count=108, smem_per_block=163 * KiB,
                            smem_per_sm=164 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
 from .device import DeviceSpec
@@ -30,7 +31,8 @@ MUST_FUSE = {"add", "silu_mul"}
 
 @dataclass
 class Plan:
-    """A complete plan: one choice per op that is not fused, and what the model predicts."""
+    """A complete plan: one choice per op that is not fused, what the model predicts, and
+    (``measure`` mode, :func:`pick_measured`) the step time measured on the GPU."""
 
     model: str
     batch: int
@@ -41,12 +43,14 @@ class Plan:
     predicted_s: float
     peak_smem_bytes: int
     estimates: list = field(default_factory=list, repr=False)
+    measured_s: float | None = None
 
     def explain(self) -> str:
         """One line per op: its tile, tasks, shared memory and predicted µs."""
         lines = [f"plan for {self.model}, batch {self.batch}, KV {self.kv_len}, on {self.device} "
-                 f"({self.workers} workers): {self.predicted_s * 1e3:.3f} ms predicted, "
-                 f"peak shared memory {self.peak_smem_bytes / 1024:.1f} KiB"]
+                 f"({self.workers} workers): {self.predicted_s * 1e3:.3f} ms predicted"
+                 + (f", {self.measured_s * 1e3:.3f} ms measured" if self.measured_s is not None else "")
+                 + f", peak shared memory {self.peak_smem_bytes / 1024:.1f} KiB"]
         for e in self.estimates:
             c = self.choices[e.name]
             tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
@@ -61,7 +65,7 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps({"model": self.model, "batch": self.batch, "kv_len": self.kv_len, "device": self.device,
                            "workers": self.workers, "predicted_s": self.predicted_s,
-                           "peak_smem_bytes": self.peak_smem_bytes,
+                           "measured_s": self.measured_s, "peak_smem_bytes": self.peak_smem_bytes,
                            "choices": {k: v.to_dict() for k, v in self.choices.items()}}, indent=1)
 
     @classmethod
@@ -70,7 +74,7 @@ class Plan:
         d = json.loads(text)
         choices = {k: OpChoice(**{**v, "fuse": tuple(v["fuse"])}) for k, v in d["choices"].items()}
         plan = cls(d["model"], d["batch"], d["kv_len"], d["device"], d["workers"], choices, d["predicted_s"],
-                   d["peak_smem_bytes"])
+                   d["peak_smem_bytes"], measured_s=d.get("measured_s"))
         if graph is not None and device is not None:
             plan.estimates = estimate_step(graph, choices, device, plan.workers).ops
         return plan
@@ -163,17 +167,78 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
            top_k: int = 3, progress: bool = False) -> list[Plan]:
     """The ``top_k`` cheapest plans for ``graph`` on ``device`` (see module docstring).
 
-    Raises ValueError naming the op when no candidate of an op fits the shared-memory budget.
+    ``workers`` None: two workers an SM where every op has a tile that fits half the SM's
+    shared memory, else one an SM. Raises ValueError naming the op when no candidate of an
+    op fits the shared-memory budget.
     """
     if beam_width < 1 or top_k < 1:
         raise ValueError(f"beam_width and top_k must be >= 1, got {beam_width}, {top_k}")
-    budget = device.smem_per_block
-    if workers is None:
-        # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
-        # NOTES.md, session 4), 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit
-        # in the SM's shared memory, so each gets at most half of it.
-        workers = device.sm_count * WORKERS_PER_SM
-        budget = min(budget, device.smem_per_sm // WORKERS_PER_SM - device.reserved_smem_per_block)
+    template = _layer_template(graph)
+    if template is not None:
+        # Every layer has the same ops and shapes: plan one layer (with the ops around the
+        # layers) and give every layer its choices. The cost is a sum over ops, so the best
+        # layer plan is the best for each layer; the top plans then differ in what they
+        # do to every layer, not in one late layer's tie.
+        plans = search(template, device, workers=workers, beam_width=beam_width, top_k=top_k, progress=progress)
+        out = []
+        for p in plans:
+            choices = _expand(p.choices, graph)
+            step = estimate_step(graph, choices, device, p.workers)
+            out.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, p.workers, choices,
+                            step.seconds, step.peak_smem_bytes, step.ops))
+        return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))
+    if workers is not None:
+        return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress)
+    # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
+    # NOTES.md, session 4), 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit in
+    # the SM's shared memory, so each gets at most half of it (on a 100 KiB Ada SM the 8B
+    # shape's attention tile does not: one worker an SM there).
+    try:
+        return _search(graph, device, device.sm_count * WORKERS_PER_SM,
+                       min(device.smem_per_block, device.smem_per_sm // WORKERS_PER_SM - device.reserved_smem_per_block),
+                       beam_width, top_k, progress)
+    except ValueError:
+        return _search(graph, device, device.sm_count, device.smem_per_block, beam_width, top_k, progress)
+
+
+def _layer_key(node: OpNode, layer: int):
+    strip = (lambda name: name[len(f"l{layer}."):]) if layer >= 0 else (lambda name: name)
+    return (strip(node.name), node.kind, tuple(sorted(node.dims.items())), node.bytes_read, node.bytes_written,
+            node.flops, strip(node.fuse_into) if node.fuse_into else None)
+
+
+def _layer_template(graph: OpGraph) -> OpGraph | None:
+    """The graph cut to its first layer (and the ops outside the layers) when every layer
+    has the same ops with the same shapes; None when there is one layer or they differ."""
+    by_layer: dict[int, list[OpNode]] = {}
+    for n in graph.nodes:
+        by_layer.setdefault(n.layer, []).append(n)
+    layers = sorted(k for k in by_layer if k >= 0)
+    if len(layers) < 2 or layers != list(range(len(layers))):
+        return None
+    first = [_layer_key(n, 0) for n in by_layer[0]]
+    if any([_layer_key(n, L) for n in by_layer[L]] != first for L in layers[1:]):
+        return None
+    return OpGraph(graph.model, graph.batch, graph.kv_len, [n for n in graph.nodes if n.layer in (-1, 0)])
+
+
+def _expand(choices: dict[str, OpChoice], graph: OpGraph) -> dict[str, OpChoice]:
+    """Layer 0's choices (from :func:`_layer_template`'s plan) given to every layer of ``graph``."""
+    out = {}
+    for n in graph.nodes:
+        if n.layer <= 0:
+            if n.name in choices:
+                out[n.name] = choices[n.name]
+            continue
+        src = "l0." + n.name[len(f"l{n.layer}."):]
+        if src in choices:
+            c = choices[src]
+            out[n.name] = replace(c, fuse=tuple(f"l{n.layer}." + f[len("l0."):] for f in c.fuse))
+    return out
+
+
+def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_width: int, top_k: int,
+            progress: bool) -> list[Plan]:
     beam = [_State(0.0, 0, ())]
     nodes = {n.name: n for n in graph.nodes}
     cache: dict = {}
@@ -203,8 +268,15 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
             if not options:
                 raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "
                                  f"budget of {budget} bytes")
-            # Keep only the cheapest few tiles of this op (ops are independent but for fusion).
-            ranked_of[shape(node)] = sorted(options, key=lambda c: (cost_of(node, c, ()).seconds, repr(c)))[:beam_width]
+            # Keep only the cheapest few tiles of this op (ops are independent but for fusion),
+            # and none that another tile beats on both time and shared memory (a deeper ring
+            # that streams no faster would only crowd the beam with equal plans).
+            kept: list[OpChoice] = []
+            for c in sorted(options, key=lambda c: (cost_of(node, c, ()).seconds, cost_of(node, c, ()).smem_bytes,
+                                                    repr(c))):
+                if not any(cost_of(node, k, ()).smem_bytes <= cost_of(node, c, ()).smem_bytes for k in kept):
+                    kept.append(c)
+            ranked_of[shape(node)] = kept[:beam_width]
         ranked = ranked_of[shape(node)]
         new_beam: list[_State] = []
         host = node.fuse_into
@@ -246,3 +318,17 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
                           step.seconds, step.peak_smem_bytes, step.ops))
     plans.sort(key=lambda p: (p.predicted_s, p.peak_smem_bytes))
     return plans
+
+
+def pick_measured(plans: list[Plan], time_plan: Callable[[Plan], float]) -> list[Plan]:
+    """``measure`` mode: time every plan on the GPU (``time_plan`` returns seconds a step)
+    and return them fastest first, each with ``measured_s`` set (ties: the predicted order)."""
+    if not plans:
+        raise ValueError("pick_measured needs at least one plan")
+    timed = []
+    for rank, plan in enumerate(plans):
+        seconds = float(time_plan(plan))
+        if not seconds > 0:
+            raise ValueError(f"time_plan returned {seconds} s for plan {rank}: a step time must be positive")
+        timed.append((seconds, rank, replace(plan, measured_s=seconds)))
+    return [p for _, _, p in sorted(timed, key=lambda t: t[:2])]

@@ -180,3 +180,21 @@ def test_one_decode_step_is_one_cuda_kernel(pair):
 
 def test_device_default():
     assert Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=8).device.type == default_device().type
+
+
+def test_measure_mode_times_the_top_plans_and_decodes_the_same(pair, tmp_path, monkeypatch):
+    """plan_mode="measure" times the planner's top plans here (through the interpreter on a
+    CPU) before the prompt is prefilled, keeps the fastest, and decodes exactly as the
+    predicted plan does."""
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
+    model, _ = pair
+    measured = Llama.from_config(CONFIG, seed=3, max_batch_size=3, max_seq_len=16, dtype=torch.float32,
+                                 plan_mode="measure")
+    timed = []
+    original = Llama._time_plan
+    monkeypatch.setattr(Llama, "_time_plan", lambda self, *a: timed.append(original(self, *a)) or timed[-1])
+    assert measured.generate(PROMPTS, max_new_tokens=3) == model.generate(PROMPTS, max_new_tokens=3)
+    plan, _ = measured.plan(3)
+    assert len(timed) >= 2 and all(t > 0 for t in timed) and plan.measured_s == min(timed)
+    with pytest.raises(ValueError, match="plan_mode"):
+        Llama.from_config(CONFIG, plan_mode="fastest")

@@ -40,4 +40,36 @@ def test_plan_json_round_trip_with_estimates():
     plan, _ = cached_plan(g, h200)
     back = Plan.from_json(plan.to_json(), g, h200)
     assert back.choices == plan.choices and len(back.estimates) == len(plan.choices)
-    assert sum(e.seconds for e in back.estimates) == pytest.approx(plan.predicted_s)
+    assert h200.launch_overhead_s + sum(e.seconds for e in back.estimates) == pytest.approx(plan.predicted_s)
+
+
+def test_measure_mode_keeps_the_fastest_measured_plan_and_caches_it():
+    """measure mode times the search's top plans and keeps the fastest measured one, even
+    when it is not the cheapest predicted; the pick is cached apart from predicted plans."""
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 256)
+    h200 = DeviceSpec.preset("h200")
+    predicted, _ = cached_plan(g, h200)
+    timed = []
+
+    def fake_timer(plan):  # the predicted order reversed
+        timed.append(plan.predicted_s)
+        return 1.0 / plan.predicted_s
+
+    picked, hit = cached_plan(g, h200, measure=fake_timer, top_k=3)
+    assert not hit and len(timed) == 3 and timed == sorted(timed)
+    assert picked.predicted_s == max(timed) and picked.measured_s == pytest.approx(1 / max(timed))
+    assert picked.choices != predicted.choices
+    again, hit = cached_plan(g, h200, measure=lambda p: pytest.fail("a cached pick is not timed again"), top_k=3)
+    assert hit and again.choices == picked.choices and again.measured_s == picked.measured_s
+    assert cached_plan(g, h200)[0].choices == predicted.choices  # predicted plans unaffected
+    assert "measured" in again.explain().splitlines()[0]
+
+
+def test_pick_measured_refuses_a_bad_timing():
+    from mk.planner.search import pick_measured, search
+
+    plans = search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"), top_k=2)
+    with pytest.raises(ValueError, match="must be positive"):
+        pick_measured(plans, lambda p: 0.0)
+    with pytest.raises(ValueError, match="at least one"):
+        pick_measured([], lambda p: 1.0)

@@ -254,7 +254,8 @@ def test_calibration_save_load_round_trip(tmp_path, monkeypatch):
     base = PRESETS["h200"]
     assert load_calibration_file(base.name) is None
     measured = {"dram_bandwidth": 4.31e12, "bf16_flops": 7.0e14, "task_overhead_s": 0.21e-6,
-                "wait_overhead_s": 0.83e-6, "launch_overhead_s": 3.1e-6}
+                "wait_overhead_s": 0.83e-6, "launch_overhead_s": 3.1e-6, "tma_worker_bandwidth": 24e9,
+                "worker_bandwidth": 11e9}
     cal = base.with_calibration(measured)
     assert cal.calibrated and not base.calibrated
     assert {f: getattr(cal, f) for f in CALIBRATED_FIELDS} == measured
