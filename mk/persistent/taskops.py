@@ -230,11 +230,13 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype)
     # The GEMV body's first weight chunk goes to registers before the wait (with double
-    # buffering). By default only for tiles of at most two chunks: on an H200 it takes a
-    # 64x2048^2 chain from 7.8 to 4.3 us a layer, but slows 16-chunk tiles (8192 columns)
-    # by a third, whose loop then converts the chunk's layout every iteration.
+    # buffering). By default only for tiles of one chunk: on an H200 it takes a 64x2048^2
+    # chain from 7.8 to 4.3 us a layer, but slows 16-chunk tiles (8192 columns) by a
+    # third, whose loop then converts the chunk's layout every iteration, and two-chunk
+    # tiles far more (calibration chains, bench/NOTES.md session 6: a 2048^2 layer of
+    # 16 x 1024 tiles took 51 us, a 4096^2 layer of 8 x 2048 tiles 167 us).
     if preload_weights is None:
-        preload_weights = K <= 2 * s.bk
+        preload_weights = K <= s.bk
     tma = _tma_stages(s, K, tma_stages, dtype)
     if tma:
         double_buffer, preload_weights = False, False

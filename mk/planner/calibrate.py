@@ -70,7 +70,7 @@ CHAINS = (
     ChainConfig(4096, 32, tma_stages=4, split_k=2),  # 256 partials of 128 KiB, 128 reduces
     ChainConfig(2048, 16, block_k=1024),  # register path: 128 tasks of 64 KiB
     ChainConfig(2048, 8, block_k=2048),  # 256 tasks of 32 KiB
-    ChainConfig(4096, 8, block_k=2048),  # 512 tasks: two waves
+    ChainConfig(8192, 8, block_k=2048),  # 1024 tasks of 128 KiB: four waves
 )
 
 
