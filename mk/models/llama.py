@@ -238,32 +238,29 @@ class Llama:
         The timing steps write only the last cache rows (their positions start at
         ``max_seq_len - 1 - burst``), which a request reaches only at its very end and then
         overwrites before reading: plans are measured before the prompt is prefilled.
+        Resetting the positions is one tiny copy per burst, timed with it.
         """
         dec = self._build_decoder(plan, graph, batch, "argmax")
-        burst = max(1, min(MEASURE_BURST, self.max_seq_len - 1)) if not INTERPRET else 1
+        if self.device.type != "cuda":  # the interpreter: one step is slow enough to time
+            dec.state["pos"].fill_(max(self.max_seq_len - 2, 0))
+            t0 = time.perf_counter()
+            dec.kernel.launch()
+            seconds = time.perf_counter() - t0
+            dec.kernel.check()
+            return seconds
+        from mk.timing import event_time_us
+
+        burst = max(1, min(MEASURE_BURST, self.max_seq_len - 1))
         start = max(self.max_seq_len - 1 - burst, 0)
-        times = []
-        for rep in range(MEASURE_REPS + 1):
+
+        def steps():
             dec.state["pos"].fill_(start)
-            if self.device.type == "cuda":
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                for _ in range(burst):
-                    dec.kernel.launch()
-                end.record()
-                end.synchronize()
-                seconds = begin.elapsed_time(end) * 1e-3 / burst
-            else:
-                t0 = time.perf_counter()
-                for _ in range(burst):
-                    dec.kernel.launch()
-                seconds = (time.perf_counter() - t0) / burst
-            if rep or INTERPRET:  # the first burst warms up (on the GPU)
-                times.append(seconds)
-            if INTERPRET:
-                break
+            for _ in range(burst):
+                dec.kernel.launch()
+
+        seconds = event_time_us(steps, reps=MEASURE_REPS, warmup=1) * 1e-6 / burst
         dec.kernel.check()
-        return sorted(times)[len(times) // 2]
+        return seconds
 
     # ------------------------------------------------------------------ prefill
 

@@ -115,7 +115,7 @@ def _chain_graph_op(config: ChainConfig):
     return node, choice
 
 
-def _phase_rows(config: ChainConfig, workers: int, copy_Bps: float):
+def _phase_rows(config: ChainConfig, workers: int):
     """The phases of one layer as (waves, task bytes, busy workers, tma) - what the cost model sees."""
     from .cost import op_bytes_flops, op_phases
 
@@ -153,7 +153,7 @@ def fit_constants(t: Timings) -> dict[str, float]:
         A, b, now = [], [], []
         for ch in t.chains:
             row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
-            for waves, task_bytes, busy, tma in _phase_rows(ch.config, t.workers, t.copy_Bps):
+            for waves, task_bytes, busy, tma in _phase_rows(ch.config, t.workers):
                 row[0] += waves
                 row[1] += 1
                 worker_limited = inv[tma] > busy / t.copy_Bps

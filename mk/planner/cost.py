@@ -28,7 +28,7 @@ import torch
 
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
-from mk.tasks.linear import DOT_MIN, LinearConfig, _tile_rows, linear_config, linear_cost, linear_smem_bytes
+from mk.tasks.linear import DOT_MIN, _tile_rows, linear_config, linear_cost
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -102,27 +102,14 @@ def _tile_rows_for(M: int) -> int:
     return _tile_rows(linear_config(M, DOT_MIN, DOT_MIN, torch.bfloat16), M)
 
 
-def _linear_config(node: OpNode, choice: OpChoice) -> LinearConfig:
-    return LinearConfig(_tile_rows_for(node.dims["M"]), choice.block_n, choice.block_k, choice.split_k,
-                        choice.num_warps, choice.stages)
-
-
 def op_tasks(node: OpNode, choice: OpChoice) -> int:
     """Tasks the choice cuts the op into (split-K reduce tasks and attention merges included)."""
-    d = node.dims
-    if node.kind == "linear":
-        if choice.block_n < 1:
-            raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
-        tiles = math.ceil(d["M"] / _tile_rows_for(d["M"])) * math.ceil(d["N"] / choice.block_n)
-        return tiles * choice.split_k + (tiles if choice.split_k > 1 else 0)
-    if node.kind == "attention":
-        # The lowering always merges (the merge also casts the float32 partial to the dtype).
-        return d["batch"] * d["kv_heads"] * choice.kv_splits + d["batch"] * d["heads"]
-    if node.kind == "argmax":
-        # Chunk partials and one reduce per row (and the step's append_token per row).
-        return d["rows"] * (math.ceil(d["v"] / argmax_block_v(d["v"])) + 2)
-    rows = d.get("rows", d.get("batch", 1))
-    return max(1, math.ceil(rows / max(choice.rows_per_task, 1)))
+    return sum(tasks for tasks, _ in op_phases(node, choice))
+
+
+def _attention_workspace(d: dict, kv_splits: int) -> int:
+    """Bytes of decode attention's float32 partials (outputs and log-sum-exps), written once."""
+    return d["batch"] * d["heads"] * kv_splits * (d["head_dim"] + 1) * 4
 
 
 def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
@@ -132,9 +119,7 @@ def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
         plain, split = linear_cost(d["M"], d["N"], d["K"]), linear_cost(d["M"], d["N"], d["K"], split_k=choice.split_k)
         return node.bytes + split.bytes - plain.bytes, node.flops + split.flops - plain.flops
     if node.kind == "attention" and choice.kv_splits > 1:
-        d = node.dims
-        workspace = 2 * d["batch"] * d["heads"] * choice.kv_splits * (d["head_dim"] + 1) * 4
-        return node.bytes + workspace, node.flops
+        return node.bytes + 2 * _attention_workspace(node.dims, choice.kv_splits), node.flops
     return node.bytes, node.flops
 
 
@@ -152,7 +137,7 @@ MEGAKERNEL_DOT_BUFFERS = 2
 SMALL_TASK_SMEM = 2 * 1024
 
 
-def _x_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int) -> int:
+def _x_bytes(choice: OpChoice, dtype_bytes: int) -> int:
     """Bytes of one element of a linear's x: the residual stream is float32 (see
     :mod:`mk.planner.lower`), and a linear reads it exactly when an RMSNorm is fused in."""
     return 4 if any(f.endswith("norm") for f in choice.fuse) else dtype_bytes
@@ -177,7 +162,7 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     any task takes (the task bodies are branches of one program and share the allocation).
     """
     if node.kind == "linear":
-        x_bytes = _x_bytes(node, choice, dtype_bytes)
+        x_bytes = _x_bytes(choice, dtype_bytes)
         norm = x_bytes != dtype_bytes
         if node.dims["M"] == 1 and choice.tma_stages:
             chunk = choice.block_n * choice.block_k * dtype_bytes
@@ -197,24 +182,30 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     return SMALL_TASK_SMEM
 
 
-def op_phases(node: OpNode, choice: OpChoice, nbytes: int) -> list[tuple[int, int]]:
-    """The op's dependency phases as (tasks, bytes): tasks of one phase run in parallel and
-    the next phase waits for them. A split-K linear is its partial tiles, then the reduces
-    (reading the float32 workspace back); decode attention its KV splits, then the merges;
+def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
+    """The op's dependency phases as (tasks, bytes of ``nbytes``): tasks of one phase run in
+    parallel and the next phase waits for them. A split-K linear is its partial tiles, then
+    the reduces (reading the float32 workspace back); decode attention its KV splits, then
+    the merges (the lowering always merges: the merge also casts the float32 partial);
     argmax its chunk partials, the row reduce, and the token append."""
     d = node.dims
-    if node.kind == "linear" and choice.split_k > 1:
-        tiles = op_tasks(node, choice) // (choice.split_k + 1)
+    if node.kind == "linear":
+        if choice.block_n < 1:
+            raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
+        tiles = math.ceil(d["M"] / _tile_rows_for(d["M"])) * math.ceil(d["N"] / choice.block_n)
+        if choice.split_k == 1:
+            return [(tiles, nbytes)]
         workspace = d["M"] * d["N"] * choice.split_k * 4
         return [(tiles * choice.split_k, nbytes - workspace), (tiles, workspace)]
     if node.kind == "attention":
-        partials = d["batch"] * d["kv_heads"] * choice.kv_splits
-        workspace = d["batch"] * d["heads"] * choice.kv_splits * (d["head_dim"] + 1) * 4
-        return [(partials, nbytes - workspace), (d["batch"] * d["heads"], workspace)]
+        workspace = _attention_workspace(d, choice.kv_splits)
+        return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes - workspace),
+                (d["batch"] * d["heads"], workspace)]
     if node.kind == "argmax":
         rows = d["rows"]
         return [(rows * math.ceil(d["v"] / argmax_block_v(d["v"])), nbytes), (rows, 0), (rows, 0)]
-    return [(op_tasks(node, choice), nbytes)]
+    rows = d.get("rows", d.get("batch", 1))
+    return [(max(1, math.ceil(rows / max(choice.rows_per_task, 1))), nbytes)]
 
 
 def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
@@ -229,7 +220,6 @@ def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    tasks = op_tasks(node, choice)
     nbytes, flops = op_bytes_flops(node, choice)
     for f in fused:
         # What changes in memory traffic when f runs inside the host's tile:
@@ -244,7 +234,9 @@ def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     nbytes = max(nbytes, 0)
     rate = device.worker_rate(tma=node.kind == "linear" and choice.tma_stages > 0)
     memory_s = overhead_s = 0.0
-    for phase_tasks, phase_bytes in op_phases(node, choice, nbytes):
+    phases = op_phases(node, choice, nbytes)
+    tasks = sum(phase_tasks for phase_tasks, _ in phases)
+    for phase_tasks, phase_bytes in phases:
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
         memory_s += waves * max(phase_bytes, 0) / phase_tasks / min(rate, device.dram_bandwidth / busy)
         overhead_s += waves * device.task_overhead_s + device.wait_overhead_s

@@ -382,10 +382,10 @@ PRESETS: dict[str, DeviceSpec] = {
     # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured in bench/results
     # (tasks-nvidia-h200-2026-11-22.json, copy_Bps). L2: torch reports 60 MiB on this
     # project's H200 (spec sheets often say 50 MB, the H100's figure).
-    # Per-worker rates from traces of the 1B step (bench/NOTES.md, session 6): a TMA GEMV
-    # worker streams ~26 GB/s when few are busy, a register-path one ~12 GB/s.
-    "h200": replace(_hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12), tma_worker_bandwidth=26e9,
-                    worker_bandwidth=12e9),
+    # TMA worker rate from `python -m mk calibrate` on this project's H200 (bench/results/
+    # probes/calibration-s6-nvidia-h200-2026-11-22.json); the register-path rate was not
+    # measurable there (its chains are DRAM-limited), so it is left unmeasured.
+    "h200": replace(_hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12), tma_worker_bandwidth=31.9e9),
     # Peak HBM2e 2.04 TB/s (80 GB SXM); not measured here.
     "a100-sxm": DeviceSpec(name="NVIDIA A100-SXM4-80GB", sm_count=108, smem_per_block=163 * KiB,
                            smem_per_sm=164 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,

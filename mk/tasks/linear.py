@@ -622,8 +622,8 @@ def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int
     not (16 B / dtype) x 32 x num_warps, a float32 shuffle of x's chunk each iteration.
 
     With split_k > 1, plus one float32 [rows, block_n] partial tile staged for the
-    workspace store. The planner checks all of this against the compiled kernel's
-    ``shared`` metadata.
+    workspace store. (This is the standalone launcher's tile; inside the megakernel tiles
+    compile differently: :func:`mk.planner.cost.op_smem_bytes` models those.)
     """
     rows = _tile_rows(config, M)
     if config.block_m == 1:
