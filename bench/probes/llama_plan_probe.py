@@ -22,6 +22,7 @@ from mk.models import Llama, LlamaConfig  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
 from mk.planner.cost import OpChoice, estimate_step  # noqa: E402
 from mk.planner.search import search  # noqa: E402
+from mk.planner.simulate import simulate_step  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
@@ -81,6 +82,10 @@ VARIANTS = {
     "tma16r4": uniform(TMA(16)),
     "tma64r2": uniform(TMA(64, 2)),
     "mixed": uniform(TMA(32), o_proj=REG(8, 2048), down=REG(8, 2048)),
+    # The search's plan under each queue schedule (mk.planner.simulate).
+    "round_robin": lambda p, g: replace(p, schedule="round_robin"),
+    "zigzag": lambda p, g: replace(p, schedule="zigzag"),
+    "list": lambda p, g: replace(p, schedule="list"),
 }
 
 
@@ -120,7 +125,9 @@ def main():
         try:
             plan = VARIANTS[name](base_plan, graph)
             est = estimate_step(graph, plan.choices, model.device_spec, plan.workers)
-            r["predicted_ms"] = est.seconds * 1e3
+            sim = simulate_step(graph, plan.choices, model.device_spec, plan.workers, plan.schedule)
+            r["predicted_ms"] = sim.seconds * 1e3  # the simulated step under the plan's schedule
+            r["phase_sum_ms"] = est.seconds * 1e3  # each phase spread evenly, summed
             r["model_smem"] = est.peak_smem_bytes
             r["plan"] = json.loads(plan.to_json())
             model.plan = lambda batch, plan=plan: (plan, graph)

@@ -212,7 +212,7 @@ class Llama:
         """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh state."""
         from mk.persistent.graph import lower
         from mk.persistent.runtime import Megakernel
-        from mk.planner.lower import lower_decode_step
+        from mk.planner.lower import lower_decode_step, step_queues
 
         S = self.max_seq_len
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -224,12 +224,14 @@ class Llama:
         for L in range(self.config.num_hidden_layers):
             bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = self.k_cache[L, :batch], self.v_cache[L, :batch]
         step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
-        workers = 1 if INTERPRET else plan.workers
-        kernel = Megakernel(lower(step.graph, num_workers=workers))
-        if not INTERPRET:
-            workers = min(workers, kernel.residency().max_workers)
-            if workers != kernel.program.num_workers:
-                kernel = Megakernel(lower(step.graph, num_workers=workers))
+
+        def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
+            queues = step_queues(step, graph, self.device_spec, workers)
+            return Megakernel(lower(step.graph, num_workers=workers, queues=queues))
+
+        kernel = compile_for(1 if INTERPRET else plan.workers)
+        if not INTERPRET and kernel.residency().max_workers < plan.workers:
+            kernel = compile_for(kernel.residency().max_workers)
         return _Decoder(step, kernel, state)
 
     def _time_plan(self, plan, graph, batch: int) -> float:

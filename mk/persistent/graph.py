@@ -156,8 +156,10 @@ def assign_workers(num_tasks: int, deps: list[list[tuple[int, int]]], num_worker
 
     round_robin: task i → worker i mod W. zigzag: W-1..0 on odd passes. list: greedy list
     scheduling, each task to the worker that can start it earliest given its producers'
-    finish times under ``cost`` (unit cost by default). ``deps`` are [first, end) intervals
-    of producer indices per task (:meth:`TaskGraph.dependency_intervals`).
+    finish times under ``cost`` (unit cost by default); among workers that can start it
+    equally early, the one free longest, then the lowest. ``deps`` are [first, end)
+    intervals of producer indices per task (:meth:`TaskGraph.dependency_intervals`).
+    The planner simulates the same three (:mod:`mk.planner.simulate`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -175,7 +177,7 @@ def assign_workers(num_tasks: int, deps: list[list[tuple[int, int]]], num_worker
         finish = RangeMax(num_tasks)
         for i in range(num_tasks):
             ready = max((finish.max(a, b) for a, b in deps[i]), default=0.0)
-            w = min(range(num_workers), key=lambda k: (max(free_at[k], ready), k))
+            w = min(range(num_workers), key=lambda k: (max(free_at[k], ready), free_at[k], k))
             done = max(free_at[w], ready) + cost[i]
             finish.set(i, done)
             free_at[w] = done
@@ -183,11 +185,35 @@ def assign_workers(num_tasks: int, deps: list[list[tuple[int, int]]], num_worker
     return queues
 
 
+def check_queues(queues: list[list[int]], num_tasks: int, num_workers: int) -> None:
+    """Raise ValueError unless ``queues`` gives every task to exactly one of ``num_workers``
+    queues, each in program order (a queue out of order could wait on its own later task)."""
+    if len(queues) != num_workers:
+        raise ValueError(f"queues: {len(queues)} queues for {num_workers} workers")
+    seen = [False] * num_tasks
+    for w, q in enumerate(queues):
+        if any(b <= a for a, b in zip(q, q[1:])):
+            raise ValueError(f"queues: worker {w}'s queue is not in program order")
+        for i in q:
+            if not 0 <= i < num_tasks or seen[i]:
+                raise ValueError(f"queues: task {i} is out of range or queued twice")
+            seen[i] = True
+    if not all(seen):
+        raise ValueError(f"queues: task {seen.index(False)} is in no queue")
+
+
 def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
-          cost: list[float] | None = None) -> Program:
-    """Lower ``graph`` to a :class:`Program` for ``num_workers`` workers."""
+          cost: list[float] | None = None, queues: list[list[int]] | None = None) -> Program:
+    """Lower ``graph`` to a :class:`Program` for ``num_workers`` workers.
+
+    The workers' queues come from ``schedule`` (:func:`assign_workers`), or are given as
+    ``queues`` (task indices per worker, each in program order: the planner's simulated
+    schedule, :meth:`mk.planner.simulate.Simulation.queues`).
+    """
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if queues is not None:
+        check_queues(queues, len(graph.tasks), num_workers)
     tasks = graph.tasks
     deps = drop_implied(graph.dependency_intervals())
     # Producers with the same set of consumers share one event: every consumer of the
@@ -219,7 +245,10 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
     max_args = max([len(t.op.args) for t in tasks] + [1])
     words = HEADER_WORDS + 2 * max_waits + max_slots + max_args
 
-    queues = assign_workers(len(tasks), deps, num_workers, schedule, cost)
+    if queues is None:
+        queues = assign_workers(len(tasks), deps, num_workers, schedule, cost)
+    else:
+        schedule = "given"
     order = [i for q in queues for i in q]
     rows = []
     for i in order:

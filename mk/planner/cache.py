@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from .device import DeviceSpec
@@ -20,6 +21,9 @@ from .search import Plan, pick_measured, search
 
 #: Plans ``measure`` mode times: the search's best few.
 MEASURE_TOP_K = 4
+#: ``measure`` mode also times the best plan under each other queue schedule whose
+#: simulated step is within this fraction of its own (the GPU decides between near ties).
+MEASURE_SCHEDULE_SLACK = 0.05
 
 
 def plan_dir() -> Path:
@@ -48,14 +52,22 @@ def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int, 
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def schedule_variants(plan: Plan, slack: float = MEASURE_SCHEDULE_SLACK) -> list[Plan]:
+    """``plan`` under each other schedule whose simulated step is within ``slack`` of its own."""
+    return [replace(plan, schedule=s, predicted_s=t) for s, t in plan.schedule_s.items()
+            if s != plan.schedule and t <= plan.predicted_s * (1 + slack)]
+
+
 def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, beam_width: int = 6,
                 progress: bool = False, measure=None, top_k: int = MEASURE_TOP_K) -> tuple[Plan, bool]:
     """The best plan for ``graph`` on ``device``, from the cache when it is there.
 
     Returns (plan, hit). A miss runs :func:`~mk.planner.search.search` and stores the result.
     With ``measure`` (a function: plan -> measured seconds a step), a miss times the
-    search's ``top_k`` plans and keeps the fastest (:func:`~mk.planner.search.pick_measured`);
-    measured plans are cached apart from predicted ones.
+    search's ``top_k`` plans, and the best one under the schedules the simulation finds
+    about as fast (:func:`schedule_variants`), and keeps the fastest
+    (:func:`~mk.planner.search.pick_measured`); measured plans are cached apart from
+    predicted ones.
     """
     key = plan_key(graph, device, workers, beam_width, top_k if measure is not None else 0)
     path = plan_dir() / f"{key}.json"
@@ -69,6 +81,7 @@ def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = Non
     else:
         plans = search(graph, device, workers=workers, beam_width=max(beam_width, top_k), top_k=top_k,
                        progress=progress)
+        plans += schedule_variants(plans[0])
         plan = pick_measured(plans, measure)[0]
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(plan.to_json())

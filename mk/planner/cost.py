@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mk.tasks.argmax import argmax_block_v
+from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
 from mk.tasks.linear import DOT_MIN, _tile_rows, linear_config, linear_cost
 
@@ -39,7 +40,6 @@ class OpChoice:
     """What the search picks for one op.
 
     block_n, block_k, split_k, stages, num_warps: tile of a linear (block_m follows M).
-    rows_per_task: rows (or row blocks) per task of a row-wise op (norm, add, silu_mul).
     kv_splits: KV-length splits of decode attention.
     fuse: names of ops folded into this one (they then have no task of their own).
     tma_stages: GEMV tiles only: depth of the shared-memory ring the TMA unit streams the
@@ -52,7 +52,6 @@ class OpChoice:
     split_k: int = 1
     stages: int = 1
     num_warps: int = 4
-    rows_per_task: int = 1
     kv_splits: int = 1
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
@@ -204,22 +203,30 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int
     if node.kind == "argmax":
         rows = d["rows"]
         return [(rows * math.ceil(d["v"] / argmax_block_v(d["v"])), nbytes), (rows, 0), (rows, 0)]
+    # The row-wise ops run one task a row (a sequence for RoPE), as the runtime tiles them;
+    # the embedding also splits rows wider than its column block.
     rows = d.get("rows", d.get("batch", 1))
-    return [(max(1, math.ceil(rows / max(choice.rows_per_task, 1))), nbytes)]
+    if node.kind == "embedding":
+        rows *= math.ceil(d["hidden"] / embedding_block_h(d["hidden"]))
+    return [(rows, nbytes)]
 
 
-def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
-                fused: list[OpNode] = (), dtype_bytes: int = 2) -> OpEstimate:
-    """Predicted time of ``node`` (with ``fused`` folded into it) on ``workers`` workers.
+@dataclass(frozen=True)
+class PhaseCost:
+    """One dependency phase of an op: ``tasks`` tasks of ``task_s`` seconds each (overhead
+    included), which start after one wait of ``wait_s`` once their inputs are ready."""
 
-    Each phase (:func:`op_phases`) costs one dependency wait plus, on its busiest worker,
-    ``waves`` tasks of (task overhead + the task's bytes at the worker's rate), where the
-    rate is the lesser of what one worker streams alone (:meth:`DeviceSpec.worker_rate`)
-    and an even share of DRAM among the busy workers; compute counts where flops outweigh
-    bytes (prefill-sized M).
-    """
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    tasks: int
+    task_s: float
+    wait_s: float
+
+    def seconds(self, workers: int) -> float:
+        """The phase alone on ``workers`` workers: one wait, then its busiest worker's tasks."""
+        return self.wait_s + math.ceil(self.tasks / workers) * self.task_s
+
+
+def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[int, int]:
+    """Bytes and flops of ``node`` with ``fused`` folded into it."""
     nbytes, flops = op_bytes_flops(node, choice)
     for f in fused:
         # What changes in memory traffic when f runs inside the host's tile:
@@ -231,19 +238,45 @@ def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         #   so - I = writes - reads.
         nbytes += (f.bytes_written - f.bytes_read) if f.kind == "silu_mul" else (f.bytes_read - f.bytes_written)
         flops += f.flops
-    nbytes = max(nbytes, 0)
+    return max(nbytes, 0), flops
+
+
+def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
+                fused: list[OpNode] = (), dtype_bytes: int = 2) -> list[PhaseCost]:
+    """The op's phases (:func:`op_phases`) with the time of one task of each.
+
+    A task streams its share of the phase's bytes at the lesser of what one worker streams
+    alone (:meth:`DeviceSpec.worker_rate`) and an even share of DRAM among the phase's busy
+    workers, plus the task overhead; where the op's flops outweigh its bytes (prefill-sized
+    M) the streaming part stretches to the compute time.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    nbytes, flops = _op_traffic(node, choice, fused)
     rate = device.worker_rate(tma=node.kind == "linear" and choice.tma_stages > 0)
-    memory_s = overhead_s = 0.0
-    phases = op_phases(node, choice, nbytes)
-    tasks = sum(phase_tasks for phase_tasks, _ in phases)
-    for phase_tasks, phase_bytes in phases:
+    streams = []
+    for phase_tasks, phase_bytes in op_phases(node, choice, nbytes):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
-        memory_s += waves * max(phase_bytes, 0) / phase_tasks / min(rate, device.dram_bandwidth / busy)
-        overhead_s += waves * device.task_overhead_s + device.wait_overhead_s
-    compute_s = flops / device.bf16_flops
-    seconds = max(memory_s, compute_s) + overhead_s
-    return OpEstimate(node.name, node.kind, tasks, nbytes, flops, op_smem_bytes(node, choice, dtype_bytes),
-                      memory_s, compute_s, overhead_s, seconds)
+        streams.append((phase_tasks, waves, max(phase_bytes, 0) / phase_tasks / min(rate, device.dram_bandwidth / busy)))
+    memory_s = sum(waves * s for _, waves, s in streams)
+    stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0
+    return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s) for tasks, _, s in streams]
+
+
+def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
+                fused: list[OpNode] = (), dtype_bytes: int = 2) -> OpEstimate:
+    """Predicted time of ``node`` (with ``fused`` folded into it) on ``workers`` workers.
+
+    Each phase (:func:`phase_costs`) costs one dependency wait plus, on its busiest worker,
+    ``waves`` tasks; the op is the sum of its phases.
+    """
+    nbytes, flops = _op_traffic(node, choice, fused)
+    phases = phase_costs(node, choice, device, workers, fused, dtype_bytes)
+    overhead_s = sum(p.wait_s + math.ceil(p.tasks / workers) * device.task_overhead_s for p in phases)
+    seconds = sum(p.seconds(workers) for p in phases)
+    return OpEstimate(node.name, node.kind, sum(p.tasks for p in phases), nbytes, flops,
+                      op_smem_bytes(node, choice, dtype_bytes), seconds - overhead_s, flops / device.bf16_flops,
+                      overhead_s, seconds)
 
 
 def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec, workers: int) -> StepEstimate:
@@ -269,8 +302,8 @@ def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec,
 
 
 def naive_plan(graph: OpGraph) -> dict[str, OpChoice]:
-    """A fixed, unfused configuration: every linear 16 x 256-column tiles, no split-K, one
-    task per row for the row-wise ops, no KV split. The baseline the search must beat."""
+    """A fixed, unfused configuration: every linear 16 x 256-column tiles, no split-K, no
+    KV split. The baseline the search must beat."""
     plan = {}
     for node in graph.nodes:
         if node.kind == "linear":

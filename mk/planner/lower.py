@@ -46,8 +46,10 @@ from mk.persistent.graph import TaskGraph
 from mk.persistent.ops import make_op
 from mk.persistent.taskops import op_tiles
 
+from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .search import Plan
+from .simulate import simulate_step
 
 #: L2 prefetch ahead of a GEMV tile's dependency wait, in weight columns (never under the
 #: interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. Not for tiles
@@ -199,6 +201,17 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             raise ValueError(f"lower_decode_step: op {node.name} of kind {kind} has no task "
                              f"(it must be fused into {node.fuse_into})")
     return step
+
+
+def step_queues(step: DecodeStep, graph: OpGraph, device: DeviceSpec, workers: int) -> list[list[int]]:
+    """The workers' queues of the lowered ``step`` under its plan's schedule: the ones the
+    planner simulated (:mod:`mk.planner.simulate`), for :func:`mk.persistent.graph.lower`'s
+    ``queues``."""
+    sim = simulate_step(graph, step.plan.choices, device, workers, step.plan.schedule, step.next_token)
+    if len(sim.worker_of) != len(step.graph.tasks):
+        raise RuntimeError(f"step_queues: the simulation has {len(sim.worker_of)} tasks, the lowered step "
+                           f"{len(step.graph.tasks)}: the two disagree on an op's tasks")
+    return sim.queues()
 
 
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps) -> None:

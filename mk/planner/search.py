@@ -19,6 +19,7 @@ from typing import Callable
 from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
+from .simulate import SCHEDULES, simulate_step
 
 #: (kind of the fused op, kind of its host): what the task bodies can do in one tile.
 SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear")}
@@ -31,8 +32,13 @@ MUST_FUSE = {"add", "silu_mul"}
 
 @dataclass
 class Plan:
-    """A complete plan: one choice per op that is not fused, what the model predicts, and
-    (``measure`` mode, :func:`pick_measured`) the step time measured on the GPU."""
+    """A complete plan: one choice per op that is not fused, the workers' queue schedule,
+    what the model predicts, and (``measure`` mode, :func:`pick_measured`) the step time
+    measured on the GPU.
+
+    ``predicted_s`` is the simulated step under ``schedule``
+    (:mod:`mk.planner.simulate`); ``schedule_s`` the simulated step under each schedule.
+    """
 
     model: str
     batch: int
@@ -44,6 +50,8 @@ class Plan:
     peak_smem_bytes: int
     estimates: list = field(default_factory=list, repr=False)
     measured_s: float | None = None
+    schedule: str = "round_robin"
+    schedule_s: dict[str, float] = field(default_factory=dict)
 
     def explain(self) -> str:
         """One line per op: its tile, tasks, shared memory and predicted µs."""
@@ -51,12 +59,15 @@ class Plan:
                  f"({self.workers} workers): {self.predicted_s * 1e3:.3f} ms predicted"
                  + (f", {self.measured_s * 1e3:.3f} ms measured" if self.measured_s is not None else "")
                  + f", peak shared memory {self.peak_smem_bytes / 1024:.1f} KiB"]
+        if self.schedule_s:
+            lines.append(f"  queues: {self.schedule} (simulated: "
+                         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.schedule_s.items()) + ")")
         for e in self.estimates:
             c = self.choices[e.name]
             tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
                     + (f"tma_ring={c.tma_stages}" if c.tma_stages else f"stages={c.stages}") + f" warps={c.num_warps}"
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
-                    else f"rows/task={c.rows_per_task}")
+                    else "one task a row")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
             lines.append(f"  {e.name:<20} {e.kind:<9} {tile:<48} {e.tasks:>6} tasks "
                          f"{e.smem_bytes / 1024:6.1f} KiB {e.seconds * 1e6:8.2f} us{fused}")
@@ -66,6 +77,7 @@ class Plan:
         return json.dumps({"model": self.model, "batch": self.batch, "kv_len": self.kv_len, "device": self.device,
                            "workers": self.workers, "predicted_s": self.predicted_s,
                            "measured_s": self.measured_s, "peak_smem_bytes": self.peak_smem_bytes,
+                           "schedule": self.schedule, "schedule_s": self.schedule_s,
                            "choices": {k: v.to_dict() for k, v in self.choices.items()}}, indent=1)
 
     @classmethod
@@ -74,7 +86,10 @@ class Plan:
         d = json.loads(text)
         choices = {k: OpChoice(**{**v, "fuse": tuple(v["fuse"])}) for k, v in d["choices"].items()}
         plan = cls(d["model"], d["batch"], d["kv_len"], d["device"], d["workers"], choices, d["predicted_s"],
-                   d["peak_smem_bytes"], measured_s=d.get("measured_s"))
+                   d["peak_smem_bytes"], measured_s=d.get("measured_s"), schedule=d["schedule"],
+                   schedule_s=d["schedule_s"])
+        if plan.schedule not in SCHEDULES:
+            raise ValueError(f"plan JSON: unknown schedule {plan.schedule!r}")
         if graph is not None and device is not None:
             plan.estimates = estimate_step(graph, choices, device, plan.workers).ops
         return plan
@@ -140,7 +155,7 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
         return out
     if node.kind == "attention":
         return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, d["kv_len"] // 32)]
-    return [OpChoice(rows_per_task=r) for r in (1, 2, 4, 8) if r <= max(1, d.get("rows", 1))]
+    return [OpChoice()]  # row-wise ops: one task a row (the runtime's tiles), nothing to choose
 
 
 @dataclass(frozen=True)
@@ -184,8 +199,12 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
         for p in plans:
             choices = _expand(p.choices, graph)
             step = estimate_step(graph, choices, device, p.workers)
-            out.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, p.workers, choices,
-                            step.seconds, step.peak_smem_bytes, step.ops))
+            more = graph.model.layers - 1  # layers past the template's one
+            layer_s = {k[len("_layer."):]: v for k, v in p.schedule_s.items() if k.startswith("_layer.")}
+            out.append(replace(p, model=graph.model.name, choices=choices, estimates=step.ops,
+                               predicted_s=p.predicted_s + more * layer_s[p.schedule],
+                               schedule_s={k: v + more * layer_s[k] for k, v in p.schedule_s.items()
+                                           if not k.startswith("_")}))
         return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))
     if workers is not None:
         return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress)
@@ -314,10 +333,35 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             continue
         choices = dict(state.choices)
         step = estimate_step(graph, choices, device, workers)
-        plans.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, workers, choices,
-                          step.seconds, step.peak_smem_bytes, step.ops))
+        plans.append(_scheduled(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, workers, choices,
+                                     step.seconds, step.peak_smem_bytes, step.ops), graph, device))
     plans.sort(key=lambda p: (p.predicted_s, p.peak_smem_bytes))
     return plans
+
+
+def _scheduled(plan: Plan, graph: OpGraph, device: DeviceSpec) -> Plan:
+    """The plan with the schedule whose simulated step is shortest (ties: the first of
+    :data:`~mk.planner.simulate.SCHEDULES`) and that step as its prediction.
+
+    On a one-layer template graph, ``schedule_s`` also carries each schedule's layer time
+    (keys ``_layer.<schedule>``) for the caller to extrapolate: layers meet at a barrier (the next layer's first op reads the whole
+    residual row), so every layer takes the same simulated time.
+    """
+    sims = {s: simulate_step(graph, plan.choices, device, plan.workers, s) for s in SCHEDULES}
+    best = SCHEDULES[0]
+    for s in SCHEDULES[1:]:
+        if sims[s].seconds < sims[best].seconds * (1 - 1e-9):
+            best = s
+    times = {s: sim.seconds for s, sim in sims.items()}
+    layer_of = {n.name: n.layer for n in graph.nodes}
+    phase_layers = [layer_of[op] for op in sims[best].phase_ops]
+    if graph.model.layers > 1 and 0 in phase_layers and max(phase_layers) == 0:
+        last0 = max(i for i, L in enumerate(phase_layers) if L == 0)
+        first0 = phase_layers.index(0)
+        for s, sim in sims.items():
+            before = sim.phase_end[first0 - 1] if first0 else 0.0
+            times[f"_layer.{s}"] = sim.phase_end[last0] - before
+    return replace(plan, predicted_s=sims[best].seconds, schedule=best, schedule_s=times)
 
 
 def pick_measured(plans: list[Plan], time_plan: Callable[[Plan], float]) -> list[Plan]:

@@ -8,6 +8,7 @@ from mk.planner.cost import estimate_step, naive_plan
 from mk.planner.device import DeviceSpec
 from mk.planner.graph import ModelShape, llama_decode_graph
 from mk.planner.search import search
+from mk.planner.simulate import simulate_step
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3-8b"])
@@ -19,11 +20,13 @@ def test_plans_fit_the_budget_and_beat_the_naive_plan(name, batch, device):
     plans = search(g, spec, beam_width=4, top_k=3)
     assert plans and [p.predicted_s for p in plans] == sorted(p.predicted_s for p in plans)
     best = plans[0]
-    naive = estimate_step(g, naive_plan(g), spec, best.workers).seconds
+    naive = simulate_step(g, naive_plan(g), spec, best.workers, "round_robin").seconds
     assert best.predicted_s < naive  # strictly better under the same cost model
     assert best.peak_smem_bytes <= spec.smem_per_block
-    # The plan's own estimate is the cost model's estimate of its choices.
-    assert estimate_step(g, best.choices, spec, best.workers).seconds == pytest.approx(best.predicted_s)
+    # The plan's own estimate is the simulated step of its choices under its schedule, and
+    # no more than the sum of its ops' estimates (each phase spread evenly).
+    assert simulate_step(g, best.choices, spec, best.workers, best.schedule).seconds == pytest.approx(best.predicted_s)
+    assert best.predicted_s <= estimate_step(g, best.choices, spec, best.workers).seconds * (1 + 1e-12)
     # Every op is either chosen or fused into exactly one chosen op.
     fused = [f for c in best.choices.values() for f in c.fuse]
     assert sorted(list(best.choices) + fused) == sorted(n.name for n in g.nodes)

@@ -1,0 +1,194 @@
+"""A simulated run of a plan's tasks on the persistent workers, under a queue schedule.
+
+The cost model prices each dependency phase of an op as if its tasks were spread evenly
+(:func:`~mk.planner.cost.estimate_op`). Here the same tasks, with the same predicted
+times (:func:`~mk.planner.cost.phase_costs`), are dealt to the workers' static queues by
+a schedule and run in order: each worker takes its next task when it is free, after its
+inputs are ready and one dependency wait. The step is the launch plus the last finish.
+What this adds to the sum over phases is load imbalance across phases: a schedule that
+leaves one worker with more tasks than ``ceil(tasks / workers)``, and phases whose tasks
+wait only for *their* producers (a split-K reduce for its tile's partials, an attention
+merge for its KV group's splits, the argmax reduce for its row's chunks), which start
+while the other groups still run.
+
+Schedules (one per worker queue, each in program order, so no queue waits on itself):
+
+* ``round_robin``: task i (in program order, over the whole step) to worker i mod W;
+* ``zigzag``: the same, with every other pass over the workers reversed;
+* ``list``: each task, in program order, to the worker that can start it earliest; among
+  workers that can start it equally early, the one free longest (so consecutive phases
+  rotate over the workers rather than piling onto the first ones).
+
+These are :func:`mk.persistent.graph.assign_workers`'s schedules, with the phases'
+predicted task times as the list schedule's costs.
+
+The queues a simulation deals are exactly the ones the lowering runs
+(:meth:`Simulation.queues` -> :func:`mk.persistent.graph.lower`), in the lowered step's
+task order (:func:`mk.planner.lower.lower_decode_step` adds each op's phases in the same
+order as :func:`~mk.planner.cost.op_phases`).
+
+Between ops, a phase waits for the tasks of the previous phase whose output it reads, at
+tile granularity as the lowering's dependencies do: a split-K partial for the tiles
+that wrote its K range of x (all of them with an RMSNorm prologue, which needs whole
+rows), an argmax chunk for the LM-head tiles of its vocabulary range, sequence b's
+attention splits for b's RoPE task; every other op reads all of its input.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from mk.persistent.graph import SCHEDULES  # the planner chooses between them (ties: the first)
+
+from mk.tasks.argmax import argmax_block_v
+from mk.tasks.linear import linear_k_splits
+
+from .cost import PhaseCost, phase_costs
+from .device import DeviceSpec
+from .graph import OpGraph
+
+
+@dataclass(frozen=True)
+class SimPhase:
+    """A phase of one op: its cost, which tasks of the previous phase its task j waits for,
+    and which columns of its output each of its own tasks writes.
+
+    Waits: ``group`` ``(consumers, producers)``: the previous phase's tasks
+    ``[g * producers, (g + 1) * producers)`` where ``g = j // consumers``; else ``reads``
+    (column ranges, task j reads ``reads[j % len(reads)]`` of every row): the previous
+    phase's tasks that wrote those columns; else all of them.
+    ``writes`` ``(width, columns)``: task t writes columns ``[c * width, (c + 1) * width)``
+    with ``c = t mod ceil(columns / width)`` (of one row block); None: not column tiles.
+    """
+
+    op: str
+    cost: PhaseCost
+    group: tuple[int, int] | None = None
+    reads: tuple[tuple[int, int], ...] | None = None
+    writes: tuple[int, int] | None = None
+
+
+@dataclass
+class Simulation:
+    """The outcome: seconds of the step (launch included), each task's worker, and per phase
+    its op and the time its last task finished (after the launch)."""
+
+    schedule: str
+    workers: int
+    seconds: float
+    worker_of: list[int]
+    phase_ops: list[str]
+    phase_end: list[float]
+
+    def queues(self) -> list[list[int]]:
+        """Task indices per worker, in program order (what :func:`mk.persistent.graph.lower` takes)."""
+        out: list[list[int]] = [[] for _ in range(self.workers)]
+        for task, w in enumerate(self.worker_of):
+            out[w].append(task)
+        return out
+
+
+def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
+                next_token: str = "argmax") -> list[SimPhase]:
+    """Every phase of the decode step of ``graph`` under ``plan`` (op name -> OpChoice), in
+    the lowered program's order; ``next_token="logits"`` ends at the LM head, as the
+    lowering does."""
+    nodes = {n.name: n for n in graph.nodes}
+    fused = {f for c in plan.values() for f in c.fuse}
+    phases: list[SimPhase] = []
+    for node in graph.nodes:
+        if node.name in fused or (node.kind == "argmax" and next_token == "logits"):
+            continue
+        choice = plan[node.name]
+        costs = phase_costs(node, choice, device, workers, [nodes[f] for f in choice.fuse],
+                            graph.model.dtype_bytes)
+        d = node.dims
+        if node.kind == "linear":
+            silu = any(nodes[f].kind == "silu_mul" for f in choice.fuse)
+            out = (choice.block_n // 2, d["N"] // 2) if silu else (choice.block_n, d["N"])
+            if choice.split_k == 1:
+                phases.append(SimPhase(node.name, costs[0], writes=out))
+                continue
+            # A split reads only its K range of x, unless an RMSNorm prologue needs whole rows.
+            norm = any(nodes[f].kind == "rmsnorm" for f in choice.fuse)
+            ranges = None if norm else tuple(linear_k_splits(d["K"], choice.block_k, choice.split_k))
+            phases += [SimPhase(node.name, costs[0], reads=ranges),
+                       SimPhase(node.name, costs[1], group=(1, choice.split_k), writes=out)]
+        elif node.kind == "attention":
+            # Sequence b's splits wait for b's RoPE task; a merge for its KV group's splits.
+            after_rope = bool(phases) and nodes[phases[-1].op].kind == "rope_kv"
+            first = (d["kv_heads"] * choice.kv_splits, 1) if after_rope else None
+            phases += [SimPhase(node.name, costs[0], group=first),
+                       SimPhase(node.name, costs[1], group=(d["heads"] // d["kv_heads"], choice.kv_splits),
+                                writes=(d["head_dim"], d["heads"] * d["head_dim"]))]
+        elif node.kind == "argmax":
+            width = argmax_block_v(d["v"])
+            chunks = tuple((c, min(c + width, d["v"])) for c in range(0, d["v"], width))
+            phases += [SimPhase(node.name, costs[0], reads=chunks), SimPhase(node.name, costs[1], group=(1, len(chunks))),
+                       SimPhase(node.name, costs[2], group=(1, 1))]
+        else:
+            phases.append(SimPhase(node.name, costs[0]))
+    return phases
+
+
+def _ready(p: SimPhase, prev: SimPhase | None, prev_finish: list[float]) -> list[float]:
+    """When each task of ``p`` has its inputs (before its wait), from the previous phase's finishes."""
+    n = p.cost.tasks
+    if prev is None:
+        return [0.0] * n  # the first phase waits for nothing
+    if p.group is not None:
+        consumers, producers = p.group
+        group_ready = [max(prev_finish[g:g + producers]) for g in range(0, len(prev_finish), producers)]
+        return [group_ready[j // consumers] for j in range(n)]
+    if p.reads is not None and prev.writes is not None:
+        width, columns = prev.writes
+        per_block = -(-columns // width)
+        blocks = range(0, len(prev_finish), per_block)
+        at = [max(max(prev_finish[b + c0 // width:b + -(-c1 // width)]) for b in blocks) for c0, c1 in p.reads]
+        return [at[j % len(at)] for j in range(n)]
+    return [max(prev_finish)] * n
+
+
+def simulate(phases: list[SimPhase], workers: int, schedule: str, launch_s: float = 0.0) -> Simulation:
+    """Deal the phases' tasks to ``workers`` queues by ``schedule`` and run them (module docstring)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    free = [0.0] * workers
+    idle: list[tuple[float, int]] = [(0.0, w) for w in range(workers)]  # list: (free at, worker) heap
+    worker_of: list[int] = []
+    phase_end: list[float] = []
+    prev, prev_finish = None, []
+    for p in phases:
+        ready = _ready(p, prev, prev_finish)
+        wait_s = p.cost.wait_s if prev is not None else 0.0
+        finish = []
+        for j in range(p.cost.tasks):
+            index = len(worker_of)
+            if schedule == "list":
+                # Workers free by the time the task is ready all start it then: take the
+                # one free longest; else the one free soonest.
+                at, w = heapq.heappop(idle)
+            else:
+                lap, pos = divmod(index, workers)
+                w = pos if schedule == "round_robin" or lap % 2 == 0 else workers - 1 - pos
+                at = free[w]
+            done = max(at, ready[j] + wait_s) + p.cost.task_s
+            free[w] = done
+            if schedule == "list":
+                heapq.heappush(idle, (done, w))
+            worker_of.append(w)
+            finish.append(done)
+        prev, prev_finish = p, finish
+        phase_end.append(max(finish))
+    seconds = launch_s + (max(phase_end) if phase_end else 0.0)
+    return Simulation(schedule, workers, seconds, worker_of, [p.op for p in phases], phase_end)
+
+
+def simulate_step(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int, schedule: str,
+                  next_token: str = "argmax") -> Simulation:
+    """:func:`simulate` of the decode step of ``graph`` under ``plan``, launch included."""
+    return simulate(step_phases(graph, plan, device, workers, next_token), workers, schedule,
+                    device.launch_overhead_s)

@@ -1,0 +1,159 @@
+"""The simulated schedule: checked against a run over the lowered step's exact dependencies.
+
+The simulation knows each op's phases and which producer group a task waits for; the
+reference below knows nothing of phases: it takes the task graph the lowering builds
+(dependencies derived from the regions each task reads and writes) and runs the same
+queues task by task. The two must agree on the step's end and every phase's end, for
+random model shapes, batches, tilings (split-K, KV splits, an unfused norm) and worker
+counts. The search must then pick the schedule whose simulated step is shortest.
+"""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mk.persistent.deps import drop_implied
+from mk.persistent.graph import SCHEDULES, assign_workers, lower
+from mk.planner.cost import OpChoice
+from mk.planner.device import DeviceSpec
+from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.planner.lower import WEIGHT, lower_decode_step, step_queues
+from mk.planner.search import Plan, search
+from mk.planner.simulate import simulate, simulate_step, step_phases
+
+
+def meta_buffers(graph, max_seq):
+    """Every buffer a decode step of ``graph`` binds, as shapes only (no memory)."""
+    m, B = graph.model, graph.batch
+    meta = dict(device="meta")
+    bufs = {"inv_freq": torch.empty(m.head_dim // 2, **meta), "ids": torch.empty(B, dtype=torch.int32, **meta),
+            "pos": torch.empty(B, dtype=torch.int32, **meta),
+            "tokens": torch.empty(B, max_seq, dtype=torch.int32, **meta),
+            "temperature": torch.empty(1, **meta), "seed": torch.empty(1, dtype=torch.int64, **meta)}
+    for L in range(m.layers):
+        for c in ("k_cache", "v_cache"):
+            bufs[f"l{L}.{c}"] = torch.empty(B, m.kv_heads, max_seq, m.head_dim, **meta)
+    for n in graph.nodes:
+        shape = {"embedding": (m.vocab, m.hidden), "rmsnorm": (m.hidden,)}.get(n.kind)
+        if n.kind == "linear":
+            shape = (n.dims["N"], n.dims["K"])
+        if shape is not None:
+            bufs[WEIGHT + n.name] = torch.empty(*shape, **meta)
+    return bufs
+
+
+def run_exact(step_graph, queues, cost, wait_s):
+    """Each worker runs its queue in order; a task starts when its worker is free and, one
+    wait after, every task it depends on (from the lowered regions) has finished."""
+    deps = drop_implied(step_graph.dependency_intervals())
+    worker = {i: w for w, q in enumerate(queues) for i in q}
+    free = [0.0] * len(queues)
+    finish = []
+    for i in range(len(step_graph.tasks)):  # program order: dependencies and queue order both respected
+        ready = max((finish[t] + wait_s for a, b in deps[i] for t in range(a, b)), default=0.0)
+        finish.append(max(free[worker[i]], ready) + cost[i])
+        free[worker[i]] = finish[-1]
+    return finish
+
+
+def random_case(rng):
+    heads, kv_heads = rng.choice([(2, 2), (4, 1), (4, 2), (8, 2)])  # o_proj's K = heads x 32 >= 64
+    shape = ModelShape("rand", hidden=rng.choice([64, 128]), intermediate=rng.choice([96, 192]), layers=2,
+                       heads=heads, kv_heads=kv_heads, head_dim=32,
+                       vocab=rng.choice([61, 203]), dtype_bytes=4)
+    batch, max_seq = rng.choice([1, 3]), 16
+    graph = llama_decode_graph(shape, batch, max_seq)
+    spec = DeviceSpec.preset(rng.choice(["h100", "h200"]))
+    plan = search(graph, spec, top_k=1)[0]
+    choices = dict(plan.choices)
+    for name, c in list(choices.items()):
+        kind = graph.node(name).kind
+        if kind == "linear" and rng.random() < 0.5:
+            choices[name] = replace(c, block_n=16, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0)
+        elif kind == "attention":
+            choices[name] = OpChoice(kv_splits=rng.choice([1, 2, 3]))
+    if rng.random() < 0.5:  # l1's attention norm as its own tasks
+        choices["l1.qkv"] = replace(choices["l1.qkv"], fuse=())
+        choices["l1.attn_norm"] = OpChoice()
+    return graph, spec, replace(plan, choices=choices), max_seq
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_simulation_matches_a_run_over_the_exact_dependencies(case):
+    rng = random.Random(torch.initial_seed() + case)
+    graph, spec, plan, max_seq = random_case(rng)
+    next_token = rng.choice(["argmax", "sample", "logits"])
+    step = lower_decode_step(plan, graph, meta_buffers(graph, max_seq), eps=1e-5, next_token=next_token)
+    workers = rng.choice([1, 3, 7, 40])
+    phases = step_phases(graph, plan.choices, spec, workers, next_token)
+    cost = [p.cost.task_s for p in phases for _ in range(p.cost.tasks)]
+    assert len(cost) == len(step.graph.tasks)
+    for schedule in SCHEDULES:
+        sim = simulate(phases, workers, schedule)
+        finish = run_exact(step.graph, sim.queues(), cost, spec.wait_overhead_s)
+        assert sim.seconds == pytest.approx(max(finish), rel=1e-12), (schedule, workers)
+        ends, i = [], 0
+        for p in phases:
+            ends.append(max(finish[i:i + p.cost.tasks]))
+            i += p.cost.tasks
+        assert sim.phase_end == pytest.approx(ends, rel=1e-12), (schedule, workers)
+        if schedule != "list":  # the same queues as the runtime's own dealing
+            deps = drop_implied(step.graph.dependency_intervals())
+            assert sim.queues() == assign_workers(len(cost), deps, workers, schedule)
+        # The lowered step's queues are the simulated ones.
+        step.plan = replace(plan, schedule=schedule)
+        assert step_queues(step, graph, spec, workers) == sim.queues()
+        lower(step.graph, workers, queues=sim.queues())
+
+
+def test_the_search_picks_the_shortest_simulated_schedule():
+    spec = DeviceSpec.preset("h200")
+    for name, batch in [("llama-3.2-1b", 1), ("llama-3-8b", 8)]:
+        graph = llama_decode_graph(ModelShape.preset(name), batch, 1024)
+        for plan in search(graph, spec, top_k=2):
+            assert set(plan.schedule_s) == set(SCHEDULES)
+            assert plan.predicted_s == plan.schedule_s[plan.schedule] == min(plan.schedule_s.values())
+            # The search simulates one layer and adds the others; the whole step agrees
+            # (zig-zag's offsets differ from layer to layer, so it is only close).
+            for schedule in SCHEDULES:
+                full = simulate_step(graph, plan.choices, spec, plan.workers, schedule).seconds
+                assert plan.schedule_s[schedule] == pytest.approx(full, rel=1e-9 if schedule != "zigzag" else 0.05)
+            assert "queues: " + plan.schedule in plan.explain()
+            again = Plan.from_json(plan.to_json())
+            assert (again.schedule, again.schedule_s) == (plan.schedule, plan.schedule_s)
+
+
+def test_zigzag_doubles_up_workers_where_a_phase_turns_a_lap():
+    # Two phases of 6 tasks on 8 workers: round-robin deals the second to workers 6, 7, 0..3,
+    # all idle; zig-zag's second lap turns back over 7 and 6, which already have one task.
+    from mk.planner.cost import PhaseCost
+    from mk.planner.simulate import SimPhase
+
+    phases = [SimPhase("a", PhaseCost(6, 1.0, 0.0)), SimPhase("b", PhaseCost(6, 1.0, 0.0))]
+    rr, zz = simulate(phases, 8, "round_robin"), simulate(phases, 8, "zigzag")
+    assert rr.worker_of[6:] == [6, 7, 0, 1, 2, 3] and rr.seconds == 2.0
+    assert zz.worker_of[6:] == [6, 7, 7, 6, 5, 4] and zz.seconds == 3.0
+    assert simulate(phases, 8, "list").seconds == 2.0
+
+
+def test_bad_queues_and_schedules_are_refused():
+    phases = step_phases(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
+                         search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
+                                DeviceSpec.preset("h200"), top_k=1)[0].choices, DeviceSpec.preset("h200"), 8)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        simulate(phases, 8, "random")
+    from mk.persistent.graph import check_queues
+
+    with pytest.raises(ValueError, match="not in program order"):
+        check_queues([[1, 0], [2]], 3, 2)
+    with pytest.raises(ValueError, match="queued twice"):
+        check_queues([[0, 1], [1, 2]], 3, 2)
+    with pytest.raises(ValueError, match="task 2 is in no queue"):
+        check_queues([[0], [1]], 3, 2)
+    with pytest.raises(ValueError, match="3 queues for 2 workers"):
+        check_queues([[0], [1], [2]], 3, 2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        bad = search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"))[0]
+        Plan.from_json(replace(bad, schedule="spiral").to_json())
