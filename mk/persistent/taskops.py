@@ -185,10 +185,12 @@ class _LinearShape:
 
 
 def _tma_stages(s: "_LinearShape", K: int, tma_stages: int, dtype: torch.dtype | None) -> int:
-    """The TMA ring depth a GEMV tile can use: 0 unless its rows are 16-byte aligned and its
-    boxes at most 256 elements a side (what a tensor descriptor needs)."""
+    """The TMA ring depth a tile can use: 0 unless its rows are 16-byte aligned and its
+    boxes at most 256 elements a side (what a tensor descriptor needs); GEMV tiles and
+    skinny tl.dot tiles (decode batches: one row block) only."""
     eb = torch.empty((), dtype=dtype or default_dtype()).element_size()
-    ok = s.bm == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256 and s.bk <= 256 and (s.bk * eb) % 16 == 0
+    ok = (s.tiles_m == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256 and s.bk <= 256
+          and (s.bk * eb) % 16 == 0)
     return int(tma_stages) if ok else 0
 
 

@@ -172,6 +172,13 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
         if node.dims["M"] == 1:
             return 64 * choice.block_n
         rows = _tile_rows_for(node.dims["M"])
+        if choice.tma_stages:
+            # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight
+            # chunk, plus x staged once more as the tensor-core operand.
+            chunk = choice.block_n * choice.block_k * dtype_bytes
+            side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
+            return (max(choice.tma_stages - 1, 1) * (chunk + side) + rows * choice.block_k * dtype_bytes
+                    + (1024 if norm else 0))
         ring = MEGAKERNEL_DOT_BUFFERS * (rows * x_bytes + choice.block_n * dtype_bytes) * choice.block_k
         return ring + (rows * choice.block_k * dtype_bytes + 1024 if norm else 0)
     if node.kind == "attention":

@@ -237,7 +237,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     out = activation(out_name, M, out_cols)
     tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
     prefetch_k = 0 if choice.tma_stages else min(PREFETCH_K, K)
-    gemv = dict(prefetch_k=prefetch_k, tma_stages=choice.tma_stages) if M == 1 else {}
+    gemv = dict(prefetch_k=prefetch_k, tma_stages=choice.tma_stages) if M == 1 else dict(tma_stages=choice.tma_stages)
     norm_kw = dict(norm=norm is not None, eps=eps)
     try:
         if choice.split_k == 1:

@@ -129,7 +129,9 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
         # GEMV weights stream through the TMA ring where there is one (Hopper on): in the
         # whole 1B step on an H200, register-path tiles ran at 4-7 GB/s a worker against
         # 25-28 GB/s for TMA 32 x 256 tiles (bench/NOTES.md, session 4).
-        tma = not skinny and device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
+        # Skinny tl.dot tiles (batch > 1) too: pipelined plain loads kept a worker near 10 GB/s,
+        # the batch-8 step 2-3x its batch-1 time (bench/NOTES.md, session 7).
+        tma = device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
         register_block_ns = [] if tma else _pow2s(16 if skinny else 2, 64 if skinny else 32)
         for block_n in register_block_ns:
             for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
@@ -143,9 +145,9 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
                     for stages in ((2, 3, 4) if skinny else (1,)):
                         out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
                                             num_warps=2 if skinny else GEMV_WARPS))
-        if tma:  # TMA-streamed GEMV tiles: a 4-deep ring, or the task's whole K range
+        if tma:  # TMA-streamed tiles: a 4-deep ring, or the task's whole K range
             # 64-row boxes measured 17.5 GB/s a worker on the 1B LM head, 32-row 28 GB/s.
-            for block_n in (16, 32):
+            for block_n in ((32, 64) if skinny else (16, 32)):
                 for split_k in (1, 2, 4, 8):
                     if math.ceil(d["K"] / 256) < split_k:
                         continue
@@ -300,15 +302,17 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
         new_beam: list[_State] = []
         host = node.fuse_into
         for state in beam:
-            # 1. Fuse this op into its host, already chosen (epilogue fusions).
+            # 1. Fuse this op into its host, already chosen (epilogue fusions), budget permitting.
             hc = _find(state.choices, host) if host is not None else None
             if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"):
                 old = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse)
                 new = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse + (node.name,))
                 choices = tuple((n, replace(c, fuse=c.fuse + (node.name,)) if n == host else c)
                                 for n, c in state.choices)
-                new_beam.append(_State(state.cost - old.seconds + new.seconds, max(state.peak_smem, new.smem_bytes),
-                                       choices, state.pending, state.order + (-1,)))
+                if new.smem_bytes <= budget:
+                    new_beam.append(_State(state.cost - old.seconds + new.seconds,
+                                           max(state.peak_smem, new.smem_bytes), choices, state.pending,
+                                           state.order + (-1,)))
             # 2. Defer an RMSNorm into the next linear's prologue.
             if node.kind == "rmsnorm" and host is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS:
                 new_beam.append(_State(state.cost, state.peak_smem, state.choices, state.pending + (node.name,),
@@ -320,6 +324,8 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             rest = tuple(p for p in state.pending if p not in takes)
             for i, c in enumerate(ranked):
                 est = cost_of(node, c, takes)
+                if est.smem_bytes > budget:  # a fused RMSNorm widens x to float32
+                    continue
                 new_beam.append(_State(state.cost + est.seconds, max(state.peak_smem, est.smem_bytes),
                                        state.choices + ((node.name, replace(c, fuse=takes)),), rest,
                                        state.order + (i,)))

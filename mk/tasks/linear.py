@@ -204,6 +204,17 @@ def _linear_acc(
         if HAS_NORM & (k_full < k_hi):
             x_tail = _load_x(x_rows, k_full + offs_k, k_hi, MASKED=True, BLOCK_M=BLOCK_M).to(tl.float32)
             sum_sq += x_tail * x_tail
+    elif TMA_STAGES > 0:
+        # Skinny tl.dot tiles (a few decode rows): the same TMA ring for the weights, so a
+        # worker keeps TMA_STAGES - 1 chunks in flight instead of a pipelined load's one or two.
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
+            w = w_desc.load([pid_n * BLOCK_N, k])
+            xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
+            if HAS_NORM:
+                xt = xt.to(tl.float32) * rstd[:, None] * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
+            acc = mma(xt.to(w.dtype), tl.trans(w), acc)
     elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that

@@ -119,7 +119,7 @@ def test_the_search_picks_the_shortest_simulated_schedule():
             # (zig-zag's offsets differ from layer to layer, so it is only close).
             for schedule in SCHEDULES:
                 full = simulate_step(graph, plan.choices, spec, plan.workers, schedule).seconds
-                assert plan.schedule_s[schedule] == pytest.approx(full, rel=1e-9 if schedule != "zigzag" else 0.05)
+                assert plan.schedule_s[schedule] == pytest.approx(full, rel=1e-9 if schedule != "zigzag" else 0.1)
             assert "queues: " + plan.schedule in plan.explain()
             again = Plan.from_json(plan.to_json())
             assert (again.schedule, again.schedule_s) == (plan.schedule, plan.schedule_s)
