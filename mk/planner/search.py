@@ -67,7 +67,7 @@ class Plan:
             tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
                     + (f"tma_ring={c.tma_stages}" if c.tma_stages else f"stages={c.stages}") + f" warps={c.num_warps}"
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
-                    else "one task a row")
+                    else "the runtime's row tiles")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
             lines.append(f"  {e.name:<20} {e.kind:<9} {tile:<48} {e.tasks:>6} tasks "
                          f"{e.smem_bytes / 1024:6.1f} KiB {e.seconds * 1e6:8.2f} us{fused}")
