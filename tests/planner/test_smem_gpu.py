@@ -2,7 +2,7 @@
 
 For one-layer Llama steps of the 1B and 8B layer shapes under plans covering every tile
 path (TMA rings of several depths and widths, split-K, register GEMV tiles, tl.dot tiles
-at batch 8 and 16 with and without a fused RMSNorm), the shared memory Triton reports for
+at batch 8 and 16 with and without a fused RMSNorm, fed by plain loads or a TMA ring), the shared memory Triton reports for
 the compiled megakernel must equal the model's peak (:func:`mk.planner.cost.op_smem_bytes`,
 the most any task takes), or exceed it by at most 1 KiB of layout padding the model
 rounds up.
@@ -39,11 +39,14 @@ DOT_CHOICES = {
     "search": None,
     "dot_32x256": OpChoice(block_n=32, block_k=256, stages=4, num_warps=2),
     "dot_64x128_split2": OpChoice(block_n=64, block_k=128, split_k=2, num_warps=2),
+    "tma_dot_64_ring4_split2": OpChoice(block_n=64, tma_stages=4, split_k=2, **TMA),
+    "tma_dot_32_ring2": OpChoice(block_n=32, tma_stages=2, **TMA),
 }
 # Every batch-1 path at the 1B layer; the 8B layer (head_dim 128: a larger attention tile)
 # and batches 8 and 16 on fewer, since each case compiles a megakernel.
 CASES = ([("1b", 1, v) for v in LINEAR_CHOICES] + [("8b", 1, "search"), ("8b", 1, "tma32_ring4_split2")]
-         + [("1b", 8, v) for v in DOT_CHOICES] + [("1b", 16, "dot_64x128_split2"), ("8b", 8, "search")])
+         + [("1b", 8, v) for v in DOT_CHOICES] + [("1b", 16, "dot_64x128_split2"), ("1b", 16, "tma_dot_32_ring2"),
+                                                  ("8b", 8, "search")])
 
 
 @pytest.fixture(scope="module")
