@@ -191,23 +191,30 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
     if beam_width < 1 or top_k < 1:
         raise ValueError(f"beam_width and top_k must be >= 1, got {beam_width}, {top_k}")
     template = _layer_template(graph)
-    if template is not None:
-        # Every layer has the same ops and shapes: plan one layer (with the ops around the
-        # layers) and give every layer its choices. The cost is a sum over ops, so the best
-        # layer plan is the best for each layer; the top plans then differ in what they
-        # do to every layer, not in one late layer's tie.
-        plans = search(template, device, workers=workers, beam_width=beam_width, top_k=top_k, progress=progress)
-        out = []
-        for p in plans:
-            choices = _expand(p.choices, graph)
-            step = estimate_step(graph, choices, device, p.workers)
-            more = graph.model.layers - 1  # layers past the template's one
-            layer_s = {k[len("_layer."):]: v for k, v in p.schedule_s.items() if k.startswith("_layer.")}
-            out.append(replace(p, model=graph.model.name, choices=choices, estimates=step.ops,
-                               predicted_s=p.predicted_s + more * layer_s[p.schedule],
-                               schedule_s={k: v + more * layer_s[k] for k, v in p.schedule_s.items()
-                                           if not k.startswith("_")}))
-        return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))
+    # Every layer has the same ops and shapes: plan one layer (with the ops around the
+    # layers) and give every layer its choices. The cost is a sum over ops, so the best
+    # layer plan is the best for each layer; the top plans then differ in what they do to
+    # every layer, not in one late layer's tie.
+    planned = template if template is not None else graph
+    out = []
+    for choices, n_workers in _search_workers(planned, device, workers, beam_width, top_k, progress):
+        times = _schedule_times(planned, choices, device, n_workers,
+                                graph.model.layers - 1 if template is not None else 0)
+        best = SCHEDULES[0]  # ties go to the first schedule
+        for sched in SCHEDULES[1:]:
+            if times[sched] < times[best] * (1 - 1e-9):
+                best = sched
+        if template is not None:
+            choices = _expand(choices, graph)
+        step = estimate_step(graph, choices, device, n_workers)
+        out.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, n_workers, choices, times[best],
+                        step.peak_smem_bytes, step.ops, schedule=best, schedule_s=times))
+    return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))
+
+
+def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, beam_width: int, top_k: int,
+                    progress: bool) -> list[tuple[dict[str, OpChoice], int]]:
+    """:func:`_search` with the worker count fixed, or chosen as :func:`search` says."""
     if workers is not None:
         return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress)
     # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
@@ -220,6 +227,26 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
                        beam_width, top_k, progress)
     except ValueError:
         return _search(graph, device, device.sm_count, device.smem_per_block, beam_width, top_k, progress)
+
+
+def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: DeviceSpec, workers: int,
+                    more_layers: int) -> dict[str, float]:
+    """The simulated step under each schedule (:mod:`mk.planner.simulate`).
+
+    ``more_layers`` > 0: ``graph`` is a one-layer template of a model with that many more
+    layers, each of which takes the template layer's simulated time (layers meet at a
+    barrier: the next layer's first op reads the whole residual row).
+    """
+    times = {}
+    layer_of = {n.name: n.layer for n in graph.nodes}
+    for sched in SCHEDULES:
+        sim = simulate_step(graph, choices, device, workers, sched)
+        times[sched] = sim.seconds
+        if more_layers:
+            in_layer = [i for i, op in enumerate(sim.phase_ops) if layer_of[op] == 0]
+            before = sim.phase_end[in_layer[0] - 1] if in_layer[0] else 0.0
+            times[sched] += more_layers * (sim.phase_end[in_layer[-1]] - before)
+    return times
 
 
 def _layer_key(node: OpNode, layer: int):
@@ -259,7 +286,8 @@ def _expand(choices: dict[str, OpChoice], graph: OpGraph) -> dict[str, OpChoice]
 
 
 def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_width: int, top_k: int,
-            progress: bool) -> list[Plan]:
+            progress: bool) -> list[tuple[dict[str, OpChoice], int]]:
+    """The beam's ``top_k`` complete plans as (op name -> choice, workers), in beam order."""
     beam = [_State(0.0, 0, ())]
     nodes = {n.name: n for n in graph.nodes}
     cache: dict = {}
@@ -333,41 +361,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
         new_beam = [s for s in new_beam if all(_find(s.choices, nodes[p].fuse_into) is None for p in s.pending)]
         new_beam.sort(key=_State.key)
         beam = new_beam[:beam_width]
-    plans = []
-    for state in beam[:top_k]:
-        if state.pending:
-            continue
-        choices = dict(state.choices)
-        step = estimate_step(graph, choices, device, workers)
-        plans.append(_scheduled(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, workers, choices,
-                                     step.seconds, step.peak_smem_bytes, step.ops), graph, device))
-    plans.sort(key=lambda p: (p.predicted_s, p.peak_smem_bytes))
-    return plans
-
-
-def _scheduled(plan: Plan, graph: OpGraph, device: DeviceSpec) -> Plan:
-    """The plan with the schedule whose simulated step is shortest (ties: the first of
-    :data:`~mk.planner.simulate.SCHEDULES`) and that step as its prediction.
-
-    On a one-layer template graph, ``schedule_s`` also carries each schedule's layer time
-    (keys ``_layer.<schedule>``) for the caller to extrapolate: layers meet at a barrier (the next layer's first op reads the whole
-    residual row), so every layer takes the same simulated time.
-    """
-    sims = {s: simulate_step(graph, plan.choices, device, plan.workers, s) for s in SCHEDULES}
-    best = SCHEDULES[0]
-    for s in SCHEDULES[1:]:
-        if sims[s].seconds < sims[best].seconds * (1 - 1e-9):
-            best = s
-    times = {s: sim.seconds for s, sim in sims.items()}
-    layer_of = {n.name: n.layer for n in graph.nodes}
-    phase_layers = [layer_of[op] for op in sims[best].phase_ops]
-    if graph.model.layers > 1 and 0 in phase_layers and max(phase_layers) == 0:
-        last0 = max(i for i, L in enumerate(phase_layers) if L == 0)
-        first0 = phase_layers.index(0)
-        for s, sim in sims.items():
-            before = sim.phase_end[first0 - 1] if first0 else 0.0
-            times[f"_layer.{s}"] = sim.phase_end[last0] - before
-    return replace(plan, predicted_s=sims[best].seconds, schedule=best, schedule_s=times)
+    return [(dict(state.choices), workers) for state in beam[:top_k] if not state.pending]
 
 
 def pick_measured(plans: list[Plan], time_plan: Callable[[Plan], float]) -> list[Plan]:
