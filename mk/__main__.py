@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     gen.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
+    gen.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                     help="KV-cache dtype (default: the weights'); float32 rounds nothing but the weights")
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
     args = parser.parse_args(argv)
     try:

@@ -62,14 +62,16 @@ def run_generate(args) -> int:
     if max_seq > config.max_position_embeddings:
         raise ValueError(f"{len(ids)} prompt tokens + {new} new exceed the model's "
                          f"{config.max_position_embeddings} positions")
+    kv_dtype = getattr(torch, args.kv_dtype) if getattr(args, "kv_dtype", None) else None
     if args.model:
-        model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=max_seq)
+        model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=max_seq, kv_dtype=kv_dtype)
     else:
         model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=max_seq,
-                                  name="mk-default-llama")
+                                  name="mk-default-llama", kv_dtype=kv_dtype)
     where = "CPU (Triton interpreter)" if INTERPRET else torch.cuda.get_device_name()
     print(f"model {model.name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-          f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} on {where} "
+          f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} (KV cache "
+          f"{str(model.kv_dtype).replace('torch.', '')}) on {where} "
           f"(ready in {time.perf_counter() - t0:.1f} s)")
     plan, _ = model.plan(args.batch)
     print(f"plan: {plan.predicted_s * 1e6:.1f} us predicted per step on {plan.device}, "

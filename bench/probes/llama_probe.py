@@ -3,7 +3,8 @@
 Correctness (logits vs the float32 reference, greedy tokens vs transformers) and decode
 ms/token at batch 1 and 8 against the bf16 torch peer (eager replayed from a CUDA graph,
 and torch.compile reduce-overhead), plus 512-token prefill. JSON to $OUT/llama_probe.json.
-Usage: python bench/probes/llama_probe.py [1b|8b ...]
+Usage: python bench/probes/llama_probe.py [1b|8b ...]; PROBE_KV=float32 for a float32 KV cache,
+PROBE_NO_TIMING=1 for the checks alone.
 """
 import faulthandler, json, os, sys, time, traceback
 import torch
@@ -50,8 +51,10 @@ def run_shape(key):
     r = results["shapes"][key] = {}
     t0 = time.time()
     w = random_model(cfg)
+    kv_dtype = getattr(torch, os.environ.get("PROBE_KV", "bfloat16"))
+    r["kv_dtype"] = str(kv_dtype)
     model = Llama(cfg, w, device="cuda", dtype=torch.bfloat16, max_batch_size=8, max_seq_len=1024,
-                  name=f"llama-{key}")
+                  name=f"llama-{key}", kv_dtype=kv_dtype)
     del w
     r["weight_bytes"] = model.shape.weight_bytes
     floor_ms = model.shape.weight_bytes / results["copy_Bps"] * 1e3
@@ -113,13 +116,22 @@ def run_shape(key):
         r["mk_steps_equal_f32_reference"] = [next((i for i, (a, c) in enumerate(zip(o[len(p):], t)) if a != c), 16)
                                              for o, p, t in zip(out, prompts, ref_tokens)]
         r["hf_missing"] = [k for k in missing.missing_keys if "rotary" not in k][:5]
+        # transformers in float32 on the same (bf16-valued) weights: the model itself, unrounded
+        hf = hf.float()
+        agree = []
+        for o, p in zip(out, prompts):
+            g = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                            attention_mask=torch.ones(1, len(p), device="cuda", dtype=torch.long))[0, len(p):].tolist()
+            agree.append(next((i for i, (a, b) in enumerate(zip(o[len(p):], g)) if a != b), 16))
+        r["greedy_agree_steps_vs_transformers_f32"] = agree
         del hf
     except Exception as e:  # noqa: BLE001
         r["transformers_error"] = repr(e)[:300]
     del ref
     torch.cuda.empty_cache()
     print(key, {k: v for k, v in r.items()}, flush=True)
-    time_shape(key, cfg, model, r)
+    if not os.environ.get("PROBE_NO_TIMING"):
+        time_shape(key, cfg, model, r)
 
 
 def time_shape(key, cfg, model, r):

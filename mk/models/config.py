@@ -207,13 +207,15 @@ class LlamaConfig:
             f.write(self.to_json())
         return path
 
-    def to_model_shape(self, name: str = "llama", dtype_bytes: int = 2):
-        """The planner's :class:`mk.planner.graph.ModelShape` of this config."""
+    def to_model_shape(self, name: str = "llama", dtype_bytes: int = 2, kv_dtype_bytes: int | None = None):
+        """The planner's :class:`mk.planner.graph.ModelShape` of this config (``kv_dtype_bytes``:
+        of a KV-cache element, default the weights' ``dtype_bytes``)."""
         from mk.planner.graph import ModelShape
         return ModelShape(name=name, hidden=self.hidden_size, intermediate=self.intermediate_size,
                           layers=self.num_hidden_layers, heads=self.num_attention_heads,
                           kv_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab=self.vocab_size,
-                          tie_embeddings=self.tie_word_embeddings, dtype_bytes=dtype_bytes)
+                          tie_embeddings=self.tie_word_embeddings, dtype_bytes=dtype_bytes,
+                          kv_dtype_bytes=kv_dtype_bytes)
 
 
 def _check_positive_int(name: str, v: object) -> None:

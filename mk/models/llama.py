@@ -68,29 +68,34 @@ class Llama:
     :meth:`from_config` (random weights). ``device`` defaults to CUDA when there is a GPU
     (else the CPU, through the Triton interpreter); ``dtype`` to bfloat16 on CUDA and
     float32 on the CPU. The KV cache for ``max_batch_size`` sequences of ``max_seq_len``
-    tokens is allocated here, once. ``plan_mode="measure"`` times the planner's top plans
+    tokens is allocated here, once, in ``kv_dtype`` (default: ``dtype``). Activations are
+    float32 whatever the dtype: weights and the cache are all that is rounded, and a
+    ``kv_dtype=torch.float32`` cache leaves only the weights (twice the cache memory; on a
+    random-weight Llama-3-8B the bf16 cache alone puts the logits ~2% off float32). ``plan_mode="measure"`` times the planner's top plans
     on the device the first time a batch size decodes and keeps the fastest (cached on
     disk like predicted plans).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
                  max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str = "llama",
-                 tokenizer=None, plan_mode: str = "predict"):
+                 tokenizer=None, plan_mode: str = "predict", kv_dtype=None):
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         _check_target(self.device, self.dtype)
+        self.kv_dtype = kv_dtype or self.dtype
+        _check_target(self.device, self.kv_dtype, what="kv_dtype")
         for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
         _check_plan_mode(plan_mode)
         self.config, self.name, self.tokenizer, self.plan_mode = config, name, tokenizer, plan_mode
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.shape = config.to_model_shape(name, dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
+        self.shape = config.to_model_shape(name, dtype_bytes=self.dtype.itemsize, kv_dtype_bytes=self.kv_dtype.itemsize)
         self.weights = self._pack(weights)
         c = config
         cache_shape = (c.num_hidden_layers, max_batch_size, c.num_key_value_heads, max_seq_len, c.head_dim)
-        self.k_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(cache_shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self._device_spec = device_spec
         self._decoders: dict[tuple[int, bool], _Decoder] = {}
         self.last_stats: dict = {}
@@ -100,12 +105,12 @@ class Llama:
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
                         max_seq_len: int = 4096, progress: bool = True, device_spec=None,
-                        plan_mode: str = "predict") -> "Llama":
+                        plan_mode: str = "predict", kv_dtype=None) -> "Llama":
         """Load ``folder`` (config.json + model.safetensors, or shards with an index).
 
         Everything is checked (config, files, every tensor's name and shape) before any
         weight reaches the device; errors name the file or tensor. A ``tokenizer.json`` in
-        the folder enables text prompts (:attr:`tokenizer`).
+        the folder enables text prompts (:attr:`tokenizer`). ``kv_dtype``: see :class:`Llama`.
         """
         from .tokenizer import load_tokenizer
 
@@ -114,23 +119,26 @@ class Llama:
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         _check_target(device, dtype)
+        _check_target(device, kv_dtype or dtype, what="kv_dtype")
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
-                   tokenizer=load_tokenizer(folder), plan_mode=plan_mode)
+                   tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype)
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
                     max_seq_len: int = 4096, device_spec=None, name: str = "random-llama",
-                    plan_mode: str = "predict") -> "Llama":
+                    plan_mode: str = "predict", kv_dtype=None) -> "Llama":
         """A model of any shape with random weights (deterministic for ``seed``)."""
         _check_plan_mode(plan_mode)
         device = torch.device(device) if device is not None else default_device()
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         _check_target(device, dtype)
+        _check_target(device, kv_dtype or dtype, what="kv_dtype")
         weights = random_weights(config, seed=seed, device=device, dtype=dtype)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                   max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode)
+                   max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
+                   kv_dtype=kv_dtype)
 
     def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hugging Face tensors -> the megakernel's (fused QKV, interleaved gate/up), by op name."""
@@ -299,21 +307,21 @@ class Llama:
         eps = c.rms_norm_eps
         positions = torch.arange(T, device=self.device, dtype=torch.int32).expand(B, T).contiguous()
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-        dt = self.dtype
-        # The residual stream x stays float32 (as in the decode step); the ops between
-        # residual adds take the weights' dtype.
+        f32 = torch.float32
+        # Every activation is float32, as in the decode step (mk.planner.lower): only the
+        # weights and the KV cache are rounded.
         x = embedding(ids.reshape(-1), W("embed")).float()
         for L in range(c.num_hidden_layers):
-            qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=dt)
+            qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
             q, k, v = qkv.view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             kc, vc = self.k_cache[L, :B], self.v_cache[L, :B]
             q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc)
             # Attention reads the rotated keys back from the cache ([B, Hkv, T, D] -> [B, T, Hkv, D] views).
             attn = prefill_attention(q, kc[:, :, :T].transpose(1, 2), vc[:, :, :T].transpose(1, 2), seqlens)
-            x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=torch.float32)
+            x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
             act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
-                         out_dtype=dt)
-            x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=torch.float32)
+                         out_dtype=f32)
+            x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=f32)
         if not all_logits:
             last = torch.tensor([b * T + n - 1 for b, n in enumerate(lengths)], device=self.device)
             x = x[last]
@@ -460,7 +468,7 @@ def _rows(input_ids) -> list[list[int]]:
     return [list(r) for r in input_ids] if input_ids and isinstance(input_ids[0], (list, tuple)) else [list(input_ids)]
 
 
-def _check_target(device: torch.device, dtype: torch.dtype) -> None:
+def _check_target(device: torch.device, dtype: torch.dtype, what: str = "dtype") -> None:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device}")
     if device.type == "cuda" and (INTERPRET or not torch.cuda.is_available()):
@@ -471,4 +479,4 @@ def _check_target(device: torch.device, dtype: torch.dtype) -> None:
                          "(set TRITON_INTERPRET=1 before importing mk to run on the CPU)")
     allowed = (torch.float32,) if device.type == "cpu" else (torch.bfloat16, torch.float16, torch.float32)
     if dtype not in allowed:
-        raise ValueError(f"dtype {dtype} is not supported on {device.type}; use one of {list(allowed)}")
+        raise ValueError(f"{what} {dtype} is not supported on {device.type}; use one of {list(allowed)}")

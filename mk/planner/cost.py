@@ -136,10 +136,9 @@ MEGAKERNEL_DOT_BUFFERS = 2
 SMALL_TASK_SMEM = 2 * 1024
 
 
-def _x_bytes(choice: OpChoice, dtype_bytes: int) -> int:
-    """Bytes of one element of a linear's x: the residual stream is float32 (see
-    :mod:`mk.planner.lower`), and a linear reads it exactly when an RMSNorm is fused in."""
-    return 4 if any(f.endswith("norm") for f in choice.fuse) else dtype_bytes
+#: Bytes of an activation element: the lowering keeps every activation float32 (see
+#: :mod:`mk.planner.lower`), whatever the weights' dtype.
+ACTIVATION_BYTES = 4
 
 
 def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
@@ -152,8 +151,9 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     * register GEMV (M = 1): the weights go to registers; what remains is the cross-warp
       reduction (64 B a weight row bounds it);
     * tl.dot tiles (M > 1): :data:`MEGAKERNEL_DOT_BUFFERS` x (x chunk [rows, block_k] + weight
-      chunk [block_n, block_k]); a float32 x (fused RMSNorm) is also converted to the dtype
-      through one [rows, block_k] buffer (+1 KiB of layout padding).
+      chunk [block_n, block_k]); a float32 x against 16-bit weights goes to the tensor cores
+      as two 16-bit halves (:func:`mk.tasks._dot.mma`), each staged through a [rows, block_k]
+      buffer (+1 KiB of layout padding without the TMA ring).
 
     Split-K needs nothing more: the partial is stored after the ring is dead and reuses it.
     Decode attention takes :func:`~mk.tasks.decode_attention.decode_attention_smem_bytes`; the
@@ -161,8 +161,9 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     any task takes (the task bodies are branches of one program and share the allocation).
     """
     if node.kind == "linear":
-        x_bytes = _x_bytes(choice, dtype_bytes)
-        norm = x_bytes != dtype_bytes
+        x_bytes = ACTIVATION_BYTES
+        norm = any(f.endswith("norm") for f in choice.fuse)
+        halves = x_bytes != dtype_bytes  # x meets the weights as hi + lo halves
         if node.dims["M"] == 1 and choice.tma_stages:
             chunk = choice.block_n * choice.block_k * dtype_bytes
             if choice.tma_stages == 1:
@@ -172,19 +173,20 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
         if node.dims["M"] == 1:
             return 64 * choice.block_n
         rows = _tile_rows_for(node.dims["M"])
+        # x's two halves, each staged as a [rows, block_k] tensor-core operand (compiled: H200).
+        staged = 2 * rows * choice.block_k * dtype_bytes if halves else 0
         if choice.tma_stages:
-            # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight
-            # chunk, plus x staged once more as the tensor-core operand.
+            # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight chunk.
             chunk = choice.block_n * choice.block_k * dtype_bytes
             side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
-            return (max(choice.tma_stages - 1, 1) * (chunk + side) + rows * choice.block_k * dtype_bytes
-                    + (1024 if norm else 0))
+            return max(choice.tma_stages - 1, 1) * (chunk + side) + staged
         ring = MEGAKERNEL_DOT_BUFFERS * (rows * x_bytes + choice.block_n * dtype_bytes) * choice.block_k
-        return ring + (rows * choice.block_k * dtype_bytes + 1024 if norm else 0)
+        return ring + (staged + 1024 if halves else 0)
     if node.kind == "attention":
         d = node.dims
         return decode_attention_smem_bytes(decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"],
-                                                                   dtype_bytes))
+                                                                   d.get("kv_dtype_bytes", dtype_bytes)),
+                                           q_bytes=ACTIVATION_BYTES)
     return SMALL_TASK_SMEM
 
 

@@ -42,9 +42,14 @@ class ModelShape:
     vocab: int
     tie_embeddings: bool = False
     dtype_bytes: int = 2
+    #: bytes of a KV-cache element; None: the weights' (a float32 cache under bf16 weights is 4)
+    kv_dtype_bytes: int | None = None
 
     def __post_init__(self):
-        for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes"):
+        if self.kv_dtype_bytes is None:
+            object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
+        for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
+                  "kv_dtype_bytes"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModelShape {self.name!r}: {f} must be an int >= 1, got {v!r}")
@@ -201,8 +206,9 @@ def llama_decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d}, rope_kv_cost(B, 1, hq, hkv, d, db), L,
            fuse_into=p + "qkv")
         op(p + "attention", "attention", [p + "q", p + "kv_cache"], [p + "attn"],
-           {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": kv_len},
-           decode_attention_cost(B, hq, hkv, d, kv_len, dtype_bytes=db), L)
+           {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": kv_len,
+            "kv_dtype_bytes": m.kv_dtype_bytes},
+           decode_attention_cost(B, hq, hkv, d, kv_len, dtype_bytes=m.kv_dtype_bytes), L)
         op(p + "o_proj", "linear", [p + "attn"], [p + "o"], {"M": B, "N": h, "K": hq * d},
            linear_cost(B, h, hq * d, db), L)
         op(p + "attn_residual", "add", [p + "o", x], [p + "x1"], {"rows": B, "n": h},

@@ -28,10 +28,13 @@ Buffers the caller provides (by name), all on one device:
   [B, S] (each sequence's history), all int32; with ``next_token="sample"`` also
   ``temperature`` float32 [1] and ``seed`` int64 [1].
 
-Activations and workspaces are allocated here, named after the op graph's tensors, in the
-weights' dtype, except the residual stream (the embedding and every residual add) and the
-logits, which are float32 like the split-K and attention workspaces: at 8B, a bf16 residual
-stream put the logits 3.5-4.5% off the float32 reference, and the stream is a few KiB a row.
+Activations and workspaces are allocated here, named after the op graph's tensors, all
+float32: only the weights and the KV cache are stored in a 16-bit dtype. A float32 activation
+meets a bf16 weight or cache in two bf16 halves on the tensor cores (:func:`mk.tasks._dot.mma`)
+or in float32 FMAs (the GEMV), so nothing between them is rounded: on a random-weight
+Llama-3-8B, a bf16 residual stream put the logits 3.5-4.5% off the float32 reference, and
+rounding q/k/v, the attention output and SiLU·mul's output still cost ~1%
+(bench/probes/precision_probe.py). A decode activation is a few KiB a row.
 """
 
 from __future__ import annotations
@@ -128,10 +131,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     fused_into = {f: host for host, c in plan.choices.items() for f in c.fuse}
     step = DecodeStep(g, plan, B, S, next_token)
 
-    float32_names = {"logits"} | {n.outputs[0] for n in graph.nodes if n.kind in ("embedding", "add")}
-
-    def activation(name: str, *shape: int, dt: torch.dtype | None = None) -> str:
-        dt = dt or (torch.float32 if name in float32_names else dtype)
+    def activation(name: str, *shape: int, dt: torch.dtype = torch.float32) -> str:
         if name in buffers:
             raise ValueError(f"lower_decode_step: activation {name} would overwrite the caller's buffer of that name")
         if name not in g.buffers:
@@ -175,8 +175,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                            head_dim=m.head_dim, max_seq=S, num_splits=splits)
             merge = make_op("decode_attention_merge", batch=B, num_q_heads=m.heads, head_dim=m.head_dim,
                             num_splits=splits)
-            o_part = activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim, dt=torch.float32)
-            lse = activation(f"{layer}.lse", B, m.heads, splits, dt=torch.float32)
+            o_part = activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim)
+            lse = activation(f"{layer}.lse", B, m.heads, splits)
             add_op(node.name, part, q=node.inputs[0], k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache",
                    seqlens="seqlens", o_part=o_part, lse=lse)
             add_op(node.name, merge, o_part=o_part, lse=lse, out=activation(node.outputs[0], B, m.heads * m.head_dim))
@@ -190,11 +190,11 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                 part = make_op("argmax_partial", rows=B, vocab=m.vocab)
                 extra = {}
             chunks = part.constexprs["N_CHUNKS"]
-            pv = activation("argmax.val", B, chunks, dt=torch.float32)
+            pv = activation("argmax.val", B, chunks)
             pi = activation("argmax.idx", B, chunks, dt=torch.int32)
             add_op(node.name, part, logits=node.inputs[0], part_val=pv, part_idx=pi, **extra)
             add_op(node.name, make_op("argmax_reduce", rows=B, vocab=m.vocab), part_val=pv, part_idx=pi,
-                   out_idx="ids", out_val=activation("next_val", B, dt=torch.float32))
+                   out_idx="ids", out_val=activation("next_val", B))
             add_op("append_token", make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos",
                    tokens="tokens")
         else:
@@ -248,7 +248,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
             red = make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, residual=add is not None,
                           silu_mul=silu is not None, **tiles)
-            ws = activation(f"{node.name}.ws", choice.split_k, M, N, dt=torch.float32)
+            ws = activation(f"{node.name}.ws", choice.split_k, M, N)
             add_op(node.name, part, **bind, ws=ws)
             add_op(node.name, red, ws=ws, **epilogue, out=out)
     except ValueError as err:

@@ -151,7 +151,9 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
                 for split_k in (1, 2, 4, 8):
                     if math.ceil(d["K"] / 256) < split_k:
                         continue
-                    for ring in (4, whole_range_stages(d["K"], 256, split_k)):
+                    # A skinny tile's float32 x chunk ([16, 256]: 16 KiB) rides beside each
+                    # weight chunk: a 3-deep ring is what fits a 99 KiB budget.
+                    for ring in sorted({*((3, 4) if skinny else (4,)), whole_range_stages(d["K"], 256, split_k)}):
                         out.append(OpChoice(block_n=block_n, block_k=256, split_k=split_k, num_warps=GEMV_WARPS,
                                             tma_stages=ring))
         return out
@@ -352,7 +354,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             rest = tuple(p for p in state.pending if p not in takes)
             for i, c in enumerate(ranked):
                 est = cost_of(node, c, takes)
-                if est.smem_bytes > budget:  # a fused RMSNorm widens x to float32
+                if est.smem_bytes > budget:  # fusions change a tile's buffers (a norm weight chunk)
                     continue
                 new_beam.append(_State(state.cost + est.seconds, max(state.peak_smem, est.smem_bytes),
                                        state.choices + ((node.name, replace(c, fuse=takes)),), rest,

@@ -147,7 +147,7 @@ def decode_attention_partial_tile(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = mma(p, v, acc * alpha[:, None])
         m_i = m_new
 
     has_keys = l_i > 0
@@ -253,7 +253,7 @@ def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits):
     if d < 1 or max_seq < 1:
         raise ValueError(f"k_cache must have head_dim >= 1 and S_max >= 1, got shape {tuple(k_cache.shape)}")
     check_tensor("seqlens", seqlens, shape=(batch,), dtype=_SEQLEN_DTYPES, contiguous=False)
-    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    check_same_dtype(k_cache=k_cache, v_cache=v_cache)  # q may differ: see mk.tasks._dot.mma
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -305,7 +305,8 @@ def decode_attention(
 
     Args:
         q: ``[B, Hq, D]``, last dim contiguous.
-        k_cache, v_cache: ``[B, Hkv, S_max, D]`` in q's dtype, last dim contiguous;
+        k_cache, v_cache: ``[B, Hkv, S_max, D]`` in one dtype (q's or another: a float32 q
+            meets a bf16 cache without being rounded), last dim contiguous;
             Hq must be a multiple of Hkv (query head h reads KV head h // (Hq / Hkv)).
         seqlens: ``[B]`` int32/int64, valid cached positions per sequence, in ``[1, S_max]``.
         scale: score scale, default ``1 / sqrt(D)``.
@@ -431,14 +432,17 @@ def decode_attention_cost(batch: int, num_q_heads: int, num_kv_heads: int, head_
     return TaskCost(kv_bytes + q_bytes + seqlen_bytes + workspace, workspace + out_bytes, flops)
 
 
-def decode_attention_smem_bytes(config: DecodeAttentionConfig) -> int:
+def decode_attention_smem_bytes(config: DecodeAttentionConfig, q_bytes: int | None = None) -> int:
     """Shared memory of the partial task: staged K and V tiles plus the dot operands.
 
     K and V blocks ``[BLOCK_N, BLOCK_D]`` per pipeline stage, q ``[BLOCK_G, BLOCK_D]``
-    and p ``[BLOCK_G, BLOCK_N]`` as tl.dot operands. An estimate to prune the search:
-    the compiled kernel's ``shared`` metadata is the truth.
+    and p ``[BLOCK_G, BLOCK_N]`` as tl.dot operands, twice over when a float32 q
+    (``q_bytes`` 4) meets a 16-bit cache: q and p go in as two halves each
+    (:func:`mk.tasks._dot.mma`). An estimate to prune the search: the compiled kernel's
+    ``shared`` metadata is the truth.
     """
     c = config
+    halves = 2 if (q_bytes or c.dtype_bytes) > c.dtype_bytes else 1
     kv = c.num_stages * 2 * c.block_n * c.block_d * c.dtype_bytes
-    operands = (c.block_g * c.block_d + c.block_g * c.block_n) * c.dtype_bytes
+    operands = (c.block_g * c.block_d + c.block_g * c.block_n) * c.dtype_bytes * halves
     return kv + operands

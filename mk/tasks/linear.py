@@ -6,9 +6,9 @@
     y   = silu(acc[:, 0::2]) * acc[:, 1::2]                        (with silu_mul; see interleave_gate_up)
 
 Accumulation is in float32 whatever the storage dtype; y is rounded once, at the store.
-The RMSNorm statistics are float32 too; the tl.dot body rounds the normalised x to the
-weight dtype before the MMA (as an unfused rmsnorm -> linear would), the GEMV body keeps
-it in float32.
+The RMSNorm statistics are float32 too. A float32 x (normalised or not) meets 16-bit
+weights in the tl.dot body as two 16-bit halves (:func:`mk.tasks._dot.mma`), so it is not
+rounded to the weight dtype; the GEMV body multiplies in float32.
 
 One tile body serves every shape; ``BLOCK_M`` (a constexpr) picks how it multiplies:
 
@@ -131,7 +131,7 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
         # cross-thread reduction inside the weight stream.
         acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
     else:
-        acc = mma(xt.to(w.dtype), tl.trans(w), acc)
+        acc = mma(xt, tl.trans(w), acc)
     return acc
 
 
@@ -214,7 +214,7 @@ def _linear_acc(
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
             if HAS_NORM:
                 xt = xt.to(tl.float32) * rstd[:, None] * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
-            acc = mma(xt.to(w.dtype), tl.trans(w), acc)
+            acc = mma(xt, tl.trans(w), acc)
     elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that

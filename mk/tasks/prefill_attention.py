@@ -80,9 +80,9 @@ def _online_softmax_update(acc, m_i, l_i, qk, v):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # p is rounded to the storage dtype for the second dot, as flash attention does:
-    # bf16 x bf16 products accumulate in float32 on the tensor cores.
-    acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+    # p is float32: against a 16-bit v it goes through the tensor cores in two halves
+    # (mma), not rounded once as flash attention does.
+    acc = mma(p, v, acc * alpha[:, None])
     return acc, m_new, l_i
 
 
@@ -220,7 +220,8 @@ def prefill_attention(
     Args:
         q: ``[B, T, Hq, D]``, unit stride in the last dim (other dims may be strided,
             e.g. a slice of a fused QKV projection).
-        k, v: ``[B, T, Hkv, D]``, same dtype as q; Hq must be a multiple of Hkv.
+        k, v: ``[B, T, Hkv, D]``, in one dtype (q's or another: a float32 q meets bf16 keys
+            without being rounded); Hq must be a multiple of Hkv.
         seqlens: optional ``[B]`` int32 (or int64) valid length of each row, in
             ``[0, T]``; None means every row is T long. Checked on the host, which
             synchronises with the device.
@@ -236,7 +237,7 @@ def prefill_attention(
     batch, seq_len, num_q_heads, head_dim = q.shape
     check_tensor("k", k, ndim=4, shape=(batch, seq_len, None, head_dim), contiguous=False, last_dim_contiguous=True)
     check_tensor("v", v, shape=tuple(k.shape), contiguous=False, last_dim_contiguous=True)
-    check_same_dtype(q=q, k=k, v=v)
+    check_same_dtype(k=k, v=v)  # q may differ: see mk.tasks._dot.mma
     check_same_device(q=q, k=k, v=v)
     if not (_is_pow2(head_dim) and 16 <= head_dim <= MAX_HEAD_DIM):
         raise ValueError(f"q has head_dim {head_dim}; expected a power of two in [16, {MAX_HEAD_DIM}]")

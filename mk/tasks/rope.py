@@ -326,7 +326,8 @@ def rope_kv(
         positions: ``[B, T]`` int32/int64, each in ``[0, S_max)`` and distinct within a row
             (two tokens of one sequence cannot share a cache slot).
         inv_freq: float32 ``[D // 2]``, from :func:`rope_inv_freq`.
-        k_cache, v_cache: ``[B, Hkv, S_max, D]`` in k's dtype, last dim contiguous.
+        k_cache, v_cache: ``[B, Hkv, S_max, D]``, last dim contiguous, in one dtype (k and v
+            are converted to it: it may differ from theirs).
 
     Writes ``k_cache[b, h, positions[b, t]] = rope(k[b, t, h])`` and
     ``v_cache[b, h, positions[b, t]] = v[b, t, h]``; no other cache row changes.
@@ -351,7 +352,9 @@ def rope_kv(
     check_tensor("k_cache", k_cache, shape=(batch, hkv, max_seq, d), contiguous=False)
     check_tensor("v_cache", v_cache, shape=(batch, hkv, max_seq, d), contiguous=False,
                  last_dim_contiguous=True)
-    check_same_dtype(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    # The cache may be wider than q/k/v (a float32 cache under bf16 weights): stores convert.
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_dtype(k_cache=k_cache, v_cache=v_cache)
     check_same_device(q=q, k=k, v=v, positions=positions, inv_freq=inv_freq, k_cache=k_cache,
                       v_cache=v_cache)
     # Range checks need the values on the host: not possible while a CUDA graph is

@@ -198,3 +198,36 @@ def test_measure_mode_times_the_top_plans_and_decodes_the_same(pair, tmp_path, m
     assert len(timed) >= 2 and all(t > 0 for t in timed) and plan.measured_s == min(timed)
     with pytest.raises(ValueError, match="plan_mode"):
         Llama.from_config(CONFIG, plan_mode="fastest")
+
+
+def test_a_bad_kv_dtype_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match="kv_dtype torch.int8"):
+        Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=8, kv_dtype=torch.int8)
+    model = Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=8)
+    assert model.kv_dtype == model.dtype and model.k_cache.dtype == model.dtype
+
+
+@pytest.mark.gpu
+def test_bf16_weights_with_a_float32_cache_decode_as_the_float32_reference():
+    """Activations are float32 and meet the bf16 weights unrounded: with a float32 KV cache
+    only the weights are bf16, so prefill and decode match the float32 reference on those
+    weights to summation order, and 24 greedy tokens agree. A bf16 cache costs its rounding."""
+    from mk.models.reference import greedy_generate
+
+    cfg = LlamaConfig.tiny(num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                           eos_token_id=None)
+    prompts = [[1, 5, 9, 200, 7, 3], [3, 4, 11]]
+    exact = Llama.from_config(cfg, seed=5, dtype=torch.bfloat16, kv_dtype=torch.float32, max_batch_size=2,
+                              max_seq_len=64)
+    assert exact.k_cache.dtype == torch.float32 and exact.shape.kv_dtype_bytes == 4
+    ref = ReferenceLlama(cfg, exact.hf_weights())
+    want, _ = prefill_logits(ref, prompts)
+    got = exact.logits(prompts)
+    for b, p in enumerate(prompts):
+        assert rel_err(got[b, :len(p)], want[b, :len(p)]) < 1e-4, b
+    out = exact.generate(prompts, max_new_tokens=24)
+    assert [o[len(p):] for o, p in zip(out, prompts)] == greedy_generate(ref, prompts, 24)
+    rounded = Llama.from_config(cfg, seed=5, dtype=torch.bfloat16, max_batch_size=2, max_seq_len=64)
+    got16 = rounded.logits(prompts)
+    err16 = max(rel_err(got16[b, :len(p)], want[b, :len(p)]) for b, p in enumerate(prompts))
+    assert 1e-4 < err16 < 2e-2, err16

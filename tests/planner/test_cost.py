@@ -61,23 +61,25 @@ def test_batch_8_costs_little_more_than_batch_1():
 
 def test_smem_of_linear_tiles_follows_the_3d_model():
     """The megakernel's tl.dot tiles get two operand buffers whatever their own stages
-    (Triton's default pipelining); a fused RMSNorm makes x float32 plus one conversion
-    buffer. TMA GEMV tiles hold tma_stages - 1 weight chunks in flight, each with x's
-    chunk, the norm weight's when fused, and a barrier. (Checked against the compiled
-    kernel on the GPU: tests/planner/test_smem_gpu.py.)"""
+    (Triton's default pipelining); x is float32 (every activation is) and meets 16-bit
+    weights as two halves, each staged through one more buffer. TMA GEMV tiles hold
+    tma_stages - 1 weight chunks in flight, each with x's float32 chunk, the norm weight's
+    when fused, and a barrier. (Checked against the compiled kernel on the GPU:
+    tests/planner/test_smem_gpu.py.)"""
     from mk.planner.cost import MEGAKERNEL_DOT_BUFFERS, op_smem_bytes
 
     g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=8, kv_len=64)
     down, qkv = g.node("l0.down"), g.node("l0.qkv")
     small = op_smem_bytes(down, OpChoice(block_n=64, block_k=256, stages=2))
     assert small == op_smem_bytes(down, OpChoice(block_n=64, block_k=256, stages=4))
-    assert small == MEGAKERNEL_DOT_BUFFERS * (16 + 64) * 256 * 2  # 16 rows: tl.dot's least
+    halves = 2 * 16 * 256 * 2 + 1024
+    assert small == MEGAKERNEL_DOT_BUFFERS * (16 * 4 + 64 * 2) * 256 + halves  # 16 rows: tl.dot's least
     normed = op_smem_bytes(qkv, OpChoice(block_n=64, block_k=256, fuse=("l0.attn_norm",)))
-    assert normed == MEGAKERNEL_DOT_BUFFERS * (16 * 4 + 64 * 2) * 256 + 16 * 256 * 2 + 1024
+    assert normed == small
     g1 = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
     ring = op_smem_bytes(g1.node("l0.qkv"), OpChoice(block_n=32, block_k=256, tma_stages=4, fuse=("l0.attn_norm",)))
     assert ring == 3 * (32 * 256 * 2 + 256 * 4 + 256 * 2 + 8)
-    assert op_smem_bytes(g1.node("l0.down"), OpChoice(block_n=32, block_k=256, tma_stages=4)) == 3 * (32 * 512 + 512 + 8)
+    assert op_smem_bytes(g1.node("l0.down"), OpChoice(block_n=32, block_k=256, tma_stages=4)) == 3 * (32 * 512 + 1024 + 8)
 
 
 def test_k_split_cuts_the_whole_range_ring_of_a_down_projection():

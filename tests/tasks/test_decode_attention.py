@@ -8,7 +8,7 @@ from mk.tasks.decode_attention import (
     decode_attention_cost, decode_attention_merge, decode_attention_num_splits,
     decode_attention_partials, decode_attention_ref, decode_attention_smem_bytes,
 )
-from tests.conftest import DTYPES, assert_close
+from tests.conftest import DTYPES, assert_close, rel_err
 
 SEQLENS = [1, 37, 100]  # one key, a partial block, and a cache filled to the end
 
@@ -25,6 +25,22 @@ def make_inputs(seqlens, hq, hkv, head_dim, dtype, device, max_seq=None):
         v_cache[b, :, n:] = float("nan")
     lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_attention_float32_q_over_a_bf16_cache(head_dim, num_splits, device):
+    """A float32 q against a bf16 cache: q and the probabilities meet the cache on the tensor
+    cores as two bf16 halves, not rounded, so the output is float32-exact on the bf16 cache
+    (rounding them costs ~1e-3)."""
+    q, k_cache, v_cache, lens = make_inputs(SEQLENS, 8, 2, head_dim, torch.bfloat16, device)
+    q = q.float() + 1e-3 * torch.randn_like(q, dtype=torch.float32)
+    out = decode_attention(q, k_cache, v_cache, lens, num_splits=num_splits)
+    assert out.dtype == torch.float32
+    ref = decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), lens)
+    assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
+    assert rel_err(decode_attention_ref(q.to(torch.bfloat16), k_cache, v_cache, lens), ref) > 1e-4
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

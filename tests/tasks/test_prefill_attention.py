@@ -14,7 +14,7 @@ from mk.tasks.prefill_attention import (
     prefill_attention_smem_bytes,
     prefill_attention_tile,
 )
-from tests.conftest import DTYPES, assert_close
+from tests.conftest import DTYPES, assert_close, rel_err
 
 
 def _qkv(batch, seq_len, hq, hkv, d, device, dtype=torch.float32):
@@ -47,6 +47,23 @@ def test_prefill_attention_matches_reference(batch, seq_len, hq, hkv, d, lens, b
     if lens is not None:
         for b, n in enumerate(lens):
             assert (got[b, n:] == 0).all(), f"padded rows of batch row {b} are not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, seq_len, hq, hkv, d, lens, blocks", CASES[1:3])
+def test_prefill_attention_float32_q_over_bf16_keys(batch, seq_len, hq, hkv, d, lens, blocks, device):
+    """A float32 q (mk keeps activations float32) against bf16 keys and values: neither q nor
+    the float32 probabilities are rounded to bf16 on the tensor cores (two bf16 halves), so
+    the output is float32-exact on the bf16 K/V, where rounding them costs ~1e-3."""
+    q, k, v = _qkv(batch, seq_len, hq, hkv, d, device, torch.bfloat16)
+    q = q.float() + 1e-3 * torch.randn_like(q, dtype=torch.float32)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    config = None if blocks is None else PrefillAttentionConfig(d, *blocks)
+    got = prefill_attention(q, k, v, seqlens, config=config)
+    assert got.dtype == torch.float32
+    ref = prefill_attention_ref(q.double(), k.double(), v.double(), seqlens)
+    assert rel_err(got, ref) < 1e-4, rel_err(got, ref)
+    assert rel_err(prefill_attention_ref(q.to(torch.bfloat16), k, v, seqlens), ref) > 1e-4
 
 
 def test_prefill_attention_poisoned_padding_does_not_leak(device):
