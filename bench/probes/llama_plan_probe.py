@@ -65,6 +65,28 @@ def ranked(i, **budget):
     return transform
 
 
+def skinny(bn, bk, ring, workers=None):
+    """A plan transform for decode batches: every linear a TMA-fed tl.dot tile of bn x bk
+    with a ring of ``ring`` chunks, split-K wherever that brings the tasks up to ~the workers
+    (at most 8 splits, at least 2 chunks a split)."""
+    def transform(plan, graph):
+        n_workers = workers or plan.workers
+        choices = {}
+        for name, c in plan.choices.items():
+            node = graph.node(name)
+            if node.kind != "linear":
+                choices[name] = c
+                continue
+            tiles, chunks = -(-node.dims["N"] // bn), -(-node.dims["K"] // bk)
+            split = 1
+            while tiles * split < n_workers and split < 8 and chunks // (2 * split) >= 2:
+                split *= 2
+            choices[name] = OpChoice(block_n=bn, block_k=bk, num_warps=4, tma_stages=ring, split_k=split,
+                                     fuse=c.fuse)
+        return replace(plan, choices=choices, workers=n_workers)
+    return transform
+
+
 MODEL_SPEC = []  # the live DeviceSpec, set in main
 VARIANTS = {
     "search": lambda p, g: p,
@@ -82,6 +104,13 @@ VARIANTS = {
     "tma16r4": uniform(TMA(16)),
     "tma64r2": uniform(TMA(64, 2)),
     "mixed": uniform(TMA(32), o_proj=REG(8, 2048), down=REG(8, 2048)),
+    # Decode-batch tiles: wider weight boxes carry the float32 x chunk over more weight rows.
+    "skinny32x256r3": skinny(32, 256, 3),
+    "skinny64x128r4": skinny(64, 128, 4),
+    "skinny128x128r3": skinny(128, 128, 3),
+    "skinny128x128r4_1perSM": skinny(128, 128, 4, workers=132),
+    "skinny128x64r6": skinny(128, 64, 6),
+    "skinny256x64r4": skinny(256, 64, 4),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),
