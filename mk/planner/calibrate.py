@@ -116,15 +116,16 @@ def _chain_graph_op(config: ChainConfig):
 
 
 def _phase_rows(config: ChainConfig, workers: int):
-    """The phases of one layer as (waves, task bytes, busy workers, tma) - what the cost model sees."""
-    from .cost import op_bytes_flops, op_phases
+    """The phases of one layer as (waves, task bytes, x bytes a task re-reads, busy workers,
+    tma) - what the cost model sees (:func:`mk.planner.cost.phase_costs`)."""
+    from .cost import _x_task_bytes, op_bytes_flops, op_phases
 
     node, choice = _chain_graph_op(config)
     nbytes, _ = op_bytes_flops(node, choice)
     rows = []
-    for tasks, phase_bytes in op_phases(node, choice, nbytes):
-        rows.append((math.ceil(tasks / workers), max(phase_bytes, 0) / tasks, min(tasks, workers),
-                     config.tma_stages > 0))
+    for i, (tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
+        rows.append((math.ceil(tasks / workers), max(phase_bytes, 0) / tasks,
+                     _x_task_bytes(node, choice) if i == 0 else 0, min(tasks, workers), config.tma_stages > 0))
     return rows
 
 
@@ -132,8 +133,8 @@ def fit_constants(t: Timings) -> dict[str, float]:
     """The cost-model constants that the timings imply.
 
     launch = the one-task spread minus one bare task (the spread's slope). The chains fit
-    ``per layer = sum over its phases of [wait + waves x (task + bytes / rate)]`` with rate
-    = min(worker rate of the path, bandwidth / busy workers): a least-squares fit of task,
+    ``per layer = sum over its phases of [wait + waves x (task + max(bytes / (bandwidth / busy),
+    (bytes + x re-read) / worker rate of the path))]``: a least-squares fit of task,
     wait and the two inverse worker rates, repeated until the set of worker-limited phases
     settles. A worker rate no chain is limited by stays 0 (unmeasured); overheads are never
     below zero.
@@ -153,13 +154,13 @@ def fit_constants(t: Timings) -> dict[str, float]:
         A, b, now = [], [], []
         for ch in t.chains:
             row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
-            for waves, task_bytes, busy, tma in _phase_rows(ch.config, t.workers):
+            for waves, task_bytes, reread, busy, tma in _phase_rows(ch.config, t.workers):
                 row[0] += waves
                 row[1] += 1
-                worker_limited = inv[tma] > busy / t.copy_Bps
+                worker_limited = (task_bytes + reread) * inv[tma] > task_bytes * busy / t.copy_Bps
                 now.append(worker_limited)
                 if worker_limited:
-                    row[2 if tma else 3] += waves * task_bytes
+                    row[2 if tma else 3] += waves * (task_bytes + reread)
                 else:
                     rhs -= waves * task_bytes * busy / t.copy_Bps
             A.append(row)
@@ -224,11 +225,12 @@ def _chain_graph(config: ChainConfig, device: torch.device, layers: int | None =
     bf16, n = torch.bfloat16, config.n
     layers = layers or config.layers
     g = TaskGraph()
+    # Activations float32, as the decode step's lowering keeps them.
     # As the decode step's lowering does: L2 prefetch ahead of register tiles only.
     kw = dict(M=1, N=n, K=n, block_n=config.block_n, block_k=config.block_k, tma_stages=config.tma_stages,
               prefetch_k=0 if config.tma_stages else min(PREFETCH_K, n), dtype=bf16)
     for i in range(layers + 1):
-        g.buffer(f"h{i}", torch.randn(1, n, device=device, dtype=bf16))
+        g.buffer(f"h{i}", torch.randn(1, n, device=device, dtype=torch.float32))
     for i in range(layers):
         g.buffer(f"w{i}", torch.randn(n, n, device=device, dtype=bf16) / n ** 0.5)
         if config.split_k == 1:

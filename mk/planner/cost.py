@@ -190,6 +190,13 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     return SMALL_TASK_SMEM
 
 
+def _x_task_bytes(node: OpNode, choice: OpChoice) -> int:
+    """Bytes of x one tile of a linear reads (float32, its rows over its K range, padded to
+    the tensor-core tile's rows)."""
+    d = node.dims
+    return _tile_rows_for(d["M"]) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES
+
+
 def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
     """The op's dependency phases as (tasks, bytes of ``nbytes``): tasks of one phase run in
     parallel and the next phase waits for them. A split-K linear is its partial tiles, then
@@ -264,9 +271,16 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     nbytes, flops = _op_traffic(node, choice, fused)
     rate = device.worker_rate(tma=node.kind == "linear" and choice.tma_stages > 0)
     streams = []
-    for phase_tasks, phase_bytes in op_phases(node, choice, nbytes):
+    for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
-        streams.append((phase_tasks, waves, max(phase_bytes, 0) / phase_tasks / min(rate, device.dram_bandwidth / busy)))
+        task_bytes = max(phase_bytes, 0) / phase_tasks
+        # A linear tile also streams its x rows over its K range (from L2, not DRAM), through
+        # the same worker: at batch 8 a [16, 256] float32 x chunk is as big as a 32-row bf16
+        # weight chunk, which halved what each worker's ring carried of weights (1B: 2.19 ms
+        # with 32-row tiles, 1.51 with 128-row; 8B: 15.8 and 6.2; bench/NOTES.md, session 8).
+        reread = _x_task_bytes(node, choice) if node.kind == "linear" and i == 0 else 0
+        streams.append((phase_tasks, waves, max(task_bytes / (device.dram_bandwidth / busy),
+                                                (task_bytes + reread) / rate)))
     memory_s = sum(waves * s for _, waves, s in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0
     return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s) for tasks, _, s in streams]

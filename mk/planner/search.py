@@ -147,14 +147,18 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
                                             num_warps=2 if skinny else GEMV_WARPS))
         if tma:  # TMA-streamed tiles: a 4-deep ring, or the task's whole K range
             # 64-row boxes measured 17.5 GB/s a worker on the 1B LM head, 32-row 28 GB/s.
-            for block_n in ((32, 64) if skinny else (16, 32)):
+            # Decode batches (skinny) take wider boxes: each tile re-reads its float32 x rows
+            # ([16, block_k] a chunk), so more weight rows a chunk carry them further; a
+            # 3-deep ring is what fits a 99 KiB budget, 6 deep keeps narrow-K chunks in flight.
+            shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
+                      else [(16, 256), (32, 256)])
+            for block_n, block_k in shapes:
                 for split_k in (1, 2, 4, 8):
-                    if math.ceil(d["K"] / 256) < split_k:
+                    if math.ceil(d["K"] / block_k) < split_k:
                         continue
-                    # A skinny tile's float32 x chunk ([16, 256]: 16 KiB) rides beside each
-                    # weight chunk: a 3-deep ring is what fits a 99 KiB budget.
-                    for ring in sorted({*((3, 4) if skinny else (4,)), whole_range_stages(d["K"], 256, split_k)}):
-                        out.append(OpChoice(block_n=block_n, block_k=256, split_k=split_k, num_warps=GEMV_WARPS,
+                    rings = (3, 4, 6) if skinny else (4,)
+                    for ring in sorted({*rings, whole_range_stages(d["K"], block_k, split_k)}):
+                        out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,
                                             tma_stages=ring))
         return out
     if node.kind == "attention":
