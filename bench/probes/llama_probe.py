@@ -46,6 +46,16 @@ def graph_of(fn, warmup=2):
     return g
 
 
+def agree_steps(hf, out, prompts, steps=16):
+    """Per prompt: how many of mk's first greedy tokens (``out``) transformers' ``hf`` repeats."""
+    agree = []
+    for o, p in zip(out, prompts):
+        g = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=steps, do_sample=False,
+                        attention_mask=torch.ones(1, len(p), device="cuda", dtype=torch.long))[0, len(p):].tolist()
+        agree.append(next((i for i, (a, b) in enumerate(zip(o[len(p):], g)) if a != b), steps))
+    return agree
+
+
 def run_shape(key):
     cfg = LlamaConfig(**SHAPES[key])
     r = results["shapes"][key] = {}
@@ -102,12 +112,7 @@ def run_shape(key):
         hf = LlamaForCausalLM(HFConfig(**cfg.to_hf_dict())).to(device="cuda", dtype=torch.bfloat16)
         missing = hf.load_state_dict({k: v.contiguous() for k, v in model.hf_weights().items()}, strict=False)
         hf.eval()
-        agree = []
-        for o, p in zip(out, prompts):
-            g = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
-                            attention_mask=torch.ones(1, len(p), device="cuda", dtype=torch.long))[0, len(p):].tolist()
-            agree.append(next((i for i, (a, b) in enumerate(zip(o[len(p):], g)) if a != b), 16))
-        r["greedy_agree_steps_vs_transformers"] = agree
+        r["greedy_agree_steps_vs_transformers"] = agree_steps(hf, out, prompts)
         # The yardstick: transformers' own bf16 model against the float32 reference.
         with torch.no_grad():
             hf_err = [((hf(torch.tensor([p], device="cuda")).logits[0].float() - want[b, :len(p)]).norm()
@@ -118,12 +123,7 @@ def run_shape(key):
         r["hf_missing"] = [k for k in missing.missing_keys if "rotary" not in k][:5]
         # transformers in float32 on the same (bf16-valued) weights: the model itself, unrounded
         hf = hf.float()
-        agree = []
-        for o, p in zip(out, prompts):
-            g = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
-                            attention_mask=torch.ones(1, len(p), device="cuda", dtype=torch.long))[0, len(p):].tolist()
-            agree.append(next((i for i, (a, b) in enumerate(zip(o[len(p):], g)) if a != b), 16))
-        r["greedy_agree_steps_vs_transformers_f32"] = agree
+        r["greedy_agree_steps_vs_transformers_f32"] = agree_steps(hf, out, prompts)
         del hf
     except Exception as e:  # noqa: BLE001
         r["transformers_error"] = repr(e)[:300]
