@@ -62,7 +62,7 @@ def run_generate(args) -> int:
     if max_seq > config.max_position_embeddings:
         raise ValueError(f"{len(ids)} prompt tokens + {new} new exceed the model's "
                          f"{config.max_position_embeddings} positions")
-    kv_dtype = getattr(torch, args.kv_dtype) if getattr(args, "kv_dtype", None) else None
+    kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     if args.model:
         model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=max_seq, kv_dtype=kv_dtype)
     else:

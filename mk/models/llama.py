@@ -71,19 +71,15 @@ class Llama:
     tokens is allocated here, once, in ``kv_dtype`` (default: ``dtype``). Activations are
     float32 whatever the dtype: weights and the cache are all that is rounded, and a
     ``kv_dtype=torch.float32`` cache leaves only the weights (twice the cache memory; on a
-    random-weight Llama-3-8B the bf16 cache alone puts the logits ~2% off float32). ``plan_mode="measure"`` times the planner's top plans
-    on the device the first time a batch size decodes and keeps the fastest (cached on
-    disk like predicted plans).
+    random-weight Llama-3-8B the bf16 cache alone puts the logits ~2% off float32).
+    ``plan_mode="measure"`` times the planner's top plans on the device the first time a
+    batch size decodes and keeps the fastest (cached on disk like predicted plans).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
                  max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str = "llama",
                  tokenizer=None, plan_mode: str = "predict", kv_dtype=None):
-        self.device = torch.device(device) if device is not None else default_device()
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        _check_target(self.device, self.dtype)
-        self.kv_dtype = kv_dtype or self.dtype
-        _check_target(self.device, self.kv_dtype, what="kv_dtype")
+        self.device, self.dtype, self.kv_dtype = _resolve_target(device, dtype, kv_dtype)
         for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
@@ -116,10 +112,7 @@ class Llama:
 
         _check_plan_mode(plan_mode)
         config = LlamaConfig.from_pretrained(folder)
-        device = torch.device(device) if device is not None else default_device()
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        _check_target(device, dtype)
-        _check_target(device, kv_dtype or dtype, what="kv_dtype")
+        device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
@@ -131,10 +124,7 @@ class Llama:
                     plan_mode: str = "predict", kv_dtype=None) -> "Llama":
         """A model of any shape with random weights (deterministic for ``seed``)."""
         _check_plan_mode(plan_mode)
-        device = torch.device(device) if device is not None else default_device()
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        _check_target(device, dtype)
-        _check_target(device, kv_dtype or dtype, what="kv_dtype")
+        device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         weights = random_weights(config, seed=seed, device=device, dtype=dtype)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
@@ -466,6 +456,17 @@ def _rows(input_ids) -> list[list[int]]:
                              f"{tuple(input_ids.shape)}")
         return [r.tolist() for r in input_ids.cpu()]
     return [list(r) for r in input_ids] if input_ids and isinstance(input_ids[0], (list, tuple)) else [list(input_ids)]
+
+
+def _resolve_target(device, dtype, kv_dtype) -> tuple[torch.device, torch.dtype, torch.dtype]:
+    """``(device, dtype, kv_dtype)`` with their defaults (the GPU if there is one; bf16 on
+    CUDA, float32 on the CPU; the cache in ``dtype``), checked before any work."""
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    _check_target(device, dtype)
+    kv_dtype = kv_dtype or dtype
+    _check_target(device, kv_dtype, what="kv_dtype")
+    return device, dtype, kv_dtype
 
 
 def _check_target(device: torch.device, dtype: torch.dtype, what: str = "dtype") -> None:

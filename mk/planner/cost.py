@@ -185,7 +185,7 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     if node.kind == "attention":
         d = node.dims
         return decode_attention_smem_bytes(decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"],
-                                                                   d.get("kv_dtype_bytes", dtype_bytes)),
+                                                                   d["kv_dtype_bytes"]),
                                            q_bytes=ACTIVATION_BYTES)
     return SMALL_TASK_SMEM
 
