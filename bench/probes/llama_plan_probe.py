@@ -87,6 +87,24 @@ def skinny(bn, bk, ring, workers=None):
     return transform
 
 
+def unfused_rope(plan, graph):
+    """The plan with RoPE + KV append as its own task after each QKV linear (as before the fusion)."""
+    choices = {}
+    for name, c in plan.choices.items():
+        ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv"]
+        choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in ropes))
+        choices.update({f: OpChoice() for f in ropes})
+    return replace(plan, choices=choices)
+
+
+def narrow(bn, *ops):
+    """The plan with ``ops`` (op-name suffixes) in GEMV tiles of ``bn`` rows (more tasks, same ring)."""
+    def transform(plan, graph):
+        return replace(plan, choices={n: replace(c, block_n=bn) if n.split(".")[-1] in ops else c
+                                      for n, c in plan.choices.items()})
+    return transform
+
+
 MODEL_SPEC = []  # the live DeviceSpec, set in main
 VARIANTS = {
     "search": lambda p, g: p,
@@ -111,6 +129,10 @@ VARIANTS = {
     "skinny128x128r4_1perSM": skinny(128, 128, 4, workers=132),
     "skinny128x64r6": skinny(128, 64, 6),
     "skinny256x64r4": skinny(256, 64, 4),
+    # RoPE + KV append as its own task again (fused into the QKV tiles since session 9).
+    "unfused_rope": unfused_rope,
+    # 8-row GEMV tiles for the 2048-row projections: 256 tasks instead of 128.
+    "bn8_o_down": narrow(8, "o_proj", "down"),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),

@@ -31,7 +31,7 @@ from mk.tasks.embedding import embedding
 from mk.tasks.linear import interleave_gate_up, linear
 from mk.tasks.prefill_attention import prefill_attention
 from mk.tasks.rmsnorm import rmsnorm
-from mk.tasks.rope import rope_inv_freq, rope_kv
+from mk.tasks.rope import deinterleave_rotary, interleave_rotary, rope_inv_freq, rope_kv
 from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
                              scale_logits_ref)
 
@@ -142,7 +142,10 @@ class Llama:
         for L in range(c.num_hidden_layers):
             p = f"model.layers.{L}."
             w[f"l{L}.attn_norm"] = get(p + "input_layernorm.weight")
-            w[f"l{L}.qkv"] = torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            # q and k rows in the interleaved rotary layout: RoPE then fuses into the QKV tiles.
+            w[f"l{L}.qkv"] = torch.cat([interleave_rotary(get(p + "self_attn.q_proj.weight"), c.head_dim),
+                                        interleave_rotary(get(p + "self_attn.k_proj.weight"), c.head_dim),
+                                        get(p + "self_attn.v_proj.weight")]).contiguous()
             w[f"l{L}.o_proj"] = get(p + "self_attn.o_proj.weight")
             w[f"l{L}.mlp_norm"] = get(p + "post_attention_layernorm.weight")
             w[f"l{L}.gate_up"] = interleave_gate_up(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight"))
@@ -152,7 +155,8 @@ class Llama:
         return w
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
-        """The weights under Hugging Face names, as views of the packed tensors (no copy)."""
+        """The weights under Hugging Face names: views of the packed tensors, except q and k
+        (copies, put back from the interleaved rotary layout)."""
         c, w = self.config, self.weights
         hq, hkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         out = {"model.embed_tokens.weight": w[WEIGHT + "embed"], "model.norm.weight": w[WEIGHT + "final_norm"]}
@@ -161,6 +165,7 @@ class Llama:
         for L in range(c.num_hidden_layers):
             p, lw = f"model.layers.{L}.", f"{WEIGHT}l{L}."
             q, k, v = w[lw + "qkv"].split([hq, hkv, hkv])
+            q, k = deinterleave_rotary(q, c.head_dim), deinterleave_rotary(k, c.head_dim)
             out.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
                         p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": w[lw + "o_proj"],
                         p + "input_layernorm.weight": w[lw + "attn_norm"],
@@ -305,7 +310,7 @@ class Llama:
             qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
             q, k, v = qkv.view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             kc, vc = self.k_cache[L, :B], self.v_cache[L, :B]
-            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc)
+            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True)
             # Attention reads the rotated keys back from the cache ([B, Hkv, T, D] -> [B, T, Hkv, D] views).
             attn = prefill_attention(q, kc[:, :, :T].transpose(1, 2), vc[:, :, :T].transpose(1, 2), seqlens)
             x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=f32)

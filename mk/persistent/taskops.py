@@ -395,13 +395,130 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
+@register("qkv_rope_kv")
+def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int, *,
+                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, norm: bool = False, eps: float = 1e-6,
+                   write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
+                   tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+    """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
+    (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
+    rotates its q / k pairs and stores q, or its k / v columns into the caches.
+
+    Operands: x ``[batch, K]``, w (q/k rows interleaved, :func:`mk.tasks.rope.interleave_rotary`),
+    norm_w ``[K]`` (with norm), pos ``[batch]``, inv_freq float32 ``[D/2]``, q float32
+    ``[batch, Hq * D]``, k_cache and v_cache ``[batch, Hkv, max_seq, D]``, with
+    ``write_seqlens`` seqlens ``[batch]`` (= pos + 1, written by the tiles of column 0).
+    Args: pid_m, pid_n. Tiles, weight streaming and their options as :func:`linear_op`.
+
+    Regions: a tile's cache write is at a runtime position, so it declares every position
+    of the heads (and head columns) it covers, per sequence: attention of those heads waits
+    for it, as it must.
+    """
+    _check_sizes("qkv_rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, K=K, max_seq=max_seq)
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    if d % 2:
+        raise ValueError(f"qkv_rope_kv: head_dim must be even, got {d}")
+    N = (hq + 2 * hkv) * d
+    s = _LinearShape("qkv_rope_kv", batch, N, K, 1, block_m, block_n, block_k, num_warps, False, False, 0, dtype)
+    if s.bn % 2:
+        raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
+    if preload_weights is None:
+        preload_weights = K <= s.bk
+    tma = _tma_stages(s, K, tma_stages, dtype)
+    if tma:
+        double_buffer, preload_weights = False, False
+    preload = bool(preload_weights and double_buffer and s.bm == 1)
+    operands = (("x", "w") + (("norm_w",) if norm else ()) + ("pos", "inv_freq", "q", "k_cache", "v_cache")
+                + (("seqlens",) if write_seqlens else ()))
+    body = (f"qkv_rope_kv_tile(x, w, {'norm_w' if norm else 'w'}, pos, inv_freq, q, k_cache, v_cache, "
+            f"{'seqlens' if write_seqlens else 'pos'}, pid_m, pid_n, M, K, S_MAX, {'EPS' if norm else '0.0'}, "
+            f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
+            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+    constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
+                  "SEQLENS": int(write_seqlens), "TMA_STAGES": tma, "PRELOAD": int(preload),
+                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
+    if norm:
+        constexprs["EPS"] = float(eps)
+
+    def run(b, a):
+        r0, r1, n0, n1, _, _ = s.tile(a)
+        h = _prologue_ref(_view("qkv_rope_kv", "x", b["x"], batch, K)[r0:r1], b["norm_w"] if norm else None, eps)
+        acc = h @ _2d(b["w"])[n0:n1].float().T
+        pos = _view("qkv_rope_kv", "pos", b["pos"], 1, batch)[0, r0:r1].long()
+        inv = _view("qkv_rope_kv", "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
+        cols = torch.arange(n0, n1, 2)
+        heads, in_head = cols // d, cols % d
+        angle = pos.float()[:, None] * inv[in_head // 2][None, :]
+        even, odd = acc[:, 0::2], acc[:, 1::2]
+        rot = (heads < hq + hkv)[None, :]
+        y_even = torch.where(rot, even * angle.cos() - odd * angle.sin(), even)
+        y_odd = torch.where(rot, odd * angle.cos() + even * angle.sin(), odd)
+        q = _view("qkv_rope_kv", "q", b["q"], batch, hq * d)
+        caches = {c: _view("qkv_rope_kv", c, b[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+                  for c in ("k_cache", "v_cache")}
+        for j, n in enumerate(cols.tolist()):
+            head, in_head = n // d, n % d
+            # Pair i of a rotated head goes back to elements (i, i + D/2); v stays in place.
+            dims = (in_head, in_head + 1) if head >= hq + hkv else (in_head // 2, in_head // 2 + d // 2)
+            for value, dim in zip((y_even[:, j], y_odd[:, j]), dims):
+                if head < hq:
+                    q[r0:r1, head * d + dim] = value.to(q.dtype)
+                    continue
+                cache = caches["k_cache" if head < hq + hkv else "v_cache"]
+                kv = head - hq if head < hq + hkv else head - hq - hkv
+                for i, p in enumerate(pos.tolist()):
+                    if 0 <= p < max_seq:
+                        cache[r0 + i, kv, p, dim] = value[i].to(cache.dtype)
+        if write_seqlens and a["pid_n"] == 0:
+            seqlens = _view("qkv_rope_kv", "seqlens", b["seqlens"], 1, batch)[0]
+            seqlens[r0:r1] = (pos + 1).clamp(0, max_seq).to(seqlens.dtype)
+
+    def reads(a, bind):
+        r0, r1, n0, n1, _, _ = s.tile(a)
+        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K),
+                Region(bind["pos"], 0, 1, r0, r1), Region(bind["inv_freq"], 0, 1, 0, d // 2)]
+        if norm:
+            regs.append(Region(bind["norm_w"], 0, 1, 0, K))
+        return regs
+
+    def writes(a, bind):
+        r0, r1, n0, n1, _, _ = s.tile(a)
+        regs = []
+        for head in range(n0 // d, (n1 - 1) // d + 1):
+            # The tile's weight rows of this head, then the elements they become.
+            lo, hi = max(n0, head * d) - head * d, min(n1, (head + 1) * d) - head * d
+            if head >= hq + hkv or (lo, hi) == (0, d):
+                spans = [(lo, hi)]
+            else:
+                spans = [(lo // 2, hi // 2), (lo // 2 + d // 2, hi // 2 + d // 2)]
+            if head < hq:
+                regs += [Region(bind["q"], r0, r1, head * d + c0, head * d + c1) for c0, c1 in spans]
+                continue
+            cache, kv = ("k_cache", head - hq) if head < hq + hkv else ("v_cache", head - hq - hkv)
+            regs += [Region(bind[cache], (row * hkv + kv) * max_seq, (row * hkv + kv + 1) * max_seq, c0, c1)
+                     for row in range(r0, r1) for c0, c1 in spans]
+        if write_seqlens and a["pid_n"] == 0:
+            regs.append(Region(bind["seqlens"], 0, 1, r0, r1))
+        return regs
+
+    preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
+                   if preload else "")
+    return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, preload=preload_src,
+                  imports=("from mk.tasks.linear import linear_weights_first",
+                           "from mk.tasks.qkv_rope import qkv_rope_kv_tile"),
+                  constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
+
+
 def linear_tiles(spec: OpSpec) -> list[dict]:
     """Descriptor args of every task of one whole linear / linear_partial / linear_reduce op.
 
     Tiles in row-major (pid_m, pid_n) order; for partials, all splits of a tile together.
     """
     c = spec.constexprs
-    if spec.name not in ("linear", "linear_partial", "linear_reduce"):
+    if spec.name not in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv"):
         raise ValueError(f"not a linear op: {spec.name!r}")
     tiles = [{"pid_m": m, "pid_n": n} for m in range(_cdiv(c["M"], c["BLOCK_M"]))
              for n in range(_cdiv(c["N"], c["BLOCK_N"]))]
@@ -509,7 +626,7 @@ def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = No
 
 @register("rope_kv")
 def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, *,
-               write_seqlens: bool = True, num_warps: int | None = None) -> OpSpec:
+               write_seqlens: bool = True, interleaved: bool = False, num_warps: int | None = None) -> OpSpec:
     """RoPE of sequence b's one new token, and its k and v appended to the KV cache.
 
     Operands: qkv ``[batch, (Hq + 2 Hkv) * D]`` (the fused QKV projection: q heads, then k
@@ -519,7 +636,8 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
     (:mod:`mk.tasks.rope`'s layout), and with ``write_seqlens`` seqlens int32/int64
     ``[batch]``, set to ``pos + 1`` (clipped to ``[0, max_seq]``): the lengths decode
     attention reads, so one positions buffer drives the whole step (let one layer's rope_kv
-    write them). Args: b.
+    write them). ``interleaved``: the rotation pairs are adjacent elements
+    (:mod:`mk.tasks.rope`). Args: b.
 
     Regions: the cache row written is at a runtime position, so the write region is
     conservatively *every* cache row of sequence b (all heads, all positions): attention
@@ -541,7 +659,7 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
             "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, (HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, "
             "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, 1, 0, HQ * HEAD_DIM, 0, HEAD_DIM, "
             "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
-            "HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)")
+            "HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED)")
     if write_seqlens:
         body += "\nrope_kv_seqlen_tile(pos, seqlens, b, 0, 1, 0, S_MAX)"
 
@@ -556,13 +674,14 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
         inv_freq = _view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
         positions = pos_t.reshape(1, 1)
         q_out = _view("rope_kv", "q", bufs["q"], batch, hq * d)
-        q_out[b] = rope_ref(qkv[:hq * d].view(1, 1, hq, d), positions, inv_freq).reshape(-1).to(q_out.dtype)
+        q_out[b] = rope_ref(qkv[:hq * d].view(1, 1, hq, d), positions, inv_freq,
+                            interleaved=interleaved).reshape(-1).to(q_out.dtype)
         pos = int(pos_t)
         if 0 <= pos < max_seq:
             kc = _view("rope_kv", "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
             vc = _view("rope_kv", "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
             k = qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d)
-            kc[b, :, pos] = rope_ref(k, positions, inv_freq)[0, 0].to(kc.dtype)
+            kc[b, :, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
             vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
         if write_seqlens:
             _view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = min(max(pos + 1, 0), max_seq)
@@ -584,7 +703,8 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
     return OpSpec(name="rope_kv", operands=operands, args=("b",), body=body,
                   imports=("from mk.tasks.rope import rope_kv_seqlen_tile, rope_kv_tile",),
                   constexprs={"BATCH": batch, "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HALF": d // 2,
-                              "BLOCK_H": block_h, "BLOCK_HALF": block_half, "SEQLENS": int(write_seqlens)},
+                              "BLOCK_H": block_h, "BLOCK_HALF": block_half, "SEQLENS": int(write_seqlens),
+                              "INTERLEAVED": int(bool(interleaved))},
                   num_warps=num_warps or rope_num_warps(block_h, block_half), run=run, reads=reads, writes=writes)
 
 
@@ -916,7 +1036,7 @@ def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
     (b, kv_head, split) order, all splits of a head together.
     """
     c = spec.constexprs
-    if spec.name in ("linear", "linear_partial", "linear_reduce"):
+    if spec.name in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv"):
         return linear_tiles(spec)
     if spec.name in ("rmsnorm", "silu_mul"):
         if rows is None:

@@ -251,7 +251,9 @@ def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[in
         # - a residual add epilogue: the host also reads the residual and writes the sum
         #   instead of its own output (same size), so + the residual = reads - writes;
         # - SiLU·mul: the host writes the I-wide product instead of the 2I-wide gate/up,
-        #   so - I = writes - reads.
+        #   so - I = writes - reads;
+        # - RoPE + KV append: the host writes rotated q and the cache rows instead of q/k/v
+        #   (the same elements), so about + 0 = reads - writes.
         nbytes += (f.bytes_written - f.bytes_read) if f.kind == "silu_mul" else (f.bytes_read - f.bytes_written)
         flops += f.flops
     return max(nbytes, 0), flops

@@ -19,7 +19,9 @@ token itself (top-k / top-p) and appends it with :func:`mk.tasks.append_token.ap
 Buffers the caller provides (by name), all on one device:
 
 * weights, named ``w.`` + their op: ``w.embed`` [V, H]; per layer ``w.l{L}.attn_norm``
-  [H], ``w.l{L}.qkv`` [(Hq + 2 Hkv) D, H], ``w.l{L}.o_proj`` [H, Hq D], ``w.l{L}.mlp_norm``
+  [H], ``w.l{L}.qkv`` [(Hq + 2 Hkv) D, H] (q rows, k rows, v rows; the q and k rows in the
+  interleaved rotary layout of :func:`mk.tasks.rope.interleave_rotary`, so that RoPE can fuse
+  into the QKV tiles), ``w.l{L}.o_proj`` [H, Hq D], ``w.l{L}.mlp_norm``
   [H], ``w.l{L}.gate_up`` [2 I, H] (:func:`mk.tasks.linear.interleave_gate_up`),
   ``w.l{L}.down`` [H, I]; ``w.final_norm`` [H], ``w.lm_head`` [V, H]; ``inv_freq``
   float32 [D/2];
@@ -157,13 +159,15 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         elif kind == "rmsnorm":
             add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=WEIGHT + node.name,
                    out=activation(node.outputs[0], B, m.hidden))
+        elif kind == "linear" and any(nodes[f].kind == "rope_kv" for f in choice.fuse):
+            _lower_qkv_rope(node, choice, nodes, add_op, activation, dtype, eps, S)
         elif kind == "linear":
             _lower_linear(node, choice, nodes, add_op, activation, dtype, eps)
         elif kind == "rope_kv":
             layer = node.name.rsplit(".", 1)[0]
             first = layer == "l0"  # one layer publishes the lengths attention reads
             spec = make_op("rope_kv", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
-                           max_seq=S, write_seqlens=first)
+                           max_seq=S, write_seqlens=first, interleaved=True)
             extra = {"seqlens": activation("seqlens", B, dt=torch.int32)} if first else {}
             add_op(node.name, spec, qkv=node.inputs[0], pos="pos", inv_freq="inv_freq",
                    q=activation(node.outputs[0], B, m.heads * m.head_dim), k_cache=f"{layer}.k_cache",
@@ -212,6 +216,36 @@ def step_queues(step: DecodeStep, graph: OpGraph, device: DeviceSpec, workers: i
         raise RuntimeError(f"step_queues: the simulation has {len(sim.worker_of)} tasks, the lowered step "
                            f"{len(step.graph.tasks)}: the two disagree on an op's tasks")
     return sim.queues()
+
+
+def _lower_qkv_rope(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
+                    max_seq: int) -> None:
+    """The QKV linear with RoPE + KV append (and its RMSNorm) fused: one qkv_rope_kv tile a task."""
+    fused = [nodes[f] for f in choice.fuse]
+    rope = next(f for f in fused if f.kind == "rope_kv")
+    norm = next((f for f in fused if f.kind == "rmsnorm"), None)
+    if choice.split_k != 1 or len(fused) > 1 + (norm is not None):
+        raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} with split_k={choice.split_k} "
+                         f"and {[f.name for f in fused]}: RoPE fuses only into a QKV linear without split-K, "
+                         f"beside its RMSNorm")
+    d, r = node.dims, rope.dims
+    layer = node.name.rsplit(".", 1)[0]
+    first = layer == "l0"  # one layer publishes the lengths attention reads
+    bind = {"x": norm.inputs[0] if norm is not None else node.inputs[0], "w": WEIGHT + node.name,
+            "pos": "pos", "inv_freq": "inv_freq", "q": activation(rope.outputs[0], d["M"], r["heads"] * r["head_dim"]),
+            "k_cache": f"{layer}.k_cache", "v_cache": f"{layer}.v_cache"}
+    if norm is not None:
+        bind["norm_w"] = WEIGHT + norm.name
+    if first:
+        bind["seqlens"] = activation("seqlens", d["M"], dt=torch.int32)
+    try:
+        spec = make_op("qkv_rope_kv", batch=d["M"], num_q_heads=r["heads"], num_kv_heads=r["kv_heads"],
+                       head_dim=r["head_dim"], K=d["K"], max_seq=max_seq, block_n=choice.block_n,
+                       block_k=choice.block_k, num_warps=choice.num_warps, norm=norm is not None, eps=eps,
+                       write_seqlens=first, tma_stages=choice.tma_stages, dtype=dtype)
+    except ValueError as err:
+        raise ValueError(f"lower_decode_step: op {node.name} with {choice}: {err}") from None
+    add_op(node.name, spec, **bind)
 
 
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps) -> None:

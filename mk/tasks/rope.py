@@ -7,6 +7,13 @@ For a head vector x of even size D, with x1 = x[:D/2] and x2 = x[D/2:]:
                    x2 * cos(angle) + x1 * sin(angle))
 
 which is Hugging Face's ``x * cos + rotate_half(x) * sin`` with ``cos = cat(cos, cos)``.
+
+``interleaved=True`` reads the pairs as adjacent elements instead, ``x1 = x[0::2]`` and
+``x2 = x[1::2]``, and writes the result in the usual half-split layout:
+``rope(interleave_rotary(x), interleaved=True) == rope(x)``. mk's Llama permutes its q and
+k weight rows once at load time (:func:`interleave_rotary`), so that a QKV tile of any
+even width holds whole pairs and can rotate its own output (:mod:`mk.tasks.qkv_rope`);
+rotated q and the KV cache keep the usual layout.
 ``rope_kv`` rotates q and k of each new token, returns the rotated q, and writes the
 rotated k and the untouched v into the KV cache at the token's position.
 
@@ -119,21 +126,25 @@ def rope_cos_sin(inv_freq_ptr, position, HALF: tl.constexpr, BLOCK_HALF: tl.cons
 def rope_rotate_heads(
     x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos, sin,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
     """Heads ``0..num_heads`` of one token: out[h] = rope(x[h]) (or a plain copy if not ROTATE).
 
     ``x_ptr`` / ``out_ptr`` point at head 0 of the token; rows are ``stride_*h`` apart and
-    contiguous inside. ``cos`` / ``sin`` come from :func:`rope_cos_sin`.
+    contiguous inside. ``cos`` / ``sin`` come from :func:`rope_cos_sin`. INTERLEAVED: x's
+    pair i is elements (2i, 2i + 1), else (i, i + HALF); out's is always (i, i + HALF).
     """
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
+    first = offs_c * 2 if INTERLEAVED else offs_c
+    second: tl.constexpr = 1 if INTERLEAVED else HALF
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + offs_h
         mask = (heads < num_heads)[:, None] & (offs_c < HALF)[None, :]
-        x1_ptrs = x_ptr + heads[:, None] * stride_xh + offs_c[None, :]
+        x1_ptrs = x_ptr + heads[:, None] * stride_xh + first[None, :]
         o1_ptrs = out_ptr + heads[:, None] * stride_oh + offs_c[None, :]
         x1 = tl.load(x1_ptrs, mask=mask, other=0.0)
-        x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0)
+        x2 = tl.load(x1_ptrs + second, mask=mask, other=0.0)
         if ROTATE:
             x1 = x1.to(tl.float32)
             x2 = x2.to(tl.float32)
@@ -153,14 +164,14 @@ def rope_tile(
     stride_xb, stride_xt, stride_xh,
     stride_pb, stride_pt,
     stride_ob, stride_ot, stride_oh,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr = False,
 ):
     """Rotate all heads of token (b, t) of x into out; touches out[b, t] only."""
     position = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
     cos, sin = rope_cos_sin(inv_freq_ptr, position, HALF, BLOCK_HALF)
     rope_rotate_heads(x_ptr + b * stride_xb + t * stride_xt, out_ptr + b * stride_ob + t * stride_ot,
                       stride_xh, stride_oh, num_heads, cos, sin,
-                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, INTERLEAVED=INTERLEAVED)
 
 
 @triton.jit
@@ -174,7 +185,7 @@ def rope_kv_tile(
     stride_qob, stride_qot, stride_qoh,
     stride_kcb, stride_kch, stride_kcs,
     stride_vcb, stride_vch, stride_vcs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr = False,
 ):
     """Token (b, t): q_out[b, t] = rope(q[b, t]); caches[b, :, pos] = rope(k[b, t]), v[b, t].
 
@@ -186,13 +197,13 @@ def rope_kv_tile(
     cos, sin = rope_cos_sin(inv_freq_ptr, position, HALF, BLOCK_HALF)
     rope_rotate_heads(q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_qob + t * stride_qot,
                       stride_qh, stride_qoh, num_q_heads, cos, sin,
-                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, INTERLEAVED=INTERLEAVED)
     # A head count of 0 makes the cache loops empty: no branch on a tensor condition needed.
     kv_heads = tl.where((position >= 0) & (position < max_seq), num_kv_heads, 0)
     rope_rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
                       k_cache_ptr + b * stride_kcb + position * stride_kcs,
                       stride_kh, stride_kch, kv_heads, cos, sin,
-                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True)
+                      HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, INTERLEAVED=INTERLEAVED)
     rope_rotate_heads(v_ptr + b * stride_vb + t * stride_vt,
                       v_cache_ptr + b * stride_vcb + position * stride_vcs,
                       stride_vh, stride_vch, kv_heads, cos, sin,
@@ -218,12 +229,12 @@ def rope_kv_seqlen_tile(pos_ptr, seqlens_ptr, b, t, stride_pb, stride_pt, max_se
 def rope_kernel(
     x_ptr, pos_ptr, inv_freq_ptr, out_ptr, T, num_heads,
     stride_xb, stride_xt, stride_xh, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rope_tile(x_ptr, pos_ptr, inv_freq_ptr, out_ptr, pid // T, pid % T, num_heads,
               stride_xb, stride_xt, stride_xh, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-              HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
+              HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED)
 
 
 @triton.jit
@@ -237,7 +248,7 @@ def rope_kv_kernel(
     stride_qob, stride_qot, stride_qoh,
     stride_kcb, stride_kch, stride_kcs,
     stride_vcb, stride_vch, stride_vcs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rope_kv_tile(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
@@ -246,7 +257,7 @@ def rope_kv_kernel(
                  stride_vb, stride_vt, stride_vh, stride_pb, stride_pt,
                  stride_qob, stride_qot, stride_qoh,
                  stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
-                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF)
+                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED)
 
 
 # --------------------------------------------------------------------------- settings
@@ -277,6 +288,36 @@ def _check_inv_freq(inv_freq: object, half: int) -> torch.Tensor:
     return check_tensor("inv_freq", inv_freq, shape=(half,), dtype=torch.float32)
 
 
+def _check_interleaved(interleaved: object) -> None:
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+
+
+def interleave_rotary(t: torch.Tensor, head_dim: int, dim: int = 0) -> torch.Tensor:
+    """``t`` with axis ``dim`` (heads of ``head_dim`` elements) reordered from the half-split
+    layout to the interleaved one: element i of a head goes to 2i, element i + D/2 to 2i + 1.
+
+    On q / k projection weights ``[H * D, K]`` (dim 0) this makes a model whose q and k
+    come out interleaved; a new contiguous tensor. Inverse: :func:`deinterleave_rotary`.
+    """
+    return _permute_head_axis(t, head_dim, dim, (2, head_dim // 2))
+
+
+def deinterleave_rotary(t: torch.Tensor, head_dim: int, dim: int = 0) -> torch.Tensor:
+    """The inverse of :func:`interleave_rotary` (interleaved -> half-split), a new tensor."""
+    return _permute_head_axis(t, head_dim, dim, (head_dim // 2, 2))
+
+
+def _permute_head_axis(t: torch.Tensor, head_dim: int, dim: int, split: tuple[int, int]) -> torch.Tensor:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even int >= 2, got {head_dim!r}")
+    dim = dim % t.dim()
+    if t.shape[dim] % head_dim:
+        raise ValueError(f"axis {dim} of size {t.shape[dim]} is not a whole number of heads of {head_dim}")
+    shape = t.shape[:dim] + (t.shape[dim] // head_dim, *split) + t.shape[dim + 1:]
+    return t.reshape(shape).transpose(dim + 1, dim + 2).reshape(t.shape).contiguous()
+
+
 def _check_head_dim(name: str, t: torch.Tensor) -> int:
     d = t.shape[-1]
     if d < 2 or d % 2:
@@ -284,13 +325,16 @@ def _check_head_dim(name: str, t: torch.Tensor) -> int:
     return d
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+         interleaved: bool = False) -> torch.Tensor:
     """Rotary embedding of ``x`` (no cache).
 
     Args:
         x: ``[B, T, H, D]``, D even; last dim contiguous (a slice of a fused QKV output works).
         positions: ``[B, T]`` int32/int64, the position of each token.
         inv_freq: float32 ``[D // 2]``, from :func:`rope_inv_freq`.
+        interleaved: x's rotation pairs are adjacent elements (see the module docstring);
+            the result has the usual layout.
 
     Returns:
         A new contiguous ``[B, T, H, D]`` tensor in x's dtype.
@@ -300,6 +344,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     _check_head_dim("x", x)
     _check_positions(positions, batch, tokens)
     _check_inv_freq(inv_freq, d // 2)
+    _check_interleaved(interleaved)
     check_same_device(x=x, positions=positions, inv_freq=inv_freq)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
@@ -308,7 +353,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
             x, positions, inv_freq, out, tokens, heads,
             x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, INTERLEAVED=interleaved,
             num_warps=rope_num_warps(block_h, block_half),
         )
     return out
@@ -316,7 +361,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
 
 def rope_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False,
 ) -> torch.Tensor:
     """Rotate q and k at ``positions``, append k and v to the KV cache, return the rotated q.
 
@@ -328,6 +373,8 @@ def rope_kv(
         inv_freq: float32 ``[D // 2]``, from :func:`rope_inv_freq`.
         k_cache, v_cache: ``[B, Hkv, S_max, D]``, last dim contiguous, in one dtype (k and v
             are converted to it: it may differ from theirs).
+        interleaved: q's and k's rotation pairs are adjacent elements (see the module
+            docstring); the rotated q and the cache rows have the usual layout.
 
     Writes ``k_cache[b, h, positions[b, t]] = rope(k[b, t, h])`` and
     ``v_cache[b, h, positions[b, t]] = v[b, t, h]``; no other cache row changes.
@@ -347,6 +394,7 @@ def rope_kv(
     check_tensor("v", v, shape=(batch, tokens, hkv, d), contiguous=False, last_dim_contiguous=True)
     _check_positions(positions, batch, tokens)
     _check_inv_freq(inv_freq, d // 2)
+    _check_interleaved(interleaved)
     check_tensor("k_cache", k_cache, ndim=4, contiguous=False, last_dim_contiguous=True)
     max_seq = k_cache.shape[2]
     check_tensor("k_cache", k_cache, shape=(batch, hkv, max_seq, d), contiguous=False)
@@ -382,7 +430,7 @@ def rope_kv(
             q_out.stride(0), q_out.stride(1), q_out.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, INTERLEAVED=interleaved,
             num_warps=rope_num_warps(block_h, block_half),
         )
     return q_out
@@ -391,8 +439,13 @@ def rope_kv(
 # --------------------------------------------------------------------------- references
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Plain torch rotary embedding in float32, written as Hugging Face's rotate_half form."""
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+             interleaved: bool = False) -> torch.Tensor:
+    """Plain torch rotary embedding in float32, written as Hugging Face's rotate_half form
+    (interleaved: x's pairs are ``x[..., 0::2]`` and ``x[..., 1::2]``, put side by side into
+    halves first; the result has the usual layout)."""
+    if interleaved:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     angle = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)   # [B, T, D/2]
     emb = torch.cat([angle, angle], dim=-1)[:, :, None, :]                        # [B, T, 1, D]
     xf = x.float()
@@ -403,15 +456,15 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
 
 def rope_kv_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference for :func:`rope_kv`; changes nothing it is given.
 
     Returns float32 ``(q_rot, k_cache_after, v_cache_after)``: the caches are float32
     copies with the new rows written.
     """
-    q_rot = rope_ref(q, positions, inv_freq)
-    k_rot = rope_ref(k, positions, inv_freq)
+    q_rot = rope_ref(q, positions, inv_freq, interleaved=interleaved)
+    k_rot = rope_ref(k, positions, inv_freq, interleaved=interleaved)
     k_after, v_after = k_cache.float().clone(), v_cache.float().clone()
     for b in range(q.shape[0]):
         for t in range(q.shape[1]):

@@ -1,5 +1,5 @@
-"""Compile a decoder-layer megakernel (embedding, rope_kv, split-KV attention, argmax and the
-linear ops) for sm_90 in bfloat16 without a GPU. Run by test_model_ops.py in a subprocess,
+"""Compile a decoder-layer megakernel (embedding, rope_kv, the fused QKV + RoPE, split-KV
+attention, argmax and the linear ops) for sm_90 in bfloat16 without a GPU. Run by test_model_ops.py in a subprocess,
 because the interpreter switch is read when Triton decorates kernels."""
 
 import os
@@ -43,6 +43,10 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("linear", M=B, N=qkv_n, K=H, dtype=BF16), x="xn", w="wqkv", out="qkv")
     add(make_op("rope_kv", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S),
         qkv="qkv", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc", seqlens="seqlens")
+    # The fused QKV + RoPE + KV append (the decode step's QKV task), TMA-fed, after the unfused pair.
+    add(make_op("qkv_rope_kv", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, K=H, max_seq=S,
+                block_n=64, block_k=64, norm=True, tma_stages=3, dtype=BF16),
+        x="x", w="wqkv", norm_w="ln", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc")
     add(make_op("decode_attention_partial", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
                 num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse")
     add(make_op("decode_attention_merge", batch=B, num_q_heads=HQ, head_dim=D, num_splits=splits),
@@ -63,7 +67,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
 def main() -> None:
     program = lower(decoder_graph(), num_workers=8)
     names = {spec.name for spec, _ in program.variants}
-    assert {"embedding", "rope_kv", "decode_attention_partial", "decode_attention_merge", "argmax_partial",
+    assert {"embedding", "rope_kv", "qkv_rope_kv", "decode_attention_partial", "decode_attention_merge", "argmax_partial",
             "argmax_reduce"} <= names, names
     compiled = compile_for_target(program, num_warps=4)
     ptx = compiled.asm["ptx"]

@@ -27,7 +27,7 @@ from mk.tasks.decode_attention import decode_attention_partials, decode_attentio
 from mk.tasks.embedding import embedding_ref
 from mk.tasks.linear import interleave_gate_up, linear_ref
 from mk.tasks.rmsnorm import rmsnorm_ref
-from mk.tasks.rope import rope_inv_freq, rope_kv_ref
+from mk.tasks.rope import interleave_rotary, rope_inv_freq, rope_kv_ref
 from tests.conftest import assert_close
 from tests.persistent._helpers import can_compile_for_cuda, compile_script_ok, region_coverage
 
@@ -138,6 +138,48 @@ def test_rope_kv_op(hq, hkv, pos_dtype, _seed):
 
     run_kernel_and_vm(g, {"q": nan(batch, hq * d), "kc": kc0, "vc": vc0,
                           "seqlens": torch.full((batch,), -7, dtype=torch.int32)}, check, _seed)
+
+
+@pytest.mark.parametrize("block_n,block_m", [(4, 1), (32, 1), (16, 16)], ids=["quarter-head", "two-heads", "dot"])
+def test_qkv_rope_kv_op(block_n, block_m, _seed):
+    # The fused QKV + RoPE + append on half-split weights made interleaved: equal to the
+    # linear then rope_kv references, every other cache row untouched, each position out of
+    # range writing no row; tiles of a fraction of a head, of two heads, and tl.dot tiles.
+    batch, hq, hkv, d, K, max_seq = 3, 4, 2, 16, 40, 9
+    w_hf = torch.randn((hq + 2 * hkv) * d, K, device=DEV) * 0.2
+    wq, wk, wv = w_hf.split([hq * d, hkv * d, hkv * d])
+    g = TaskGraph()
+    g.buffer("x", torch.randn(batch, K, device=DEV))
+    g.buffer("w", torch.cat([interleave_rotary(wq, d), interleave_rotary(wk, d), wv]).contiguous())
+    g.buffer("norm_w", 1 + 0.1 * torch.randn(K, device=DEV))
+    pos = torch.tensor([max_seq - 1, max_seq, 3], dtype=torch.int32, device=DEV)
+    g.buffer("pos", pos), g.buffer("inv_freq", rope_inv_freq(d, 10000.0).to(DEV))
+    g.buffer("q", nan(batch, hq * d))
+    kc0, vc0 = torch.randn(batch, hkv, max_seq, d, device=DEV), torch.randn(batch, hkv, max_seq, d, device=DEV)
+    g.buffer("kc", kc0.clone()), g.buffer("vc", vc0.clone())
+    g.buffer("seqlens", torch.zeros(batch, dtype=torch.int32, device=DEV))
+    op = make_op("qkv_rope_kv", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, K=K, max_seq=max_seq,
+                 block_m=block_m, block_n=block_n, block_k=16, norm=True, eps=EPS, write_seqlens=True)
+    add_all(g, op, x="x", w="w", norm_w="norm_w", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc",
+            v_cache="vc", seqlens="seqlens")
+    qkv = linear_ref(g.buffers["x"], w_hf, norm_weight=g.buffers["norm_w"], norm_eps=EPS).view(batch, 1, -1, d)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=2)
+    # The reference clips nothing: give it a copy of the caches one row longer.
+    pad = lambda c: torch.cat([c, torch.zeros(batch, hkv, 1, d, device=DEV)], dim=2)  # noqa: E731
+    q_rot, k_ref, v_ref = rope_kv_ref(q, k, v, pos.view(batch, 1), g.buffers["inv_freq"], pad(kc0), pad(vc0))
+    written = torch.zeros(batch, hkv, max_seq, dtype=torch.bool)
+    written[0, :, max_seq - 1] = written[2, :, 3] = True
+
+    def check(what):
+        assert_close(g.buffers["q"], q_rot.reshape(batch, hq * d), F32, f"{what}: q")
+        for name, ref, before in (("kc", k_ref, kc0), ("vc", v_ref, vc0)):
+            got = g.buffers[name]
+            assert_close(got[written], ref[:, :, :max_seq][written], F32, f"{what}: {name}")
+            assert torch.equal(got[~written], before[~written]), f"{what}: {name} rows off the positions changed"
+        assert g.buffers["seqlens"].tolist() == [max_seq, max_seq, 4], what
+
+    run_kernel_and_vm(g, {"q": nan(batch, hq * d), "kc": kc0, "vc": vc0,
+                          "seqlens": torch.zeros(batch, dtype=torch.int32)}, check, _seed)
 
 
 def test_rope_kv_position_past_the_cache_writes_no_row(_seed):

@@ -3,7 +3,7 @@
 The lowered step of a small Llama-shaped model must equal the plain-torch reference's
 decode step (logits, cache rows, the appended token and the advanced position) whatever
 the plan: the search's top plans, and plans with split-K linears, split-KV attention, an
-RMSNorm as its own tasks, and TMA-streamed tiles. The VM runs the same descriptors with
+RMSNorm or RoPE as their own tasks (else fused into the QKV tiles), and TMA-streamed tiles. The VM runs the same descriptors with
 many workers in random interleavings: it fails on any read before its producers have
 signalled, so passing proves the derived dependencies exact and complete.
 """
@@ -40,11 +40,15 @@ def variants(graph):
     plans = search(graph, DeviceSpec.preset("h100"), top_k=2)
     best = plans[0]
     edited = dict(best.choices)
+    assert all("l0.rope_kv" in best.choices[n].fuse for n in ("l0.qkv",)), "the search fuses RoPE into QKV"
     for name in ("l0.down", "l1.qkv", "lm_head"):
         edited[name] = replace(edited[name], split_k=2, block_k=32, tma_stages=0)
+    # RoPE does not fuse into a split-K QKV: l1's runs as its own task.
+    edited["l1.qkv"] = replace(edited["l1.qkv"], fuse=tuple(f for f in edited["l1.qkv"].fuse if f != "l1.rope_kv"))
+    edited["l1.rope_kv"] = OpChoice()
     edited["l1.attention"] = OpChoice(kv_splits=3)
-    # l0's attention norm as its own tasks rather than the QKV prologue.
-    edited["l0.qkv"] = replace(edited["l0.qkv"], fuse=())
+    # l0's attention norm as its own tasks rather than the QKV prologue (RoPE stays fused).
+    edited["l0.qkv"] = replace(edited["l0.qkv"], fuse=("l0.rope_kv",))
     edited["l0.attn_norm"] = OpChoice()
     tma = {n: replace(c, tma_stages=2, block_n=16, block_k=32, split_k=1) if graph.node(n).kind == "linear" else c
            for n, c in best.choices.items()}

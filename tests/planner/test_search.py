@@ -49,7 +49,7 @@ def test_search_is_deterministic_and_explains_itself():
     text = a[0].explain()
     assert "l15.down" in text and "fused l0.attn_norm" in text and " us" in text
     data = json.loads(a[0].to_json())
-    assert data["choices"]["l0.qkv"]["fuse"] == ["l0.attn_norm"]
+    assert data["choices"]["l0.qkv"]["fuse"] == ["l0.attn_norm", "l0.rope_kv"]
     with pytest.raises(ValueError, match="beam_width"):
         search(g, spec, beam_width=0)
 
@@ -62,3 +62,20 @@ def test_default_plans_put_two_workers_on_each_sm_within_half_its_shared_memory(
     assert spec.max_resident_blocks(128, plan.peak_smem_bytes) >= 2
     fixed = search(g, spec, workers=spec.sm_count, beam_width=2, top_k=1)[0]
     assert fixed.workers == spec.sm_count
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_rope_fuses_into_qkv_only_without_split_k(batch):
+    # RoPE + KV append rides in the QKV tiles' epilogue, which a split-K partial does not
+    # have: at batch 1 the search fuses it (one task and one wait less a layer); at batch 8
+    # its QKV is split-K, and RoPE must then run as its own task.
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch, 1024)
+    for plan in search(g, DeviceSpec.preset("h200"), top_k=3):
+        for name, choice in plan.choices.items():
+            if any(f.endswith("rope_kv") for f in choice.fuse):
+                assert choice.split_k == 1, (name, choice)
+        qkv = plan.choices["l0.qkv"]
+        assert ("l0.rope_kv" in qkv.fuse) == (qkv.split_k == 1), qkv
+        assert ("l0.rope_kv" in plan.choices) == (qkv.split_k > 1)
+    if batch == 1:
+        assert "l0.rope_kv" in search(g, DeviceSpec.preset("h200"))[0].choices["l0.qkv"].fuse

@@ -4,7 +4,8 @@ import sys
 import pytest
 import torch
 
-from mk.tasks.rope import rope, rope_inv_freq, rope_kv, rope_kv_cost, rope_kv_ref, rope_ref
+from mk.tasks.rope import (deinterleave_rotary, interleave_rotary, rope, rope_inv_freq, rope_kv, rope_kv_cost,
+                           rope_kv_ref, rope_ref)
 from tests.conftest import DTYPES, assert_close
 
 LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -225,3 +226,49 @@ def test_rope_kv_heads_over_several_blocks(monkeypatch, device):
     v = torch.randn(batch, tokens, hkv, d, device=device)
     positions = _scattered_positions(batch, tokens, max_seq, device)
     _run_and_check(q, k, v, positions, rope_inv_freq(d, 10000.0).to(device), max_seq, torch.float32)
+
+
+# --------------------------------------------------------------------------- interleaved layout
+
+
+def test_interleave_rotary_moves_pairs_side_by_side_and_back():
+    w = torch.arange(2 * 8 * 3).reshape(2 * 8, 3)  # two heads of 8 rows, 3 columns
+    inter = interleave_rotary(w, 8)
+    # Head 0: rows 0, 4, 1, 5, 2, 6, 3, 7; head 1 the same, 8 rows on.
+    order = [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(inter, w[order + [8 + i for i in order]])
+    assert torch.equal(deinterleave_rotary(inter, 8), w)
+    x = torch.randn(2, 3, 4, 16)
+    assert torch.equal(deinterleave_rotary(interleave_rotary(x, 16, -1), 16, -1), x)
+    with pytest.raises(ValueError, match="whole number of heads"):
+        interleave_rotary(torch.zeros(12, 3), 8)
+    with pytest.raises(ValueError, match="even int"):
+        interleave_rotary(torch.zeros(12, 3), 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_input_rotates_to_the_usual_layout(dtype, device):
+    # rope(interleave(x), interleaved=True) == rope(x): the kernel reads pairs side by side
+    # and writes the half-split layout; the reference is the plain half-split rope.
+    batch, tokens, hq, hkv, d, max_seq = 2, 3, 4, 2, 64, 16
+    inv_freq = rope_inv_freq(d, 500000.0, LLAMA31_SCALING).to(device)
+    positions = _scattered_positions(batch, tokens, max_seq, device)
+    x = torch.randn(batch, tokens, hq, d, device=device).to(dtype)
+    out = rope(interleave_rotary(x, d, -1), positions, inv_freq, interleaved=True)
+    assert_close(out, rope_ref(x, positions, inv_freq), dtype, "rope")
+    assert_close(rope_ref(interleave_rotary(x, d, -1), positions, inv_freq, interleaved=True),
+                 rope_ref(x, positions, inv_freq), torch.float32, "rope_ref")
+
+    q = torch.randn(batch, tokens, hq, d, device=device).to(dtype)
+    k = torch.randn(batch, tokens, hkv, d, device=device).to(dtype)
+    v = torch.randn(batch, tokens, hkv, d, device=device).to(dtype)
+    caches = [torch.full((batch, hkv, max_seq, d), float("nan"), device=device, dtype=dtype) for _ in range(2)]
+    q_rot = rope_kv(interleave_rotary(q, d, -1), interleave_rotary(k, d, -1), v, positions, inv_freq, *caches,
+                    interleaved=True)
+    q_ref, k_ref, v_ref = rope_kv_ref(q, k, v, positions, inv_freq, *caches)
+    written = _written_mask(positions, caches[0].shape).to(device)
+    assert_close(q_rot, q_ref, dtype, "q")
+    assert_close(caches[0][written], k_ref[written], dtype, "k_cache")
+    assert torch.equal(caches[1][written], v_ref[written].to(dtype))  # v is not permuted
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        rope(x, positions, inv_freq, interleaved=1)

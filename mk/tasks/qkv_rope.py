@@ -1,0 +1,201 @@
+"""QKV projection, rotary embedding and KV append in one tile (one decode token a row).
+
+    h          = rmsnorm(x)                          (with norm_weight, else h = x)
+    q | k | v  = h @ W.T                             (W: [(Hq + 2 Hkv) D, K], q rows, k rows, v rows)
+    q_out      = rope(q)                             float32 [B, Hq D]
+    k_cache[b, h, pos[b]] = rope(k[b, h]);  v_cache[b, h, pos[b]] = v[b, h]
+
+This is :func:`mk.tasks.linear.linear` followed by :func:`mk.tasks.rope.rope_kv`, with the
+rotation and the cache stores done by the tile that computed the values, so a decode step
+has no RoPE task (and no dependency hop) between the QKV projection and attention.
+
+A rotation mixes elements i and i + D/2 of a head, which a tile of a few weight rows
+does not hold together. So the q and k weight rows come in the *interleaved* rotary
+layout (:func:`mk.tasks.rope.interleave_rotary`): the pairs are adjacent rows and a tile
+of any even width holds whole pairs. The stores put each pair back in place, so rotated
+q and the cache have the usual layout. v rows are as they are.
+
+Accumulation, rotation and q are float32; the cache stores round to the cache's dtype.
+:func:`qkv_rope_kv_tile` is the device function (the megakernel's fused QKV task);
+:func:`qkv_rope_kv` launches it on its own; :func:`qkv_rope_kv_ref` is the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
+from .linear import _check_config, _linear_acc, _tile_rows, LinearConfig, linear_config, linear_ref
+from .rope import _check_inv_freq, rope_kv_ref
+
+
+@triton.jit
+def qkv_rope_kv_tile(
+    x_ptr, w_ptr, norm_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+    pid_m, pid_n, M, K, max_seq, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
+):
+    """Tile (pid_m, pid_n): rows pid_m*BLOCK_M.. of x, weight rows pid_n*BLOCK_N.. (even BLOCK_N).
+
+    x ``[M, K]`` (rows K apart), w ``[(HQ + 2 HKV) * HEAD_DIM, K]`` with interleaved q/k
+    rows, pos ``[M]`` (each row's position), inv_freq float32 ``[HEAD_DIM / 2]``, q float32
+    ``[M, HQ * HEAD_DIM]``, caches ``[M, HKV, max_seq, HEAD_DIM]``. Writes the tile's q
+    columns, or its k / v columns into the caches at each row's position (none when the
+    position is outside ``[0, max_seq)``), and with WRITE_SEQLENS, tile column 0 also
+    seqlens[row] = pos + 1 (clipped to ``[0, max_seq]``). The body streams the weights as
+    :func:`mk.tasks.linear.linear_tile` does (DOUBLE_BUFFER, w_first, TMA_STAGES).
+    """
+    N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
+    acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
+                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                      DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES)
+    # Adjacent accumulator columns are one rotation pair (2i, 2i + 1).
+    even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first weight row
+    head = col // HEAD_DIM
+    in_head = col % HEAD_DIM
+    position = tl.load(pos_ptr + tl.minimum(offs_m, M - 1))
+    inv_freq = tl.load(inv_freq_ptr + in_head // 2)
+    angle = position.to(tl.float32)[:, None] * inv_freq[None, :]
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    rotate = (head < HQ + HKV)[None, :]  # q and k heads; v passes through
+    y_even = tl.where(rotate, even * cos - odd * sin, even)
+    y_odd = tl.where(rotate, odd * cos + even * sin, odd)
+
+    # Stores put pair i of a head back at elements (i, i + D/2): rotated q and the cache
+    # keep the usual half-split layout. v rows were never permuted: element j stays at j.
+    HALF: tl.constexpr = HEAD_DIM // 2
+    is_v = head >= HQ + HKV
+    first = tl.where(is_v, in_head, in_head // 2)[None, :]
+    second: tl.constexpr = HALF
+    ok = (offs_m < M)[:, None] & (col < N)[None, :]
+    is_q = (head < HQ)[None, :]
+    q_ptrs = q_ptr + offs_m[:, None] * (HQ * HEAD_DIM) + (head * HEAD_DIM)[None, :] + first
+    tl.store(q_ptrs, y_even, mask=ok & is_q)
+    tl.store(q_ptrs + second, y_odd, mask=ok & is_q)
+    in_cache = ((position >= 0) & (position < max_seq))[:, None]
+    kv_head = tl.where(is_v, head - HQ - HKV, head - HQ)
+    # int64: row * (HKV * max_seq * HEAD_DIM) passes 2**31 for long caches.
+    cache_row = (offs_m.to(tl.int64)[:, None] * HKV + kv_head[None, :]) * max_seq + position.to(tl.int64)[:, None]
+    offs = cache_row * HEAD_DIM + first
+    kv_ok = ok & in_cache & (head >= HQ)[None, :]
+    k_ok = kv_ok & (~is_v)[None, :]
+    v_ok = kv_ok & is_v[None, :]
+    tl.store(k_cache_ptr + offs, y_even.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(k_cache_ptr + offs + second, y_odd.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(v_cache_ptr + offs, y_even.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(v_cache_ptr + offs + 1, y_odd.to(v_cache_ptr.dtype.element_ty), mask=v_ok)
+    if WRITE_SEQLENS:
+        if pid_n == 0:
+            n = tl.minimum(tl.maximum(position + 1, 0), max_seq)
+            tl.store(seqlens_ptr + offs_m, n.to(seqlens_ptr.dtype.element_ty), mask=offs_m < M)
+
+
+@triton.jit
+def qkv_rope_kv_kernel(
+    x_ptr, w_ptr, norm_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+    M, K, max_seq, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    WRITE_SEQLENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tiles_n = tl.cdiv((HQ + 2 * HKV) * HEAD_DIM, BLOCK_N)
+    pid = tl.program_id(0)
+    qkv_rope_kv_tile(x_ptr, w_ptr, norm_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+                     pid // tiles_n, pid % tiles_n, M, K, max_seq, eps,
+                     HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=WRITE_SEQLENS,
+                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+def qkv_rope_kv(
+    x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_q_heads: int,
+    norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6, seqlens: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """One decode token a sequence: project, rotate, append to the cache; returns q.
+
+    Args:
+        x: ``[B, K]`` contiguous, the new token's hidden state of each sequence (weight's
+            dtype or float32).
+        weight: ``[(Hq + 2 Hkv) * D, K]`` contiguous: q rows, k rows, v rows, the q and k
+            rows in the interleaved rotary layout (:func:`mk.tasks.rope.interleave_rotary`).
+        positions: int32/int64 ``[B]``, each in ``[0, S_max)``.
+        inv_freq: float32 ``[D / 2]`` (:func:`mk.tasks.rope.rope_inv_freq`).
+        k_cache, v_cache: ``[B, Hkv, S_max, D]`` contiguous, one dtype; D from here.
+        num_q_heads: Hq.
+        norm_weight: optional ``[K]``: x is RMSNorm-ed first (eps ``norm_eps``).
+        seqlens: optional int32/int64 ``[B]``, set to ``positions + 1``.
+        config: tile sizes (even block_n); :func:`mk.tasks.linear.linear_config` when None.
+
+    Returns:
+        Rotated q, float32 ``[B, Hq * D]`` (the usual half-split layout). Everything is checked
+        before anything is written (position values only outside CUDA graph capture).
+    """
+    check_tensor("x", x, ndim=2)
+    B, K = x.shape
+    check_tensor("k_cache", k_cache, ndim=4)
+    _, hkv, max_seq, d = k_cache.shape
+    check_tensor("k_cache", k_cache, shape=(B, hkv, max_seq, d))
+    check_tensor("v_cache", v_cache, shape=(B, hkv, max_seq, d))
+    check_same_dtype(k_cache=k_cache, v_cache=v_cache)
+    if d < 2 or d % 2:
+        raise ValueError(f"k_cache has head_dim {d}; rotary embedding needs an even head_dim >= 2")
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
+        raise ValueError(f"num_q_heads must be an int >= 1, got {num_q_heads!r}")
+    N = (num_q_heads + 2 * hkv) * d
+    check_tensor("weight", weight, shape=(N, K))
+    if x.dtype != weight.dtype and x.dtype != torch.float32:
+        raise TypeError(f"x must have weight's dtype ({weight.dtype}) or float32, got {x.dtype}")
+    check_tensor("positions", positions, shape=(B,), dtype=(torch.int32, torch.int64))
+    _check_inv_freq(inv_freq, d // 2)
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, shape=(K,))
+    if seqlens is not None:
+        check_tensor("seqlens", seqlens, shape=(B,), dtype=(torch.int32, torch.int64))
+    check_same_device(x=x, weight=weight, positions=positions, inv_freq=inv_freq, k_cache=k_cache,
+                      v_cache=v_cache, **({"norm_weight": norm_weight} if norm_weight is not None else {}),
+                      **({"seqlens": seqlens} if seqlens is not None else {}))
+    if B and not is_capturing(positions):
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= max_seq:
+            raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "
+                             f"got values from {lo} to {hi}")
+    config = _check_config(config if config is not None else linear_config(B, N, K, x.dtype), K, silu_mul=False)
+    if config.block_n < 2:
+        raise ValueError(f"config.block_n must be even (>= 2): a tile holds whole rotation pairs, got {config.block_n}")
+    if config.split_k != 1:
+        raise ValueError(f"qkv_rope_kv has no split-K; got config.split_k={config.split_k}")
+    q = torch.empty((B, num_q_heads * d), dtype=torch.float32, device=x.device)
+    if B == 0:
+        return q
+    bm, bn = _tile_rows(config, B), config.block_n
+    tiles = triton.cdiv(B, bm) * triton.cdiv(N, bn)
+    qkv_rope_kv_kernel[(tiles,)](
+        x, weight, norm_weight if norm_weight is not None else weight, positions, inv_freq, q, k_cache, v_cache,
+        seqlens if seqlens is not None else positions, B, K, max_seq, float(norm_eps),
+        HQ=num_q_heads, HKV=hkv, HEAD_DIM=d, HAS_NORM=norm_weight is not None, WRITE_SEQLENS=seqlens is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    return q
+
+
+def qkv_rope_kv_ref(
+    x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_q_heads: int,
+    norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference for :func:`qkv_rope_kv` (linear, then interleaved RoPE and the append);
+    changes nothing it is given. Returns float32 ``(q, k_cache_after, v_cache_after)``."""
+    B = x.shape[0]
+    d = k_cache.shape[-1]
+    hkv = k_cache.shape[1]
+    qkv = linear_ref(x, weight, norm_weight=norm_weight, norm_eps=norm_eps).view(B, 1, num_q_heads + 2 * hkv, d)
+    q, k, v = qkv.split([num_q_heads, hkv, hkv], dim=2)
+    q_rot, k_after, v_after = rope_kv_ref(q, k, v, positions.view(B, 1), inv_freq, k_cache, v_cache,
+                                          interleaved=True)
+    return q_rot.reshape(B, -1), k_after, v_after

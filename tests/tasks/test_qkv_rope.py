@@ -1,0 +1,107 @@
+"""The fused QKV projection + RoPE + KV append against linear and rope_kv run apart, on
+Hugging Face weights (the fused op gets them with q and k rows interleaved)."""
+
+import pytest
+import torch
+
+from mk.tasks.linear import LinearConfig
+from mk.tasks.qkv_rope import qkv_rope_kv, qkv_rope_kv_ref
+from mk.tasks.rope import interleave_rotary, rope_inv_freq, rope_kv_ref
+from tests.conftest import HAS_CUDA, assert_close
+
+LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def _problem(batch, hq, hkv, d, K, max_seq, device, dtype=torch.float32):
+    wq, wk, wv = (0.1 * torch.randn(h * d, K, device=device) for h in (hq, hkv, hkv))
+    hf = [w.to(dtype) for w in (wq, wk, wv)]
+    packed = torch.cat([interleave_rotary(hf[0], d), interleave_rotary(hf[1], d), hf[2]]).contiguous()
+    x = torch.randn(batch, K, device=device)
+    norm_w = (1 + 0.1 * torch.randn(K, device=device)).to(dtype)
+    positions = torch.randperm(max_seq)[:batch].to(device=device, dtype=torch.int32)
+    inv_freq = rope_inv_freq(d, 500000.0, LLAMA3).to(device)
+    return hf, packed, x, norm_w, positions, inv_freq
+
+
+def _unfused(hf, x, norm_w, positions, inv_freq, k_cache, v_cache, hq, eps=1e-6):
+    """linear (RMSNorm first unless norm_w is None) on the Hugging Face weights, then the
+    half-split rope_kv reference."""
+    B, d, hkv = x.shape[0], k_cache.shape[-1], k_cache.shape[1]
+    h = x.float()
+    if norm_w is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+    q, k, v = (h @ w.float().T for w in hf)
+    return rope_kv_ref(q.view(B, 1, hq, d), k.view(B, 1, hkv, d), v.view(B, 1, hkv, d), positions.view(B, 1),
+                       inv_freq, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("batch,config", [
+    (1, None),                              # the GEMV body, launcher's tiles (2 rows)
+    (1, LinearConfig(1, 32, 64)),           # GEMV tiles of half a head
+    (1, LinearConfig(1, 128, 64)),          # GEMV tiles of two heads
+    (3, None),                              # tl.dot body for a decode batch
+    (5, LinearConfig(16, 16, 32, num_warps=2)),
+])
+def test_fused_equals_linear_then_rope_kv(batch, config, device):
+    hq, hkv, d, K, max_seq = 4, 2, 64, 96, 20
+    hf, packed, x, norm_w, positions, inv_freq = _problem(batch, hq, hkv, d, K, max_seq, device)
+    caches = [torch.randn(batch, hkv, max_seq, d, device=device) for _ in range(2)]
+    want_q, want_k, want_v = _unfused(hf, x, norm_w, positions, inv_freq, *caches, hq)
+    seqlens = torch.zeros(batch, dtype=torch.int64, device=device)
+    q = qkv_rope_kv(x, packed, positions, inv_freq, *caches, num_q_heads=hq, norm_weight=norm_w, seqlens=seqlens,
+                    config=config)
+    assert q.dtype == torch.float32 and q.shape == (batch, hq * d)
+    assert_close(q, want_q.reshape(batch, -1), torch.float32, "q")
+    assert_close(caches[0], want_k, torch.float32, "k_cache")  # new rows, and every other row untouched
+    assert_close(caches[1], want_v, torch.float32, "v_cache")
+    assert seqlens.tolist() == (positions + 1).tolist()
+    # The reference of the fused op itself (interleaved weights) agrees with the unfused one.
+    ref_q, _, _ = qkv_rope_kv_ref(x, packed, positions, inv_freq, *caches, num_q_heads=hq, norm_weight=norm_w)
+    assert_close(ref_q, want_q.reshape(batch, -1), torch.float32, "qkv_rope_kv_ref")
+
+
+def test_without_norm_and_head_dim_128(device):
+    batch, hq, hkv, d, K, max_seq = 2, 2, 1, 128, 64, 9
+    hf, packed, x, _, positions, inv_freq = _problem(batch, hq, hkv, d, K, max_seq, device)
+    caches = [torch.zeros(batch, hkv, max_seq, d, device=device) for _ in range(2)]
+    want_q, want_k, want_v = _unfused(hf, x, None, positions, inv_freq, *caches, hq)
+    q = qkv_rope_kv(x, packed, positions, inv_freq, *caches, num_q_heads=hq)
+    assert_close(q, want_q.reshape(batch, -1), torch.float32, "q")
+    assert_close(caches[0], want_k, torch.float32, "k_cache")
+    assert_close(caches[1], want_v, torch.float32, "v_cache")
+
+
+def test_bad_input_is_refused_and_changes_nothing(device):
+    hq, hkv, d, K, max_seq = 2, 1, 8, 32, 6
+    hf, packed, x, norm_w, positions, inv_freq = _problem(2, hq, hkv, d, K, max_seq, device)
+    caches = [torch.zeros(2, hkv, max_seq, d, device=device) for _ in range(2)]
+    with pytest.raises(ValueError, match="positions must lie in"):
+        qkv_rope_kv(x, packed, torch.tensor([0, max_seq], dtype=torch.int32, device=device), inv_freq, *caches,
+                    num_q_heads=hq)
+    with pytest.raises(ValueError, match="weight"):
+        qkv_rope_kv(x, packed[:-1], positions, inv_freq, *caches, num_q_heads=hq)
+    with pytest.raises(ValueError, match="weight"):
+        qkv_rope_kv(x, packed, positions, inv_freq, *caches, num_q_heads=hq + 1)
+    with pytest.raises(ValueError, match="block_n must be even"):
+        qkv_rope_kv(x, packed, positions, inv_freq, *caches, num_q_heads=hq, config=LinearConfig(1, 1, 32))
+    with pytest.raises(ValueError, match="split-K"):
+        qkv_rope_kv(x, packed, positions, inv_freq, *caches, num_q_heads=hq, config=LinearConfig(1, 2, 16, 2))
+    with pytest.raises(ValueError, match="inv_freq"):
+        qkv_rope_kv(x, packed, positions, inv_freq[:-1], *caches, num_q_heads=hq)
+    assert all(not c.any() for c in caches)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_weights_float32_x_on_the_gpu(batch, kv_dtype, device):
+    hq, hkv, d, K, max_seq = 32, 8, 64, 2048, 300
+    hf, packed, x, norm_w, positions, inv_freq = _problem(batch, hq, hkv, d, K, max_seq, device, torch.bfloat16)
+    caches = [torch.zeros(batch, hkv, max_seq, d, device=device, dtype=kv_dtype) for _ in range(2)]
+    want_q, want_k, want_v = _unfused(hf, x, norm_w, positions, inv_freq, *caches, hq)
+    q = qkv_rope_kv(x, packed, positions, inv_freq, *caches, num_q_heads=hq, norm_weight=norm_w)
+    assert_close(q, want_q.reshape(batch, -1), torch.bfloat16, "q")
+    assert_close(caches[0].float(), want_k, torch.bfloat16, "k_cache")
+    assert_close(caches[1].float(), want_v, torch.bfloat16, "v_cache")
