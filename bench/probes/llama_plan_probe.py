@@ -105,6 +105,32 @@ def narrow(bn, *ops):
     return transform
 
 
+def tuned(ops=None, **fields):
+    """The plan with ``fields`` set on its linears (or on ``ops``, op-name suffixes); an
+    ``l2_prefetch`` of -1 means the op's whole K range."""
+    def transform(plan, graph):
+        choices = {}
+        for n, c in plan.choices.items():
+            node = graph.node(n)
+            if node.kind != "linear" or (ops and n.split(".")[-1] not in ops):
+                choices[n] = c
+                continue
+            f = dict(fields)
+            if f.get("l2_prefetch") == -1:
+                f["l2_prefetch"] = node.dims["K"]
+            choices[n] = replace(c, **f)
+        return replace(plan, choices=choices)
+    return transform
+
+
+def chain(*transforms):
+    def transform(plan, graph):
+        for t in transforms:
+            plan = t(plan, graph)
+        return plan
+    return transform
+
+
 MODEL_SPEC = []  # the live DeviceSpec, set in main
 VARIANTS = {
     "search": lambda p, g: p,
@@ -133,6 +159,13 @@ VARIANTS = {
     "unfused_rope": unfused_rope,
     # 8-row GEMV tiles for the 2048-row projections: 256 tasks instead of 128.
     "bn8_o_down": narrow(8, "o_proj", "down"),
+    # Weights asked into L2 just before each task's wait (all linears / the QKV and O
+    # projections), and deeper rings for the 2048-row projections (128 tasks: more bytes in
+    # flight a worker).
+    "l2wait": tuned(l2_prefetch=-1),
+    "l2wait_qkv_o": tuned(("qkv", "o_proj"), l2_prefetch=-1),
+    "ring8_o_down": tuned(("o_proj", "down"), tma_stages=8),
+    "l2wait_ring8": chain(tuned(l2_prefetch=-1), tuned(("o_proj", "down"), tma_stages=8)),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),

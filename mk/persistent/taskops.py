@@ -209,12 +209,21 @@ def _prologue_ref(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float) -> t
     return h
 
 
+def _prefetch_where(prefetch: str, preload: str, at_wait: bool, constexprs: dict) -> tuple[str, str]:
+    """(prefetch, preload) sources with the L2 weight prefetch moved into the preload (run
+    just before the task's own wait) when ``at_wait``; the constexpr keeps the variants apart."""
+    constexprs["PREFETCH_AT_WAIT"] = int(at_wait)
+    if not at_wait:
+        return prefetch, preload
+    return "", "\n".join(filter(None, (preload, prefetch)))
+
+
 @register("linear")
 def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
-              dtype: torch.dtype | None = None) -> OpSpec:
+              prefetch_at_wait: bool = False, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -227,7 +236,9 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     ``tma_stages`` > 0 streams the weights through a shared-memory ring of that many TMA
     loads instead (GEMV body; aligned rows, chunks of at most 256 elements). ``prefetch_k``
     weight columns are pulled into L2 before the dependency wait (never under the
-    interpreter).
+    interpreter): while the worker runs the task before (the dispatch loop's prefetch of
+    the next task), or with ``prefetch_at_wait`` only once that task is done, just before
+    this one waits (an idle worker then fetches without taking bandwidth from its own task).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype)
@@ -279,6 +290,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
+    prefetch, preload_src = _prefetch_where(prefetch, preload_src, prefetch_at_wait and s.prefetch_lines > 0,
+                                            constexprs)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile, linear_weights_first",),
@@ -289,7 +302,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                       norm: bool = False, eps: float = 1e-6, prefetch_k: int = 0, double_buffer: bool = True,
-                      tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+                      tma_stages: int = 0, prefetch_at_wait: bool = False,
+                      dtype: torch.dtype | None = None) -> OpSpec:
     """Split-K partial of tile (pid_m, pid_n) over K split ``split``: float32 into ws[split].
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm), ws float32
@@ -297,7 +311,8 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     K range of x, so it waits only for the producer tiles of that range (split-K
     dataflow); with norm it reads whole rows (the RMSNorm statistics need all of K).
     Pair with :func:`linear_reduce_op` built from the same sizes. ``double_buffer`` and
-    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles).
+    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles), ``prefetch_k``
+    and ``prefetch_at_wait`` prefetch them as there.
     """
     s = _LinearShape("linear_partial", M, N, K, split_k, block_m, block_n, block_k, num_warps, False, False,
                      prefetch_k, dtype)
@@ -346,8 +361,9 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
         return [Region(bind["ws"], w0, w1, n0, n1)]
 
     imports = ("from mk.tasks.linear import linear_partial_tile, linear_prefetch_tile, linear_split_range",)
+    prefetch, preload = _prefetch_where(prefetch, "", prefetch_at_wait and s.prefetch_lines > 0, constexprs)
     return OpSpec(name="linear_partial", operands=operands, args=("pid_m", "pid_n", "split"), body=body,
-                  prefetch=prefetch, imports=imports,
+                  prefetch=prefetch, preload=preload, imports=imports,
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -400,7 +416,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                    num_warps: int | None = None, norm: bool = False, eps: float = 1e-6,
                    write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
-                   tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+                   tma_stages: int = 0, prefetch_k: int = 0, prefetch_at_wait: bool = False,
+                   dtype: torch.dtype | None = None) -> OpSpec:
     """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
     (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
     rotates its q / k pairs and stores q, or its k / v columns into the caches.
@@ -409,7 +426,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     norm_w ``[K]`` (with norm), pos ``[batch]``, inv_freq float32 ``[D/2]``, q float32
     ``[batch, Hq * D]``, k_cache and v_cache ``[batch, Hkv, max_seq, D]``, with
     ``write_seqlens`` seqlens ``[batch]`` (= pos + 1, written by the tiles of column 0).
-    Args: pid_m, pid_n. Tiles, weight streaming and their options as :func:`linear_op`.
+    Args: pid_m, pid_n. Tiles, weight streaming, prefetch and their options as :func:`linear_op`.
 
     Regions: a tile's cache write is at a runtime position, so it declares every position
     of the heads (and head columns) it covers, per sequence: attention of those heads waits
@@ -421,7 +438,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     if d % 2:
         raise ValueError(f"qkv_rope_kv: head_dim must be even, got {d}")
     N = (hq + 2 * hkv) * d
-    s = _LinearShape("qkv_rope_kv", batch, N, K, 1, block_m, block_n, block_k, num_warps, False, False, 0, dtype)
+    s = _LinearShape("qkv_rope_kv", batch, N, K, 1, block_m, block_n, block_k, num_warps, False, False,
+                     prefetch_k, dtype)
     if s.bn % 2:
         raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
     if preload_weights is None:
@@ -506,8 +524,13 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
-    return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, preload=preload_src,
-                  imports=("from mk.tasks.linear import linear_weights_first",
+    prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
+                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
+    prefetch, preload_src = _prefetch_where(prefetch, preload_src, prefetch_at_wait and s.prefetch_lines > 0,
+                                            constexprs)
+    return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
+                  preload=preload_src,
+                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_weights_first",
                            "from mk.tasks.qkv_rope import qkv_rope_kv_tile"),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 

@@ -56,10 +56,11 @@ from .graph import OpGraph, OpNode
 from .search import Plan
 from .simulate import simulate_step
 
-#: L2 prefetch ahead of a GEMV tile's dependency wait, in weight columns (never under the
-#: interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. Not for tiles
-#: that stream through the TMA ring: there it slowed the 1B step on an H200 (1.087 ms
-#: without, 1.175 with 1024 columns, 1.34 with whole rows; bench/NOTES.md).
+#: L2 prefetch ahead of a register GEMV tile's dependency wait, in weight columns (never under
+#: the interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. TMA tiles
+#: prefetch only what their choice's ``l2_prefetch`` says, just before their own wait:
+#: issued one task ahead, while the worker streams its current task, it slowed the 1B step
+#: on an H200 (1.087 ms without, 1.175 with 1024 columns, 1.34 with whole rows; bench/NOTES.md).
 PREFETCH_K = 1024
 
 STATE_BUFFERS = ("ids", "pos", "tokens")
@@ -242,10 +243,21 @@ def _lower_qkv_rope(node: OpNode, choice, nodes: dict[str, OpNode], add_op, acti
         spec = make_op("qkv_rope_kv", batch=d["M"], num_q_heads=r["heads"], num_kv_heads=r["kv_heads"],
                        head_dim=r["head_dim"], K=d["K"], max_seq=max_seq, block_n=choice.block_n,
                        block_k=choice.block_k, num_warps=choice.num_warps, norm=norm is not None, eps=eps,
-                       write_seqlens=first, tma_stages=choice.tma_stages, dtype=dtype)
+                       write_seqlens=first, dtype=dtype, **(_prefetch(choice, d["K"]) if d["M"] == 1 else
+                                                           dict(tma_stages=choice.tma_stages)))
     except ValueError as err:
         raise ValueError(f"lower_decode_step: op {node.name} with {choice}: {err}") from None
     add_op(node.name, spec, **bind)
+
+
+def _prefetch(choice, K: int) -> dict:
+    """A GEMV tile's weight streaming and L2 prefetch: register tiles prefetch PREFETCH_K
+    columns while the worker runs the task before; TMA tiles ``choice.l2_prefetch`` columns
+    just before their own wait (none by default)."""
+    if choice.tma_stages:
+        return dict(tma_stages=choice.tma_stages, prefetch_k=choice.l2_prefetch,
+                    prefetch_at_wait=choice.l2_prefetch > 0)
+    return dict(prefetch_k=min(PREFETCH_K, K), tma_stages=0)
 
 
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps) -> None:
@@ -270,8 +282,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
     out = activation(out_name, M, out_cols)
     tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
-    prefetch_k = 0 if choice.tma_stages else min(PREFETCH_K, K)
-    gemv = dict(prefetch_k=prefetch_k, tma_stages=choice.tma_stages) if M == 1 else dict(tma_stages=choice.tma_stages)
+    gemv = _prefetch(choice, K) if M == 1 else dict(tma_stages=choice.tma_stages)
     norm_kw = dict(norm=norm is not None, eps=eps)
     try:
         if choice.split_k == 1:

@@ -31,7 +31,8 @@ Between ops, a phase waits for the tasks of the previous phase whose output it r
 tile granularity as the lowering's dependencies do: a split-K partial for the tiles
 that wrote its K range of x (all of them with an RMSNorm prologue, which needs whole
 rows), an argmax chunk for the LM-head tiles of its vocabulary range, sequence b's
-attention splits for b's RoPE task; every other op reads all of its input.
+attention splits for b's RoPE task (or, RoPE fused into QKV, a KV group's splits for the
+QKV tiles of its heads); every other op reads all of its input.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class SimPhase:
 
     Waits: ``group`` ``(consumers, producers)``: the previous phase's tasks
     ``[g * producers, (g + 1) * producers)`` where ``g = j // consumers``; else ``reads``
-    (column ranges, task j reads ``reads[j % len(reads)]`` of every row): the previous
-    phase's tasks that wrote those columns; else all of them.
+    (column ranges, task j reads ``reads[j % len(reads)]`` of every row: one ``(c0, c1)``
+    or a tuple of them): the previous phase's tasks that wrote those columns; else all of them.
     ``writes`` ``(width, columns)``: task t writes columns ``[c * width, (c + 1) * width)``
     with ``c = t mod ceil(columns / width)`` (of one row block); None: not column tiles.
     """
@@ -116,10 +117,16 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
             phases += [SimPhase(node.name, costs[0], reads=ranges),
                        SimPhase(node.name, costs[1], group=(1, choice.split_k), writes=out)]
         elif node.kind == "attention":
-            # Sequence b's splits wait for b's RoPE task; a merge for its KV group's splits.
-            after_rope = bool(phases) and nodes[phases[-1].op].kind == "rope_kv"
-            first = (d["kv_heads"] * choice.kv_splits, 1) if after_rope else None
-            phases += [SimPhase(node.name, costs[0], group=first),
+            # Sequence b's splits wait for b's RoPE task, or, with RoPE in the QKV tiles, KV
+            # group g's splits for the tiles of g's q, k and v heads (and in the layer that
+            # publishes the lengths, for tile 0); a merge waits for its KV group's splits.
+            prev = nodes[phases[-1].op] if phases else None
+            first = reads = None
+            if prev is not None and prev.kind == "rope_kv":
+                first = (d["kv_heads"] * choice.kv_splits, 1)
+            elif prev is not None and any(nodes[f].kind == "rope_kv" for f in plan[prev.name].fuse):
+                reads = _attention_reads(d, choice.kv_splits, with_lengths=node.layer == 0)
+            phases += [SimPhase(node.name, costs[0], group=first, reads=reads),
                        SimPhase(node.name, costs[1], group=(d["heads"] // d["kv_heads"], choice.kv_splits),
                                 writes=(d["head_dim"], d["heads"] * d["head_dim"]))]
         elif node.kind == "argmax":
@@ -130,6 +137,20 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
         else:
             phases.append(SimPhase(node.name, costs[0]))
     return phases
+
+
+def _attention_reads(d: dict, kv_splits: int, with_lengths: bool) -> tuple:
+    """The QKV columns each attention split reads, in task order (KV group-major): its
+    group's q heads, k head and v head, and with_lengths column 0 (the tile writing the
+    sequence lengths, :func:`mk.planner.lower.lower_decode_step`)."""
+    hq, hkv, D = d["heads"], d["kv_heads"], d["head_dim"]
+    per_group = hq // hkv
+    out = []
+    for g in range(hkv):
+        cols = ((g * per_group * D, (g + 1) * per_group * D), ((hq + g) * D, (hq + g + 1) * D),
+                ((hq + hkv + g) * D, (hq + hkv + g + 1) * D)) + (((0, 1),) if with_lengths else ())
+        out += [cols] * kv_splits
+    return tuple(out)
 
 
 def _ready(p: SimPhase, prev: SimPhase | None, prev_finish: list[float]) -> list[float]:
@@ -145,7 +166,11 @@ def _ready(p: SimPhase, prev: SimPhase | None, prev_finish: list[float]) -> list
         width, columns = prev.writes
         per_block = -(-columns // width)
         blocks = range(0, len(prev_finish), per_block)
-        at = [max(max(prev_finish[b + c0 // width:b + -(-c1 // width)]) for b in blocks) for c0, c1 in p.reads]
+        def done(ranges):  # one column range, or several
+            ranges = ranges if isinstance(ranges[0], tuple) else (ranges,)
+            return max(max(prev_finish[b + c0 // width:b + -(-c1 // width)]) for b in blocks for c0, c1 in ranges)
+
+        at = [done(r) for r in p.reads]
         return [at[j % len(at)] for j in range(n)]
     return [max(prev_finish)] * n
 

@@ -4,7 +4,7 @@ The simulation knows each op's phases and which producer group a task waits for;
 reference below knows nothing of phases: it takes the task graph the lowering builds
 (dependencies derived from the regions each task reads and writes) and runs the same
 queues task by task. The two must agree on the step's end and every phase's end, for
-random model shapes, batches, tilings (split-K, KV splits, an unfused norm) and worker
+random model shapes, batches, tilings (split-K, KV splits, an unfused norm or RoPE) and worker
 counts. The search must then pick the schedule whose simulated step is shortest.
 """
 
@@ -71,11 +71,16 @@ def random_case(rng):
     for name, c in list(choices.items()):
         kind = graph.node(name).kind
         if kind == "linear" and rng.random() < 0.5:
-            choices[name] = replace(c, block_n=16, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0)
+            # A split-K QKV cannot carry RoPE: it runs as its own task then.
+            ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv"]
+            choices[name] = replace(c, block_n=16, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0,
+                                    fuse=tuple(f for f in c.fuse if f not in ropes))
+            choices.update({f: OpChoice() for f in ropes})
         elif kind == "attention":
             choices[name] = OpChoice(kv_splits=rng.choice([1, 2, 3]))
     if rng.random() < 0.5:  # l1's attention norm as its own tasks
-        choices["l1.qkv"] = replace(choices["l1.qkv"], fuse=())
+        choices["l1.qkv"] = replace(choices["l1.qkv"],
+                                    fuse=tuple(f for f in choices["l1.qkv"].fuse if f == "l1.rope_kv"))
         choices["l1.attn_norm"] = OpChoice()
     return graph, spec, replace(plan, choices=choices), max_seq
 
