@@ -151,8 +151,10 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[O
             # Decode batches (skinny) take wider boxes: each tile re-reads its float32 x rows
             # ([16, block_k] a chunk), so more weight rows a chunk carry them further; a
             # 3-deep ring is what fits a 99 KiB budget, 6 deep keeps narrow-K chunks in flight.
+            # 8-row GEMV boxes give the 2048-row projections of a 1B-sized layer 256 tasks
+            # instead of 128 (1B step 1.009 -> 0.998 ms on an H200, bench/NOTES.md, session 9).
             shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
-                      else [(16, 256), (32, 256)])
+                      else [(8, 256), (16, 256), (32, 256)])
             for block_n, block_k in shapes:
                 for split_k in (1, 2, 4, 8):
                     if math.ceil(d["K"] / block_k) < split_k:
