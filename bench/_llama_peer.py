@@ -42,9 +42,12 @@ class TorchLlamaStep(torch.nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.c.rms_norm_eps)).to(x.dtype) * w
 
     def _rope(self, x, pos):  # x [B, T, H, D], pos [T]
+        # mk packs the q and k rows in the interleaved rotary layout (pairs side by side,
+        # mk.tasks.rope.interleave_rotary); rotating them out of it gives Hugging Face's
+        # half-split result, so the peer is the same model.
         ang = pos[:, None].float() * self.inv_freq
         cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
+        x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

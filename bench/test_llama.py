@@ -75,4 +75,9 @@ def test_prefill_512(benchmark, record, llama):
         peer = TorchLlamaStep(model, 1)
         pos = torch.arange(512, device="cuda")
         torch_ms = _event_ms(lambda: peer.forward(ids.long(), pos), reps=5, warmup=1)
-    record("llama", op="prefill", model=key, tokens=512, mk_ms=mk_ms, torch_eager_ms=torch_ms)
+        # The peer is the same model (bf16 activations, so not bit-equal): a peer that read
+        # mk's packed weights wrongly would be timing another computation.
+        want, got = peer.forward(ids.long(), pos), model._prefill(ids, [512])
+        peer_err = float((got - want).norm() / want.norm())
+    record("llama", op="prefill", model=key, tokens=512, mk_ms=mk_ms, torch_eager_ms=torch_ms, peer_rel_err=peer_err)
+    assert peer_err < 0.1, f"the torch peer's logits are {peer_err:.3f} off mk's: not the same model"
