@@ -361,7 +361,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
 
 def rope_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False, check_values: bool = True,
 ) -> torch.Tensor:
     """Rotate q and k at ``positions``, append k and v to the KV cache, return the rotated q.
 
@@ -375,6 +375,8 @@ def rope_kv(
             are converted to it: it may differ from theirs).
         interleaved: q's and k's rotation pairs are adjacent elements (see the module
             docstring); the rotated q and the cache rows have the usual layout.
+        check_values: False skips the position checks below (reading positions back to the
+            host waits for the device), for a caller that built them (a prefill's arange).
 
     Writes ``k_cache[b, h, positions[b, t]] = rope(k[b, t, h])`` and
     ``v_cache[b, h, positions[b, t]] = v[b, t, h]``; no other cache row changes.
@@ -383,7 +385,7 @@ def rope_kv(
         Rotated q, a new contiguous ``[B, T, Hq, D]`` tensor in q's dtype.
 
     Every argument is checked before anything is written (position values only outside
-    CUDA graph capture, where reading them back is impossible).
+    CUDA graph capture, where reading them back is impossible, and with check_values).
     """
     check_tensor("q", q, ndim=4, contiguous=False, last_dim_contiguous=True)
     batch, tokens, hq, d = q.shape
@@ -407,7 +409,7 @@ def rope_kv(
                       v_cache=v_cache)
     # Range checks need the values on the host: not possible while a CUDA graph is
     # captured, so then positions are trusted (the kernel still skips out-of-range rows).
-    if positions.numel() and not is_capturing(positions):
+    if check_values and positions.numel() and not is_capturing(positions):
         lo, hi = int(positions.min()), int(positions.max())
         if lo < 0 or hi >= max_seq:
             raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "

@@ -272,3 +272,20 @@ def test_interleaved_input_rotates_to_the_usual_layout(dtype, device):
     assert torch.equal(caches[1][written], v_ref[written].to(dtype))  # v is not permuted
     with pytest.raises(TypeError, match="interleaved must be a bool"):
         rope(x, positions, inv_freq, interleaved=1)
+
+
+def test_unchecked_positions_skip_the_host_check_and_the_kernel_still_guards_the_cache(device):
+    # check_values=False: no read-back of positions (a prefill's arange needs none); a bad
+    # position then reaches the kernel, whose guard writes no cache row for it.
+    batch, tokens, hq, hkv, d, max_seq = 2, 1, 2, 1, 8, 4
+    q, k, v = (torch.randn(batch, tokens, h, d, device=device) for h in (hq, hkv, hkv))
+    positions = torch.tensor([[max_seq], [1]], dtype=torch.int32, device=device)
+    inv_freq = rope_inv_freq(d, 10000.0).to(device)
+    caches = [torch.zeros(batch, hkv, max_seq, d, device=device) for _ in range(2)]
+    with pytest.raises(ValueError, match="positions must lie in"):
+        rope_kv(q, k, v, positions, inv_freq, *caches)
+    rope_kv(q, k, v, positions, inv_freq, *caches, check_values=False)
+    assert not caches[0][0].any() and not caches[1][0].any()
+    _, k_ref, v_ref = rope_kv_ref(q[1:], k[1:], v[1:], positions[1:], inv_freq, caches[0][1:], caches[1][1:])
+    assert_close(caches[0][1], k_ref[0], torch.float32, "k row of the good position")
+    assert torch.equal(caches[1][1], v_ref[0])
