@@ -209,6 +209,26 @@ def _prologue_ref(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float) -> t
     return h
 
 
+def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_buffer: bool,
+                      preload_weights: bool | None) -> tuple[int, bool, bool]:
+    """(TMA ring depth, double buffering, preload) of a GEMV-capable tile, as resolved for it.
+
+    The GEMV body's first weight chunk goes to registers before the wait (with double
+    buffering). By default only for tiles of one chunk: on an H200 it takes a 64x2048^2
+    chain from 7.8 to 4.3 us a layer, but slows 16-chunk tiles (8192 columns) by a
+    third, whose loop then converts the chunk's layout every iteration, and two-chunk
+    tiles far more (calibration chains, bench/NOTES.md session 6: a 2048^2 layer of
+    16 x 1024 tiles took 51 us, a 4096^2 layer of 8 x 2048 tiles 167 us). A TMA ring
+    replaces both.
+    """
+    if preload_weights is None:
+        preload_weights = K <= s.bk
+    tma = _tma_stages(s, K, tma_stages, dtype)
+    if tma:
+        double_buffer, preload_weights = False, False
+    return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
+
+
 def _prefetch_where(prefetch: str, preload: str, at_wait: bool, constexprs: dict) -> tuple[str, str]:
     """(prefetch, preload) sources with the L2 weight prefetch moved into the preload (run
     just before the task's own wait) when ``at_wait``; the constexpr keeps the variants apart."""
@@ -242,18 +262,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype)
-    # The GEMV body's first weight chunk goes to registers before the wait (with double
-    # buffering). By default only for tiles of one chunk: on an H200 it takes a 64x2048^2
-    # chain from 7.8 to 4.3 us a layer, but slows 16-chunk tiles (8192 columns) by a
-    # third, whose loop then converts the chunk's layout every iteration, and two-chunk
-    # tiles far more (calibration chains, bench/NOTES.md session 6: a 2048^2 layer of
-    # 16 x 1024 tiles took 51 us, a 4096^2 layer of 8 x 2048 tiles 167 us).
-    if preload_weights is None:
-        preload_weights = K <= s.bk
-    tma = _tma_stages(s, K, tma_stages, dtype)
-    if tma:
-        double_buffer, preload_weights = False, False
-    preload = bool(preload_weights and double_buffer and s.bm == 1)
+    tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
@@ -442,12 +451,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                      prefetch_k, dtype)
     if s.bn % 2:
         raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
-    if preload_weights is None:
-        preload_weights = K <= s.bk
-    tma = _tma_stages(s, K, tma_stages, dtype)
-    if tma:
-        double_buffer, preload_weights = False, False
-    preload = bool(preload_weights and double_buffer and s.bm == 1)
+    tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = (("x", "w") + (("norm_w",) if norm else ()) + ("pos", "inv_freq", "q", "k_cache", "v_cache")
                 + (("seqlens",) if write_seqlens else ()))
     body = (f"qkv_rope_kv_tile(x, w, {'norm_w' if norm else 'w'}, pos, inv_freq, q, k_cache, v_cache, "
