@@ -47,7 +47,8 @@ class TorchLlamaStep(torch.nn.Module):
         # half-split result, so the peer is the same model.
         ang = pos[:, None].float() * self.inv_freq
         cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
-        x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+        xf = x.float()
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

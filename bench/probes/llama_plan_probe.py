@@ -97,37 +97,14 @@ def unfused_rope(plan, graph):
     return replace(plan, choices=choices)
 
 
-def narrow(bn, *ops):
-    """The plan with ``ops`` (op-name suffixes) in GEMV tiles of ``bn`` rows (more tasks, same ring)."""
-    def transform(plan, graph):
-        return replace(plan, choices={n: replace(c, block_n=bn) if n.split(".")[-1] in ops else c
-                                      for n, c in plan.choices.items()})
-    return transform
-
-
 def tuned(ops=None, **fields):
-    """The plan with ``fields`` set on its linears (or on ``ops``, op-name suffixes); an
-    ``l2_prefetch`` of -1 means the op's whole K range."""
+    """The plan with ``fields`` set on its linears (or on ``ops``, op-name suffixes)."""
     def transform(plan, graph):
         choices = {}
         for n, c in plan.choices.items():
-            node = graph.node(n)
-            if node.kind != "linear" or (ops and n.split(".")[-1] not in ops):
-                choices[n] = c
-                continue
-            f = dict(fields)
-            if f.get("l2_prefetch") == -1:
-                f["l2_prefetch"] = node.dims["K"]
-            choices[n] = replace(c, **f)
+            mine = graph.node(n).kind == "linear" and (not ops or n.split(".")[-1] in ops)
+            choices[n] = replace(c, **fields) if mine else c
         return replace(plan, choices=choices)
-    return transform
-
-
-def chain(*transforms):
-    def transform(plan, graph):
-        for t in transforms:
-            plan = t(plan, graph)
-        return plan
     return transform
 
 
@@ -158,14 +135,11 @@ VARIANTS = {
     # RoPE + KV append as its own task again (fused into the QKV tiles since session 9).
     "unfused_rope": unfused_rope,
     # 8-row GEMV tiles for the 2048-row projections: 256 tasks instead of 128.
-    "bn8_o_down": narrow(8, "o_proj", "down"),
-    # Weights asked into L2 just before each task's wait (all linears / the QKV and O
-    # projections), and deeper rings for the 2048-row projections (128 tasks: more bytes in
-    # flight a worker).
-    "l2wait": tuned(l2_prefetch=-1),
-    "l2wait_qkv_o": tuned(("qkv", "o_proj"), l2_prefetch=-1),
+    "bn8_o_down": tuned(("o_proj", "down"), block_n=8),
+    # Deeper rings for the 2048-row projections (128 tasks: more bytes in flight a worker).
+    # (Session 9's l2wait* variants, weights asked into L2 just before each task's wait,
+    # needed a plan field that was removed once measured: bench/NOTES.md.)
     "ring8_o_down": tuned(("o_proj", "down"), tma_stages=8),
-    "l2wait_ring8": chain(tuned(l2_prefetch=-1), tuned(("o_proj", "down"), tma_stages=8)),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),

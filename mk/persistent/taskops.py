@@ -229,13 +229,9 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
 
 
-def _prefetch_where(prefetch: str, preload: str, at_wait: bool, constexprs: dict) -> tuple[str, str]:
-    """(prefetch, preload) sources with the L2 weight prefetch moved into the preload (run
-    just before the task's own wait) when ``at_wait``; the constexpr keeps the variants apart."""
-    constexprs["PREFETCH_AT_WAIT"] = int(at_wait)
-    if not at_wait:
-        return prefetch, preload
-    return "", "\n".join(filter(None, (preload, prefetch)))
+#: A full-K tile's L2 weight prefetch, issued by the dispatch loop before the task's wait.
+_FULL_K_PREFETCH = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
+                    "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
 
 
 @register("linear")
@@ -243,7 +239,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
-              prefetch_at_wait: bool = False, dtype: torch.dtype | None = None) -> OpSpec:
+              dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -256,9 +252,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     ``tma_stages`` > 0 streams the weights through a shared-memory ring of that many TMA
     loads instead (GEMV body; aligned rows, chunks of at most 256 elements). ``prefetch_k``
     weight columns are pulled into L2 before the dependency wait (never under the
-    interpreter): while the worker runs the task before (the dispatch loop's prefetch of
-    the next task), or with ``prefetch_at_wait`` only once that task is done, just before
-    this one waits (an idle worker then fetches without taking bandwidth from its own task).
+    interpreter).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype)
@@ -271,8 +265,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
-    prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
-                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
+    prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "TMA_STAGES": tma,
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
@@ -299,8 +292,6 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
-    prefetch, preload_src = _prefetch_where(prefetch, preload_src, prefetch_at_wait and s.prefetch_lines > 0,
-                                            constexprs)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile, linear_weights_first",),
@@ -311,8 +302,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                       norm: bool = False, eps: float = 1e-6, prefetch_k: int = 0, double_buffer: bool = True,
-                      tma_stages: int = 0, prefetch_at_wait: bool = False,
-                      dtype: torch.dtype | None = None) -> OpSpec:
+                      tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
     """Split-K partial of tile (pid_m, pid_n) over K split ``split``: float32 into ws[split].
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm), ws float32
@@ -320,8 +310,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     K range of x, so it waits only for the producer tiles of that range (split-K
     dataflow); with norm it reads whole rows (the RMSNorm statistics need all of K).
     Pair with :func:`linear_reduce_op` built from the same sizes. ``double_buffer`` and
-    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles), ``prefetch_k``
-    and ``prefetch_at_wait`` prefetch them as there.
+    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles).
     """
     s = _LinearShape("linear_partial", M, N, K, split_k, block_m, block_n, block_k, num_warps, False, False,
                      prefetch_k, dtype)
@@ -370,9 +359,8 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
         return [Region(bind["ws"], w0, w1, n0, n1)]
 
     imports = ("from mk.tasks.linear import linear_partial_tile, linear_prefetch_tile, linear_split_range",)
-    prefetch, preload = _prefetch_where(prefetch, "", prefetch_at_wait and s.prefetch_lines > 0, constexprs)
     return OpSpec(name="linear_partial", operands=operands, args=("pid_m", "pid_n", "split"), body=body,
-                  prefetch=prefetch, preload=preload, imports=imports,
+                  prefetch=prefetch, imports=imports,
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -425,8 +413,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                    num_warps: int | None = None, norm: bool = False, eps: float = 1e-6,
                    write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
-                   tma_stages: int = 0, prefetch_k: int = 0, prefetch_at_wait: bool = False,
-                   dtype: torch.dtype | None = None) -> OpSpec:
+                   tma_stages: int = 0, prefetch_k: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
     """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
     (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
     rotates its q / k pairs and stores q, or its k / v columns into the caches.
@@ -528,10 +515,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
-    prefetch = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
-                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
-    prefetch, preload_src = _prefetch_where(prefetch, preload_src, prefetch_at_wait and s.prefetch_lines > 0,
-                                            constexprs)
+    prefetch = _FULL_K_PREFETCH
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_weights_first",

@@ -45,8 +45,6 @@ class OpChoice:
     tma_stages: GEMV tiles only: depth of the shared-memory ring the TMA unit streams the
         weights through (0: the register path). :func:`whole_range_stages` makes the ring
         hold the task's whole K range, which is where split-K saves shared memory.
-    l2_prefetch: TMA tiles only: weight columns of the task's K range it asks L2 for just
-        before its dependency wait (0: none), so that a worker idle in the wait fetches.
     """
 
     block_n: int = 0
@@ -57,7 +55,6 @@ class OpChoice:
     kv_splits: int = 1
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
-    l2_prefetch: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

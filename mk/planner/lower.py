@@ -57,10 +57,10 @@ from .search import Plan
 from .simulate import simulate_step
 
 #: L2 prefetch ahead of a register GEMV tile's dependency wait, in weight columns (never under
-#: the interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. TMA tiles
-#: prefetch only what their choice's ``l2_prefetch`` says, just before their own wait:
-#: issued one task ahead, while the worker streams its current task, it slowed the 1B step
-#: on an H200 (1.087 ms without, 1.175 with 1024 columns, 1.34 with whole rows; bench/NOTES.md).
+#: the interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. Not for tiles
+#: that stream through the TMA ring: issued one task ahead it slowed the 1B step on an H200
+#: (1.087 ms without, 1.175 with 1024 columns, 1.34 with whole rows), and issued just before
+#: the task's own wait too (1.009 -> 1.106 ms; 8B 4.57 -> 5.50; bench/NOTES.md sessions 5, 9).
 PREFETCH_K = 1024
 
 STATE_BUFFERS = ("ids", "pos", "tokens")
@@ -160,10 +160,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         elif kind == "rmsnorm":
             add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=WEIGHT + node.name,
                    out=activation(node.outputs[0], B, m.hidden))
-        elif kind == "linear" and any(nodes[f].kind == "rope_kv" for f in choice.fuse):
-            _lower_qkv_rope(node, choice, nodes, add_op, activation, dtype, eps, S)
         elif kind == "linear":
-            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps)
+            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps, S)
         elif kind == "rope_kv":
             layer = node.name.rsplit(".", 1)[0]
             first = layer == "l0"  # one layer publishes the lengths attention reads
@@ -219,55 +217,25 @@ def step_queues(step: DecodeStep, graph: OpGraph, device: DeviceSpec, workers: i
     return sim.queues()
 
 
-def _lower_qkv_rope(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
-                    max_seq: int) -> None:
-    """The QKV linear with RoPE + KV append (and its RMSNorm) fused: one qkv_rope_kv tile a task."""
-    fused = [nodes[f] for f in choice.fuse]
-    rope = next(f for f in fused if f.kind == "rope_kv")
-    norm = next((f for f in fused if f.kind == "rmsnorm"), None)
-    if choice.split_k != 1 or len(fused) > 1 + (norm is not None):
-        raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} with split_k={choice.split_k} "
-                         f"and {[f.name for f in fused]}: RoPE fuses only into a QKV linear without split-K, "
-                         f"beside its RMSNorm")
-    d, r = node.dims, rope.dims
-    layer = node.name.rsplit(".", 1)[0]
-    first = layer == "l0"  # one layer publishes the lengths attention reads
-    bind = {"x": norm.inputs[0] if norm is not None else node.inputs[0], "w": WEIGHT + node.name,
-            "pos": "pos", "inv_freq": "inv_freq", "q": activation(rope.outputs[0], d["M"], r["heads"] * r["head_dim"]),
-            "k_cache": f"{layer}.k_cache", "v_cache": f"{layer}.v_cache"}
-    if norm is not None:
-        bind["norm_w"] = WEIGHT + norm.name
-    if first:
-        bind["seqlens"] = activation("seqlens", d["M"], dt=torch.int32)
-    try:
-        spec = make_op("qkv_rope_kv", batch=d["M"], num_q_heads=r["heads"], num_kv_heads=r["kv_heads"],
-                       head_dim=r["head_dim"], K=d["K"], max_seq=max_seq, block_n=choice.block_n,
-                       block_k=choice.block_k, num_warps=choice.num_warps, norm=norm is not None, eps=eps,
-                       write_seqlens=first, dtype=dtype, **(_prefetch(choice, d["K"]) if d["M"] == 1 else
-                                                           dict(tma_stages=choice.tma_stages)))
-    except ValueError as err:
-        raise ValueError(f"lower_decode_step: op {node.name} with {choice}: {err}") from None
-    add_op(node.name, spec, **bind)
+def _streaming(choice, M: int, K: int) -> dict:
+    """How a linear tile streams its weights: the choice's TMA ring; register GEMV tiles
+    (M = 1) also prefetch PREFETCH_K columns into L2 ahead of their wait."""
+    if M == 1 and not choice.tma_stages:
+        return dict(tma_stages=0, prefetch_k=min(PREFETCH_K, K))
+    return dict(tma_stages=choice.tma_stages)
 
 
-def _prefetch(choice, K: int) -> dict:
-    """A GEMV tile's weight streaming and L2 prefetch: register tiles prefetch PREFETCH_K
-    columns while the worker runs the task before; TMA tiles ``choice.l2_prefetch`` columns
-    just before their own wait (none by default)."""
-    if choice.tma_stages:
-        return dict(tma_stages=choice.tma_stages, prefetch_k=choice.l2_prefetch,
-                    prefetch_at_wait=choice.l2_prefetch > 0)
-    return dict(prefetch_k=min(PREFETCH_K, K), tma_stages=0)
-
-
-def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps) -> None:
-    """One linear op and what is fused into it: split-K partials and their reduce, or full tiles."""
+def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
+                  max_seq: int) -> None:
+    """One linear op and what is fused into it: split-K partials and their reduce, full
+    tiles, or with RoPE + KV append fused, qkv_rope_kv tiles."""
     d = node.dims
     M, N, K = d["M"], d["N"], d["K"]
     fused = [nodes[f] for f in choice.fuse]
     norm = next((f for f in fused if f.kind == "rmsnorm"), None)
     add = next((f for f in fused if f.kind == "add"), None)
     silu = next((f for f in fused if f.kind == "silu_mul"), None)
+    rope = next((f for f in fused if f.kind == "rope_kv"), None)
     x = norm.inputs[0] if norm is not None else node.inputs[0]
     out_name, out_cols = node.outputs[0], N
     if silu is not None:
@@ -277,14 +245,31 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     bind = {"x": x, "w": WEIGHT + node.name}
     if norm is not None:
         bind["norm_w"] = WEIGHT + norm.name
+    tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
+    gemv = _streaming(choice, M, K)
+    norm_kw = dict(norm=norm is not None, eps=eps)
+    if rope is not None:
+        if choice.split_k != 1 or add is not None or silu is not None:
+            raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} with split_k={choice.split_k} "
+                             f"and {[f.name for f in fused]}: RoPE fuses only into a QKV linear without split-K, "
+                             f"beside its RMSNorm")
+        r, layer = rope.dims, node.name.rsplit(".", 1)[0]
+        first = layer == "l0"  # one layer publishes the lengths attention reads
+        bind.update(pos="pos", inv_freq="inv_freq", q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
+                    k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache")
+        if first:
+            bind["seqlens"] = activation("seqlens", M, dt=torch.int32)
     epilogue = {}
     if add is not None:
         epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
-    out = activation(out_name, M, out_cols)
-    tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
-    gemv = _prefetch(choice, K) if M == 1 else dict(tma_stages=choice.tma_stages)
-    norm_kw = dict(norm=norm is not None, eps=eps)
     try:
+        if rope is not None:
+            spec = make_op("qkv_rope_kv", batch=M, num_q_heads=r["heads"], num_kv_heads=r["kv_heads"],
+                           head_dim=r["head_dim"], K=K, max_seq=max_seq, write_seqlens=first, **norm_kw, **tiles,
+                           **gemv)
+            add_op(node.name, spec, **bind)
+            return
+        out = activation(out_name, M, out_cols)
         if choice.split_k == 1:
             spec = make_op("linear", M=M, N=N, K=K, residual=add is not None, silu_mul=silu is not None,
                            **norm_kw, **tiles, **gemv)

@@ -57,8 +57,8 @@ class SimPhase:
 
     Waits: ``group`` ``(consumers, producers)``: the previous phase's tasks
     ``[g * producers, (g + 1) * producers)`` where ``g = j // consumers``; else ``reads``
-    (column ranges, task j reads ``reads[j % len(reads)]`` of every row: one ``(c0, c1)``
-    or a tuple of them): the previous phase's tasks that wrote those columns; else all of them.
+    (task j reads the column ranges ``reads[j % len(reads)]``, a tuple of ``(c0, c1)``, of
+    every row): the previous phase's tasks that wrote those columns; else all of them.
     ``writes`` ``(width, columns)``: task t writes columns ``[c * width, (c + 1) * width)``
     with ``c = t mod ceil(columns / width)`` (of one row block); None: not column tiles.
     """
@@ -113,7 +113,7 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
                 continue
             # A split reads only its K range of x, unless an RMSNorm prologue needs whole rows.
             norm = any(nodes[f].kind == "rmsnorm" for f in choice.fuse)
-            ranges = None if norm else tuple(linear_k_splits(d["K"], choice.block_k, choice.split_k))
+            ranges = None if norm else tuple((r,) for r in linear_k_splits(d["K"], choice.block_k, choice.split_k))
             phases += [SimPhase(node.name, costs[0], reads=ranges),
                        SimPhase(node.name, costs[1], group=(1, choice.split_k), writes=out)]
         elif node.kind == "attention":
@@ -131,7 +131,7 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
                                 writes=(d["head_dim"], d["heads"] * d["head_dim"]))]
         elif node.kind == "argmax":
             width = argmax_block_v(d["v"])
-            chunks = tuple((c, min(c + width, d["v"])) for c in range(0, d["v"], width))
+            chunks = tuple(((c, min(c + width, d["v"])),) for c in range(0, d["v"], width))
             phases += [SimPhase(node.name, costs[0], reads=chunks), SimPhase(node.name, costs[1], group=(1, len(chunks))),
                        SimPhase(node.name, costs[2], group=(1, 1))]
         else:
@@ -166,11 +166,8 @@ def _ready(p: SimPhase, prev: SimPhase | None, prev_finish: list[float]) -> list
         width, columns = prev.writes
         per_block = -(-columns // width)
         blocks = range(0, len(prev_finish), per_block)
-        def done(ranges):  # one column range, or several
-            ranges = ranges if isinstance(ranges[0], tuple) else (ranges,)
-            return max(max(prev_finish[b + c0 // width:b + -(-c1 // width)]) for b in blocks for c0, c1 in ranges)
-
-        at = [done(r) for r in p.reads]
+        at = [max(max(prev_finish[b + c0 // width:b + -(-c1 // width)]) for b in blocks for c0, c1 in ranges)
+              for ranges in p.reads]
         return [at[j % len(at)] for j in range(n)]
     return [max(prev_finish)] * n
 
