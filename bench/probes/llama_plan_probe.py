@@ -108,6 +108,14 @@ def tuned(ops=None, **fields):
     return transform
 
 
+def kv_splits(splits):
+    """The plan with every attention cut into ``splits`` KV splits."""
+    def transform(plan, graph):
+        return replace(plan, choices={n: replace(c, kv_splits=splits) if graph.node(n).kind == "attention" else c
+                                      for n, c in plan.choices.items()})
+    return transform
+
+
 MODEL_SPEC = []  # the live DeviceSpec, set in main
 VARIANTS = {
     "search": lambda p, g: p,
@@ -132,6 +140,9 @@ VARIANTS = {
     "skinny128x128r4_1perSM": skinny(128, 128, 4, workers=132),
     "skinny128x64r6": skinny(128, 64, 6),
     "skinny256x64r4": skinny(256, 64, 4),
+    # KV splits of attention other than the search's (session 10: each group's last split merges it).
+    "kv4": kv_splits(4),
+    "kv8": kv_splits(8),
     # RoPE + KV append as its own task again (fused into the QKV tiles since session 9).
     "unfused_rope": unfused_rope,
     # 8-row GEMV tiles for the 2048-row projections: 256 tasks instead of 128.

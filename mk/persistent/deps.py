@@ -159,7 +159,8 @@ def dependency_intervals(tasks) -> list[list[Interval]]:
     """For each task (in program order), the earlier tasks it depends on, as intervals.
 
     Read after write, write after read and write after write, as
-    :meth:`~mk.persistent.graph.TaskGraph.dependencies` defines them.
+    :meth:`~mk.persistent.graph.TaskGraph.dependencies` defines them (never on an earlier
+    member of the task's own team).
     """
     written, read = RegionIndex(), RegionIndex()
     deps: list[list[Interval]] = []
@@ -171,7 +172,10 @@ def dependency_intervals(tasks) -> list[list[Interval]]:
         for region in w_regions:
             found += read.query(region)
             found += written.query(region)
-        deps.append(remove_index(merge_intervals(found), task.index))
+        mine = merge_intervals(found)
+        if task.team_start < task.index:  # a team synchronises itself
+            mine = subtract_intervals(mine, [(task.team_start, task.index)])
+        deps.append(remove_index(mine, task.index))
         for region in r_regions:
             read.add(region, task.index)
         for region in w_regions:

@@ -3,8 +3,9 @@
 A :class:`TaskGraph` is a list of tasks in program order; each task is an :class:`OpSpec`
 bound to named buffers plus integer arguments. Dependencies are derived, not declared:
 a task depends on every earlier task whose writes intersect its reads (read after
-write), or whose reads or writes intersect its writes (write after read / write). They
-are exact at tile granularity because the regions are tiles.
+write), or whose reads or writes intersect its writes (write after read / write),
+except on the earlier members of its own team (:attr:`OpSpec.team`). They are exact at
+tile granularity because the regions are tiles.
 
 :func:`lower` turns a graph into a :class:`Program`: events (counters), waits with
 per-launch counts, static per-worker queues, and the descriptor table the megakernel and
@@ -32,6 +33,11 @@ class Task:
     bind: dict[str, str]
     args: dict[str, int]
     name: str
+    team_start: int = -1  # index of the first task of its team (OpSpec.team); its own index if none
+
+    def __post_init__(self) -> None:
+        if self.team_start < 0:
+            self.team_start = self.index
 
     def reads(self) -> list[Region]:
         return self.op.reads(self.args, self.bind) if self.op.reads else []
@@ -81,7 +87,12 @@ class TaskGraph:
         if bindings_and_args:
             raise ValueError(f"task {name or op.name}: unexpected {sorted(bindings_and_args)}")
         index = len(self.tasks)
-        self.tasks.append(Task(index, op, bind, args, name or f"{op.name}#{index}"))
+        team_start = index
+        prev = self.tasks[-1] if self.tasks else None
+        if (op.team is not None and prev is not None and prev.op == op and prev.bind == bind
+                and op.team(prev.args) == op.team(args)):
+            team_start = prev.team_start
+        self.tasks.append(Task(index, op, bind, args, name or f"{op.name}#{index}", team_start))
         return index
 
     def dependencies(self) -> list[list[int]]:

@@ -63,6 +63,14 @@ class OpSpec:
     #: reads(args, roles_to_buffer_names) / writes(...) -> list[Region]
     reads: Callable[[dict, dict], list] | None = field(default=None, compare=False, repr=False)
     writes: Callable[[dict, dict], list] | None = field(default=None, compare=False, repr=False)
+    #: team(args) -> key: consecutive tasks of this op (same bindings) with one key are a
+    #: team that synchronises itself (counters in an operand, never a wait): its members
+    #: never depend on one another, and its regions are the whole team's (each member
+    #: declares what any of them may touch: the last to arrive may do the team's work).
+    team: Callable[[dict], object] | None = field(default=None, compare=False, repr=False)
+    #: operand roles holding such counters: zero between launches, zeroed again by
+    #: Megakernel.reset() after a failed one.
+    sync_operands: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:

@@ -178,10 +178,14 @@ class Megakernel:
         self.check()
 
     def reset(self) -> None:
-        """Zero counters, launch count and error (needed only after a failed launch)."""
+        """Zero counters, launch count and error, and the ops' own counters
+        (:attr:`OpSpec.sync_operands`): needed only after a failed launch."""
         self.counters.zero_()
         self.state.zero_()
         self.error.zero_()
+        graph = self.program.graph
+        for name in sorted({t.bind[role] for t in graph.tasks for role in t.op.sync_operands}):
+            graph.buffers[name].zero_()
 
     # -- inspection -------------------------------------------------------------------
     def dump_source(self, path: str | Path) -> Path:

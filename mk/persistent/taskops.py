@@ -726,6 +726,69 @@ def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> 
     return start, max(start, min(start + split_len, seqlen))
 
 
+def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
+                         max_seq: int, splits: int, block_n: int, scale: float) -> None:
+    """KV split s of (b, kv) for its group's query heads, with torch (the VM's partial)."""
+    group = hq // hkv
+    heads = slice(kv * group, (kv + 1) * group)
+    seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+    start, end = _attention_split(seqlen, splits, block_n, s)
+    q = _view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
+    o_part = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
+    lse = _view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
+    if end > start:
+        kc = _view(op, "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        vc = _view(op, "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        scores = (q @ kc[b, kv, start:end].float().T) * scale
+        m = scores.max(dim=-1, keepdim=True).values
+        p = torch.exp(scores - m)
+        total = p.sum(dim=-1, keepdim=True)
+        o_part[b, heads, s] = ((p @ vc[b, kv, start:end].float()) / total).to(o_part.dtype)
+        lse[b, heads, s] = (m + torch.log(total)).squeeze(-1).to(lse.dtype)
+    else:  # an empty slice: zeros and -inf (weight 0 in the merge)
+        o_part[b, heads, s] = 0
+        lse[b, heads, s] = float("-inf")
+
+
+def _run_attention_merge(op: str, bufs: dict, b: int, h: int, *, batch: int, hq: int, d: int, splits: int) -> None:
+    """out[b, head h] from its splits' partials, with torch (the VM's merge)."""
+    lse = _view(op, "lse", bufs["lse"], batch * hq, splits)[b * hq + h].float()
+    o = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d)[b * hq + h].view(splits, d).float()
+    m = lse.max()
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # as the device: no -inf - -inf
+    w = torch.exp(lse - m)
+    total = w.sum()
+    y = (w[:, None] * o).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))
+    out = _view(op, "out", bufs["out"], batch, hq * d)
+    out[b, h * d:(h + 1) * d] = y.to(out.dtype)
+
+
+def _attention_split_reads(bind: dict, b: int, kv: int, *, hq: int, hkv: int, d: int, max_seq: int) -> list:
+    """What a split of (b, kv) reads: its heads' q, all max_seq cache rows of (b, kv) (the
+    slice it reads depends on the runtime length) and b's length."""
+    group = hq // hkv
+    rows = ((b * hkv + kv) * max_seq, (b * hkv + kv + 1) * max_seq)
+    return [Region(bind["q"], b, b + 1, kv * group * d, (kv + 1) * group * d),
+            Region(bind["k_cache"], *rows, 0, d), Region(bind["v_cache"], *rows, 0, d),
+            Region(bind["seqlens"], 0, 1, b, b + 1)]
+
+
+#: Strides of q, the caches, o_part and lse, as the attention tiles take them (constexprs).
+_ATTENTION_STRIDES = ("HQ * HEAD_DIM, HEAD_DIM, "
+                      "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, "
+                      "HEAD_DIM, HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1")
+
+
+def _attention_tile(op: str, batch: int, hkv: int, splits: int):
+    """A task's (b, kv_head, split), checked."""
+    def tile(a):
+        _check_tile(op, "b", a["b"], batch)
+        _check_tile(op, "kv_head", a["kv_head"], hkv)
+        _check_tile(op, "split", a["split"], splits)
+        return a["b"], a["kv_head"], a["split"]
+    return tile
+
+
 @register("decode_attention_partial")
 def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                                 num_splits: int, *, scale: float | None = None, block_n: int | None = None,
@@ -756,44 +819,17 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
     block_n = _check_pow2(op, "block_n", block_n or cfg.block_n, MIN_DOT_DIM)  # tl.dot: >= 16
     scale = 1.0 / d**0.5 if scale is None else float(scale)
     body = ("decode_attention_partial_tile(q, k_cache, v_cache, seqlens, o_part, lse, b.to(tl.int64), kv_head, "
-            "split, NUM_SPLITS, SCALE, HQ * HEAD_DIM, HEAD_DIM, "
-            "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
-            "HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1, "
+            "split, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
 
-    def tile(a):
-        _check_tile(op, "b", a["b"], batch)
-        _check_tile(op, "kv_head", a["kv_head"], hkv)
-        _check_tile(op, "split", a["split"], S)
-        return a["b"], a["kv_head"], a["split"]
+    tile = _attention_tile(op, batch, hkv, S)
 
     def run(bufs, a):
-        b, kv, s = tile(a)
-        heads = slice(kv * group, (kv + 1) * group)
-        seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
-        start, end = _attention_split(seqlen, S, block_n, s)
-        q = _view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
-        o_part = _view(op, "o_part", bufs["o_part"], batch * hq, S * d).view(batch, hq, S, d)
-        lse = _view(op, "lse", bufs["lse"], batch * hq, S).view(batch, hq, S)
-        if end > start:
-            kc = _view(op, "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
-            vc = _view(op, "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
-            scores = (q @ kc[b, kv, start:end].float().T) * scale
-            m = scores.max(dim=-1, keepdim=True).values
-            p = torch.exp(scores - m)
-            total = p.sum(dim=-1, keepdim=True)
-            o_part[b, heads, s] = ((p @ vc[b, kv, start:end].float()) / total).to(o_part.dtype)
-            lse[b, heads, s] = (m + torch.log(total)).squeeze(-1).to(lse.dtype)
-        else:  # an empty slice: zeros and -inf (weight 0 in the merge)
-            o_part[b, heads, s] = 0
-            lse[b, heads, s] = float("-inf")
+        _run_attention_split(op, bufs, *tile(a), batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
+                             block_n=block_n, scale=scale)
 
     def reads(a, bind):
-        b, kv, _ = tile(a)
-        rows = ((b * hkv + kv) * max_seq, (b * hkv + kv + 1) * max_seq)
-        return [Region(bind["q"], b, b + 1, kv * group * d, (kv + 1) * group * d),
-                Region(bind["k_cache"], *rows, 0, d), Region(bind["v_cache"], *rows, 0, d),
-                Region(bind["seqlens"], 0, 1, b, b + 1)]
+        return _attention_split_reads(bind, *tile(a)[:2], hq=hq, hkv=hkv, d=d, max_seq=max_seq)
 
     def writes(a, bind):
         b, kv, s = tile(a)
@@ -807,6 +843,68 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
                               "GROUP": group, "BLOCK_G": cfg.block_g, "BLOCK_N": block_n, "BLOCK_D": cfg.block_d,
                               "SCALE": scale},
                   num_warps=num_warps or cfg.num_warps, run=run, reads=reads, writes=writes)
+
+
+@register("decode_attention")
+def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
+                        num_splits: int, *, scale: float | None = None, block_n: int | None = None,
+                        num_warps: int | None = None) -> OpSpec:
+    """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
+    of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
+    split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
+
+    Operands: those of the partial op, then arrivals int32 ``[batch * Hkv]`` (zeros; left
+    zero by every complete launch, see :attr:`OpSpec.sync_operands`) and out
+    ``[batch, Hq * D]``. Args: b, kv_head, split.
+
+    The splits of one (b, kv_head) are a team (:attr:`OpSpec.team`): none waits for
+    another. Each declares the whole team's regions (any of them may be the merging one):
+    reads of the group's partials, writes of its own partial, the group's counter and the
+    group's heads of out. A consumer of out therefore waits for all of the group's splits,
+    and the last of them signals after its merge.
+    """
+    op = "decode_attention"
+    part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
+                                       scale=scale, block_n=block_n, num_warps=num_warps)
+    hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
+    group = hq // hkv
+    c = part.constexprs
+    body = ("decode_attention_tile(q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, b.to(tl.int64), "
+            "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
+            "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
+            "BLOCK_GROUP=BLOCK_GROUP)")
+
+    tile = _attention_tile(op, batch, hkv, S)
+
+    def run(bufs, a):
+        b, kv, s = tile(a)
+        _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
+                             block_n=c["BLOCK_N"], scale=c["SCALE"])
+        arrivals = _view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
+        arrivals[b * hkv + kv] += 1
+        if int(arrivals[b * hkv + kv]) == S:
+            arrivals[b * hkv + kv] = 0
+            for h in range(kv * group, (kv + 1) * group):
+                _run_attention_merge(op, bufs, b, h, batch=batch, hq=hq, d=d, splits=S)
+
+    def reads(a, bind):
+        b, kv, _ = tile(a)
+        r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
+        return (_attention_split_reads(bind, b, kv, hq=hq, hkv=hkv, d=d, max_seq=max_seq)
+                + [Region(bind["o_part"], r0, r1, 0, S * d), Region(bind["lse"], r0, r1, 0, S)])
+
+    def writes(a, bind):
+        b, kv, s = tile(a)
+        r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
+        return [Region(bind["o_part"], r0, r1, s * d, (s + 1) * d), Region(bind["lse"], r0, r1, s, s + 1),
+                Region(bind["arrivals"], 0, 1, b * hkv + kv, b * hkv + kv + 1),
+                Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)]
+
+    return OpSpec(name=op, operands=part.operands + ("arrivals", "out"), args=part.args, body=body,
+                  imports=("from mk.tasks.decode_attention import decode_attention_tile",),
+                  constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length()},
+                  num_warps=part.num_warps, run=run,
+                  reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))
 
 
 @register("decode_attention_merge")
@@ -834,16 +932,7 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
         return a["b"], a["q_head"]
 
     def run(bufs, a):
-        b, h = head(a)
-        lse = _view(op, "lse", bufs["lse"], batch * hq, S)[b * hq + h].float()
-        o = _view(op, "o_part", bufs["o_part"], batch * hq, S * d)[b * hq + h].view(S, d).float()
-        m = lse.max()
-        m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # as the device: no -inf - -inf
-        w = torch.exp(lse - m)
-        total = w.sum()
-        y = (w[:, None] * o).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))
-        out = _view(op, "out", bufs["out"], batch, hq * d)
-        out[b, h * d:(h + 1) * d] = y.to(out.dtype)
+        _run_attention_merge(op, bufs, *head(a), batch=batch, hq=hq, d=d, splits=S)
 
     def reads(a, bind):
         b, h = head(a)
@@ -1059,7 +1148,7 @@ def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
         return [{"row": r, "col_block": cb} for r in range(c["ROWS"]) for cb in range(_cdiv(c["H"], c["BLOCK_H"]))]
     if spec.name == "rope_kv":
         return [{"b": b} for b in range(c["BATCH"])]
-    if spec.name == "decode_attention_partial":
+    if spec.name in ("decode_attention_partial", "decode_attention"):
         return [{"b": b, "kv_head": kv, "split": s} for b in range(c["BATCH"]) for kv in range(c["HKV"])
                 for s in range(c["NUM_SPLITS"])]
     if spec.name == "decode_attention_merge":

@@ -75,17 +75,23 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
     if check_reads:
         writes_so_far = {n: torch.zeros_like(c) for n, c in writes_done.items()}
         reads_so_far = {n: torch.zeros_like(c) for n, c in writes_done.items()}
+        team: list = []  # (reads, writes) of the current team: counted once it ends, since
+        # its members need nothing of one another (OpSpec.team)
         for i, t in enumerate(tasks):
+            if t.team_start == i:
+                for reads, writes in team:
+                    for r in reads:
+                        reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+                    for r in writes:
+                        writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+                team = []
             reads = [r for r in t.reads() if r.buffer in writes_done]
             writes = t.writes()
             for k, r in enumerate(reads):
                 need_writes[i, k] = writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1].clone()
             for k, r in enumerate(writes):
                 need_reads[i, k] = reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1].clone()
-            for r in reads:
-                reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
-            for r in writes:
-                writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+            team.append((reads, writes))
     order: list[int] = []
     max_conc = 0
 

@@ -102,7 +102,7 @@ def _tile_rows_for(M: int) -> int:
 
 
 def op_tasks(node: OpNode, choice: OpChoice) -> int:
-    """Tasks the choice cuts the op into (split-K reduce tasks and attention merges included)."""
+    """Tasks the choice cuts the op into (split-K reduce tasks included)."""
     return sum(tasks for tasks, _ in op_phases(node, choice))
 
 
@@ -117,7 +117,7 @@ def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
         d = node.dims
         plain, split = linear_cost(d["M"], d["N"], d["K"]), linear_cost(d["M"], d["N"], d["K"], split_k=choice.split_k)
         return node.bytes + split.bytes - plain.bytes, node.flops + split.flops - plain.flops
-    if node.kind == "attention" and choice.kv_splits > 1:
+    if node.kind == "attention":  # the partials go through the workspace even unsplit
         return node.bytes + 2 * _attention_workspace(node.dims, choice.kv_splits), node.flops
     return node.bytes, node.flops
 
@@ -200,8 +200,8 @@ def _x_task_bytes(node: OpNode, choice: OpChoice) -> int:
 def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
     """The op's dependency phases as (tasks, bytes of ``nbytes``): tasks of one phase run in
     parallel and the next phase waits for them. A split-K linear is its partial tiles, then
-    the reduces (reading the float32 workspace back); decode attention its KV splits, then
-    the merges (the lowering always merges: the merge also casts the float32 partial);
+    the reduces (reading the float32 workspace back); decode attention one phase, its KV
+    splits (each group's last split merges the group: :func:`phase_costs` prices that);
     argmax its chunk partials, the row reduce, and the token append."""
     d = node.dims
     if node.kind == "linear":
@@ -213,9 +213,7 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int
         workspace = d["M"] * d["N"] * choice.split_k * 4
         return [(tiles * choice.split_k, nbytes - workspace), (tiles, workspace)]
     if node.kind == "attention":
-        workspace = _attention_workspace(d, choice.kv_splits)
-        return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes - workspace),
-                (d["batch"] * d["heads"], workspace)]
+        return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes)]
     if node.kind == "argmax":
         rows = d["rows"]
         return [(rows * math.ceil(d["v"] / argmax_block_v(d["v"])), nbytes), (rows, 0), (rows, 0)]
@@ -266,7 +264,9 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     A task streams its share of the phase's bytes at the lesser of what one worker streams
     alone (:meth:`DeviceSpec.worker_rate`) and an even share of DRAM among the phase's busy
     workers, plus the task overhead; where the op's flops outweigh its bytes (prefill-sized
-    M) the streaming part stretches to the compute time.
+    M) the streaming part stretches to the compute time. An attention split is priced as
+    the last of its KV group, which then reads the group's partials back to merge them: exact
+    when the splits run in one wave, as they do in decode.
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -281,6 +281,9 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         # weight chunk, which halved what each worker's ring carried of weights (1B: 2.19 ms
         # with 32-row tiles, 1.51 with 128-row; 8B: 15.8 and 6.2; bench/NOTES.md, session 8).
         reread = _x_task_bytes(node, choice) if node.kind == "linear" and i == 0 else 0
+        if node.kind == "attention":  # the group's partials, read back by its merging split
+            d = node.dims
+            reread = _attention_workspace(d, choice.kv_splits) // (d["batch"] * d["kv_heads"])
         streams.append((phase_tasks, waves, max(task_bytes / (device.dram_bandwidth / busy),
                                                 (task_bytes + reread) / rate)))
     memory_s = sum(waves * s for _, waves, s in streams)

@@ -174,15 +174,14 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         elif kind == "attention":
             layer = node.name.rsplit(".", 1)[0]
             splits = choice.kv_splits
-            part = make_op("decode_attention_partial", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads,
+            # One phase: each KV group's last split merges it (with one split too: a copy).
+            spec = make_op("decode_attention", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads,
                            head_dim=m.head_dim, max_seq=S, num_splits=splits)
-            merge = make_op("decode_attention_merge", batch=B, num_q_heads=m.heads, head_dim=m.head_dim,
-                            num_splits=splits)
-            o_part = activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim)
-            lse = activation(f"{layer}.lse", B, m.heads, splits)
-            add_op(node.name, part, q=node.inputs[0], k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache",
-                   seqlens="seqlens", o_part=o_part, lse=lse)
-            add_op(node.name, merge, o_part=o_part, lse=lse, out=activation(node.outputs[0], B, m.heads * m.head_dim))
+            add_op(node.name, spec, q=node.inputs[0], k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache",
+                   seqlens="seqlens", o_part=activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim),
+                   lse=activation(f"{layer}.lse", B, m.heads, splits),
+                   arrivals=activation(f"{layer}.arrivals", B * m.kv_heads, dt=torch.int32),
+                   out=activation(node.outputs[0], B, m.heads * m.head_dim))
         elif kind == "argmax":
             if next_token == "logits":
                 continue

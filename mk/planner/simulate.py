@@ -7,9 +7,9 @@ a schedule and run in order: each worker takes its next task when it is free, af
 inputs are ready and one dependency wait. The step is the launch plus the last finish.
 What this adds to the sum over phases is load imbalance across phases: a schedule that
 leaves one worker with more tasks than ``ceil(tasks / workers)``, and phases whose tasks
-wait only for *their* producers (a split-K reduce for its tile's partials, an attention
-merge for its KV group's splits, the argmax reduce for its row's chunks), which start
-while the other groups still run.
+wait only for *their* producers (a split-K reduce for its tile's partials, the argmax
+reduce for its row's chunks, an O projection's K range for the attention splits of the
+heads in it), which start while the other groups still run.
 
 Schedules (one per worker queue, each in program order, so no queue waits on itself):
 
@@ -59,8 +59,10 @@ class SimPhase:
     ``[g * producers, (g + 1) * producers)`` where ``g = j // consumers``; else ``reads``
     (task j reads the column ranges ``reads[j % len(reads)]``, a tuple of ``(c0, c1)``, of
     every row): the previous phase's tasks that wrote those columns; else all of them.
-    ``writes`` ``(width, columns)``: task t writes columns ``[c * width, (c + 1) * width)``
-    with ``c = t mod ceil(columns / width)`` (of one row block); None: not column tiles.
+    ``writes`` ``(width, columns)``: the ``writers`` consecutive tasks from ``t * writers``
+    together write columns ``[c * width, (c + 1) * width)`` with ``c = t mod ceil(columns /
+    width)`` (of one row block); None: not column tiles. (Attention's KV splits write their
+    group's heads together: the last of them merges.)
     """
 
     op: str
@@ -68,6 +70,7 @@ class SimPhase:
     group: tuple[int, int] | None = None
     reads: tuple[tuple[int, int], ...] | None = None
     writes: tuple[int, int] | None = None
+    writers: int = 1
 
 
 @dataclass
@@ -119,16 +122,16 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
         elif node.kind == "attention":
             # Sequence b's splits wait for b's RoPE task, or, with RoPE in the QKV tiles, KV
             # group g's splits for the tiles of g's q, k and v heads (and in the layer that
-            # publishes the lengths, for tile 0); a merge waits for its KV group's splits.
+            # publishes the lengths, for tile 0). A group's splits write its heads together.
             prev = nodes[phases[-1].op] if phases else None
             first = reads = None
             if prev is not None and prev.kind == "rope_kv":
                 first = (d["kv_heads"] * choice.kv_splits, 1)
             elif prev is not None and any(nodes[f].kind == "rope_kv" for f in plan[prev.name].fuse):
                 reads = _attention_reads(d, choice.kv_splits, with_lengths=node.layer == 0)
-            phases += [SimPhase(node.name, costs[0], group=first, reads=reads),
-                       SimPhase(node.name, costs[1], group=(d["heads"] // d["kv_heads"], choice.kv_splits),
-                                writes=(d["head_dim"], d["heads"] * d["head_dim"]))]
+            phases.append(SimPhase(node.name, costs[0], group=first, reads=reads,
+                                   writes=(d["heads"] // d["kv_heads"] * d["head_dim"], d["heads"] * d["head_dim"]),
+                                   writers=choice.kv_splits))
         elif node.kind == "argmax":
             width = argmax_block_v(d["v"])
             chunks = tuple(((c, min(c + width, d["v"])),) for c in range(0, d["v"], width))
@@ -164,9 +167,10 @@ def _ready(p: SimPhase, prev: SimPhase | None, prev_finish: list[float]) -> list
         return [group_ready[j // consumers] for j in range(n)]
     if p.reads is not None and prev.writes is not None:
         width, columns = prev.writes
-        per_block = -(-columns // width)
+        k = prev.writers
+        per_block = -(-columns // width) * k
         blocks = range(0, len(prev_finish), per_block)
-        at = [max(max(prev_finish[b + c0 // width:b + -(-c1 // width)]) for b in blocks for c0, c1 in ranges)
+        at = [max(max(prev_finish[b + c0 // width * k:b + -(-c1 // width) * k]) for b in blocks for c0, c1 in ranges)
               for ranges in p.reads]
         return [at[j % len(at)] for j in range(n)]
     return [max(prev_finish)] * n

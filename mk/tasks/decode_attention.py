@@ -15,7 +15,10 @@ writes, per query head, the slice's normalised output and its log-sum-exp:
     lse[b, h, split]        float32, natural log of Σ_j∈slice exp(s_j)   (-inf for an empty slice)
 
 The merge task ``(b, h)`` combines them: ``out = Σ_s exp(lse_s - M) o_s / Σ_s exp(lse_s - M)``
-with ``M = max_s lse_s``; an empty slice has weight exp(-inf) = 0. Slices are cut per
+with ``M = max_s lse_s``; an empty slice has weight exp(-inf) = 0. In one launch
+(:func:`decode_attention_tile`) there is no merge task: each split counts itself in
+``arrivals[b, kv]`` when its partial is stored, and the group's last split to arrive
+merges the group's heads (and sets the count back to 0), so nothing waits for anything. Slices are cut per
 sequence: ``ceil(L / num_splits)`` rounded up to whole BLOCK_N blocks, so a short
 sequence fills the first slices and leaves the others empty.
 
@@ -167,28 +170,77 @@ def decode_attention_merge_tile(
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEADS: tl.constexpr = 1, BLOCK_HEADS: tl.constexpr = 1, CACHE: tl.constexpr = "",
 ):
-    """out[b, q_head] = the log-sum-exp weighted mean of the ``num_splits`` partials.
+    """out[b, h] = the log-sum-exp weighted mean of the ``num_splits`` partials of head h,
+    for the HEADS heads ``q_head <= h < q_head + HEADS`` (BLOCK_HEADS: HEADS padded to a
+    power of 2).
 
-    Empty splits carry lse = -inf and weigh 0. Touches out[b, q_head] only.
+    Empty splits carry lse = -inf and weigh 0. Touches those heads of out[b] only. All
+    heads' partials are loaded at once: one memory round trip, however many heads.
+    ``CACHE``: the partials' load cache modifier (".cg" reads them from L2, past this SM's L1).
     """
+    offs_h = tl.arange(0, BLOCK_HEADS)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
+    mask_h = offs_h < HEADS
+    mask_hs = mask_h[:, None] & (offs_s < num_splits)[None, :]
     mask_d = offs_d < HEAD_DIM
-    lse = tl.load(lse_ptr + b * stride_lb + q_head * stride_lh + offs_s * stride_ls,
-                  mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
+    heads = q_head + offs_h
+    lse = tl.load(lse_ptr + b * stride_lb + heads[:, None] * stride_lh + offs_s[None, :] * stride_ls,
+                  mask=mask_hs, other=float("-inf"), cache_modifier=CACHE)
+    o = tl.load(o_part_ptr + b * stride_pb + heads[:, None, None] * stride_ph + offs_s[None, :, None] * stride_ps
+                + offs_d[None, None, :], mask=mask_hs[:, :, None] & mask_d[None, None, :], other=0.0,
+                cache_modifier=CACHE)
+    m = tl.max(lse, axis=1)
     # Split 0 always has a key (seqlen >= 1), so m is finite; the guard only keeps a bad
-    # seqlen from turning into NaN (-inf - -inf).
+    # seqlen (or a padded head) from turning into NaN (-inf - -inf).
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    o = tl.load(o_part_ptr + b * stride_pb + q_head * stride_ph + offs_s[:, None] * stride_ps
-                + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + q_head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=mask_d)
+    w = tl.exp(lse - m[:, None])
+    total = tl.sum(w, axis=1)
+    out = tl.sum(w[:, :, None] * o, axis=1) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def decode_attention_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+    b, kv_head, split, num_kv_heads, num_splits, sm_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr,
+):
+    """Split ``split`` of (b, kv_head), as :func:`decode_attention_partial_tile`; the group's
+    last split to finish then merges the GROUP heads into ``out_ptr[b, h]``.
+
+    ``arrivals_ptr[b * num_kv_heads + kv_head]`` (int32) counts the group's finished splits
+    and must be 0 when the first one starts; the last resets it to 0. No split waits for
+    another, so the splits may run in any order, or one after another on one program.
+    """
+    decode_attention_partial_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, b, kv_head, split, num_splits, sm_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    # Every thread's partial is stored before the release: the last split's acquire then
+    # sees the whole workspace of the group.
+    tl.debug_barrier()
+    counter = arrivals_ptr + b * num_kv_heads + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        # From L2: this SM's L1 may hold the workspace of an earlier step.
+        decode_attention_merge_tile(
+            o_ptr, lse_ptr, out_ptr, b, kv_head * GROUP, num_splits,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
+            HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEADS=GROUP, BLOCK_HEADS=BLOCK_GROUP, CACHE=".cg")
 
 
 @triton.jit
@@ -211,6 +263,31 @@ def decode_attention_partial_kernel(
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+
+
+@triton.jit
+def decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+    num_kv_heads, num_splits, sm_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr,
+):
+    # Grid (B * Hkv, num_splits): partials and merges in one launch.
+    pid = tl.program_id(0)
+    decode_attention_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_kv_heads, num_splits, sm_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S,
+        BLOCK_GROUP=BLOCK_GROUP)
 
 
 @triton.jit
@@ -270,21 +347,28 @@ def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits):
     return float(scale)
 
 
-def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale):
+def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arrivals=None, out=None):
+    """The partials' grid; with ``arrivals`` (zeros, [B * Hkv]) and ``out``, each group's
+    last split also merges it into out (:func:`decode_attention_tile`)."""
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
     num_splits = lse.shape[2]
     cfg = decode_attention_config(hq, hkv, d, q.element_size())
-    decode_attention_partial_kernel[(batch * hkv, num_splits)](
-        q, k_cache, v_cache, seqlens, o_part, lse, hkv, num_splits, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_G=cfg.block_g, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    strides = (q.stride(0), q.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+               o_part.stride(0), o_part.stride(1), o_part.stride(2),
+               lse.stride(0), lse.stride(1), lse.stride(2))
+    sizes = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_G=cfg.block_g, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if arrivals is None:
+        decode_attention_partial_kernel[(batch * hkv, num_splits)](
+            q, k_cache, v_cache, seqlens, o_part, lse, hkv, num_splits, scale, *strides, **sizes)
+    else:
+        decode_attention_kernel[(batch * hkv, num_splits)](
+            q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, hkv, num_splits, scale, *strides,
+            out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_GROUP=triton.next_power_of_2(hq // hkv), **sizes)
 
 
 def _default_splits(q, k_cache):
@@ -312,7 +396,8 @@ def decode_attention(
         scale: score scale, default ``1 / sqrt(D)``.
         num_splits: KV splits (1..:data:`MAX_NUM_SPLITS`); default from
             :func:`decode_attention_num_splits` on the cache length S_max. With 1 the
-            partial task writes the output directly and no merge runs.
+            partial task writes the output directly; with more, each group's last split
+            merges it, in the same launch.
 
     Lengths are checked on the host (one sync), except while a CUDA graph is captured.
 
@@ -327,12 +412,12 @@ def decode_attention(
     if num_splits is None:
         num_splits = _default_splits(q, k_cache)
     lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
-    # One split: the partial is already the answer, write it straight into out.
-    o_part = out[:, :, None, :] if num_splits == 1 else torch.empty(
-        (batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale)
-    if num_splits > 1:
-        decode_attention_merge(o_part, lse, out=out)
+    if num_splits == 1:  # the partial is already the answer: write it straight into out
+        _launch_partials(q, k_cache, v_cache, seqlens, out[:, :, None, :], lse, scale)
+        return out
+    o_part = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    arrivals = torch.zeros(batch * k_cache.shape[1], dtype=torch.int32, device=q.device)
+    _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, arrivals=arrivals, out=out)
     return out
 
 

@@ -30,7 +30,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                     ("wgu", z(2 * I, H)), ("act", z(B, I)), ("wd", z(H, I)), ("ws", z(2, B, H, dt=torch.float32)),
                     ("h2", z(B, H)), ("h2n", z(B, H)), ("wlm", z(V, H)), ("logits", z(B, V)),
                     ("pv", z(B, 4, dt=torch.float32)), ("pi", z(B, 4, dt=torch.int32)),
-                    ("val", z(B, dt=torch.float32))):
+                    ("val", z(B, dt=torch.float32)), ("arrivals", z(B * HKV, dt=torch.int32))):
         g.buffer(name, t)
 
     def add(op, **bind):
@@ -51,6 +51,10 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                 num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse")
     add(make_op("decode_attention_merge", batch=B, num_q_heads=HQ, head_dim=D, num_splits=splits),
         o_part="o_part", lse="lse", out="attn")
+    # The one-phase attention (each KV group's last split merges it), after the two-phase pair.
+    add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
+                num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse",
+        arrivals="arrivals", out="attn")
     add(make_op("linear", M=B, N=H, K=HQ * D, residual=True, dtype=BF16), x="attn", w="wo", res="x", out="h1")
     add(rms, x="h1", w="ln", out="h1n")
     add(make_op("linear", M=B, N=2 * I, K=H, silu_mul=True, dtype=BF16), x="h1n", w="wgu", out="act")
@@ -67,12 +71,13 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
 def main() -> None:
     program = lower(decoder_graph(), num_workers=8)
     names = {spec.name for spec, _ in program.variants}
-    assert {"embedding", "rope_kv", "qkv_rope_kv", "decode_attention_partial", "decode_attention_merge", "argmax_partial",
-            "argmax_reduce"} <= names, names
+    assert {"embedding", "rope_kv", "qkv_rope_kv", "decode_attention_partial", "decode_attention_merge",
+            "decode_attention", "argmax_partial", "argmax_reduce"} <= names, names
     compiled = compile_for_target(program, num_warps=4)
     ptx = compiled.asm["ptx"]
-    # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), and the acquire of the waits.
-    for needle in ("mma", "ld.global.acquire.gpu"):
+    # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), the acquire of the waits,
+    # the arrival count of the one-phase attention and its merge's loads from L2.
+    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
     print("ok")
 

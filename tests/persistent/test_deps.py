@@ -21,6 +21,11 @@ class FakeTask:
     index: int
     r: list
     w: list
+    team_start: int = -1
+
+    def __post_init__(self):
+        if self.team_start < 0:
+            self.team_start = self.index
 
     def reads(self):
         return self.r
@@ -34,6 +39,8 @@ def brute_force_deps(tasks):
     for t in tasks:
         mine = set()
         for u in tasks[: t.index]:
+            if u.index >= t.team_start:
+                continue  # an earlier member of t's team: teams synchronise themselves
             if (any(a.intersects(b) for a in t.reads() for b in u.writes())
                     or any(a.intersects(b) for a in t.writes() for b in u.reads() + u.writes())):
                 mine.add(u.index)
@@ -72,6 +79,25 @@ def test_intervals_equal_brute_force(seed):
     tasks = random_tasks(rng, rng.randint(1, 60))
     got = [[t for a, b in ivs for t in range(a, b)] for ivs in dependency_intervals(tasks)]
     assert got == brute_force_deps(tasks)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_team_members_never_depend_on_one_another(seed):
+    rng = random.Random(300 + seed)
+    tasks = random_tasks(rng, rng.randint(10, 60))
+    i = 0
+    while i < len(tasks):  # random runs of consecutive tasks become teams
+        n = rng.randint(1, 4)
+        for t in tasks[i:i + n]:
+            t.team_start = i
+        i += n
+    got = [[t for a, b in ivs for t in range(a, b)] for ivs in dependency_intervals(tasks)]
+    assert got == brute_force_deps(tasks)
+    # ... and without the teams some members would have depended on one another
+    starts = [t.team_start for t in tasks]
+    for t in tasks:
+        t.team_start = t.index
+    assert any(starts[c] <= p for c, d in enumerate(brute_force_deps(tasks)) for p in d)
 
 
 @pytest.mark.parametrize("seed", range(20))

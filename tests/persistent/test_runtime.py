@@ -119,6 +119,27 @@ def test_broken_graph_times_out_with_detail_and_next_launch_works():
                  torch.float32)
 
 
+def test_reset_also_zeroes_the_counters_ops_keep_in_their_operands():
+    # A launch that failed midway can leave attention's arrival counts partway: reset()
+    # must zero them (they are an op's sync operand), and nothing else.
+    g = TaskGraph()
+    B, HQ, HKV, D, S = 1, 4, 2, 16, 8
+    for name, shape in (("q", (B, HQ * D)), ("kc", (B, HKV, S, D)), ("vc", (B, HKV, S, D)),
+                        ("o_part", (B, HQ, 2 * D)), ("lse", (B, HQ, 2)), ("out", (B, HQ * D))):
+        g.buffer(name, torch.randn(*shape, device=DEV))
+    g.buffer("seqlens", torch.tensor([5], dtype=torch.int32, device=DEV))
+    g.buffer("arrivals", torch.tensor([1, 3], dtype=torch.int32, device=DEV))
+    op = make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S, num_splits=2)
+    for kv in range(HKV):
+        for split in range(2):
+            g.add(op, q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse",
+                  arrivals="arrivals", out="out", b=0, kv_head=kv, split=split)
+    q = g.buffers["q"].clone()
+    Megakernel(lower(g, num_workers=1)).reset()
+    assert g.buffers["arrivals"].tolist() == [0, 0]
+    assert torch.equal(g.buffers["q"], q)
+
+
 def test_generated_source_is_readable_and_cached(tmp_path):
     g = TaskGraph()
     g.buffer("x", torch.randn(1, 8, device=DEV)), g.buffer("w", torch.randn(8, device=DEV))

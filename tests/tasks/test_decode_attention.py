@@ -178,3 +178,20 @@ def test_config_smem_and_cost():
     assert one.bytes_read >= 2 * 8 * 1000 * 128 * 2 and one.flops >= 4 * 32 * 1000 * 128
     split = decode_attention_cost(1, 32, 8, 128, [1000], num_splits=4)
     assert split.bytes > one.bytes and split.flops > one.flops
+
+
+def test_one_launch_leaves_the_arrival_counts_at_zero_for_the_next(device):
+    """The last split of each KV group merges it and sets its count back to 0, so one
+    arrivals buffer serves launch after launch (a count left over would merge too early)."""
+    from mk.tasks.decode_attention import _launch_partials
+
+    q, k_cache, v_cache, lens = make_inputs([37, 100], 8, 2, 64, torch.float32, device)
+    arrivals = torch.zeros(2 * 2, dtype=torch.int32, device=device)
+    for trial in range(2):
+        q = torch.randn_like(q)
+        o_part = torch.full((2, 8, 3, 64), float("nan"), device=device)
+        lse = torch.full((2, 8, 3), float("nan"), device=device)
+        out = torch.full_like(q, float("nan"))
+        _launch_partials(q, k_cache, v_cache, lens, o_part, lse, 1 / 8, arrivals=arrivals, out=out)
+        assert not arrivals.any(), trial
+        assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens), torch.float32)
