@@ -183,6 +183,22 @@ class _LinearShape:
         """Rows of the 2-D workspace view holding split ``split`` of x rows [r0, r1)."""
         return split * self.M + r0, split * self.M + r1
 
+    def ws_regions(self, a, bind) -> list:
+        """The workspace boxes a split-K reduce of tile ``a`` reads: its tile in every split."""
+        r0, r1, n0, n1, _, _ = self.tile(a)
+        return [Region(bind["ws"], *self.ws_rows(split, r0, r1), n0, n1) for split in range(self.split_k)]
+
+    def reduce(self, b, a) -> torch.Tensor:
+        """VM: the float32 sum of tile ``a``'s split-K partials, in split order as the device sums."""
+        r0, r1, n0, n1, _, _ = self.tile(a)
+        ws = _2d(b["ws"])
+        acc = None
+        for split in range(self.split_k):
+            w0, w1 = self.ws_rows(split, r0, r1)
+            part = ws[w0:w1, n0:n1].float()
+            acc = part.clone() if acc is None else acc + part
+        return acc
+
 
 def _tma_stages(s: "_LinearShape", K: int, tma_stages: int, dtype: torch.dtype | None) -> int:
     """The TMA ring depth a tile can use: 0 unless its rows are 16-byte aligned and its
@@ -384,18 +400,11 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul))
 
     def run(b, a):
-        r0, r1, n0, n1, _, _ = s.tile(a)
-        ws = _2d(b["ws"])
-        acc = None
-        for split in range(split_k):  # in split order, as the device does
-            w0, w1 = s.ws_rows(split, r0, r1)
-            part = ws[w0:w1, n0:n1].float()
-            acc = part.clone() if acc is None else acc + part
-        s.store(b, a, acc, residual)
+        s.store(b, a, s.reduce(b, a), residual)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
-        regs = [Region(bind["ws"], *s.ws_rows(split, r0, r1), n0, n1) for split in range(split_k)]
+        regs = s.ws_regions(a, bind)
         if residual:
             regs.append(Region(bind["res"], r0, r1, c0, c1))
         return regs
@@ -406,6 +415,73 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n"), body=body,
                   imports=("from mk.tasks.linear import linear_splitk_reduce_tile",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
+
+
+class _QkvRope:
+    """The RoPE + KV append epilogue of a QKV tile (fused, or after a split-K reduce): its
+    VM semantics and its regions, for tiles of ``s`` (a :class:`_LinearShape`)."""
+
+    def __init__(self, op, s, batch, hq, hkv, d, max_seq, write_seqlens):
+        self.op, self.s, self.batch, self.hq, self.hkv, self.d = op, s, batch, hq, hkv, d
+        self.max_seq, self.write_seqlens = max_seq, write_seqlens
+
+    def store(self, b, a, acc: torch.Tensor) -> None:
+        """VM: rotate the float32 tile ``acc`` and store q, or k / v into the caches."""
+        op, batch, hq, hkv, d, max_seq = self.op, self.batch, self.hq, self.hkv, self.d, self.max_seq
+        r0, r1, n0, n1, _, _ = self.s.tile(a)
+        pos = _view(op, "pos", b["pos"], 1, batch)[0, r0:r1].long()
+        inv = _view(op, "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
+        cols = torch.arange(n0, n1, 2)
+        heads, in_head = cols // d, cols % d
+        angle = pos.float()[:, None] * inv[in_head // 2][None, :]
+        even, odd = acc[:, 0::2], acc[:, 1::2]
+        rot = (heads < hq + hkv)[None, :]
+        y_even = torch.where(rot, even * angle.cos() - odd * angle.sin(), even)
+        y_odd = torch.where(rot, odd * angle.cos() + even * angle.sin(), odd)
+        q = _view(op, "q", b["q"], batch, hq * d)
+        caches = {c: _view(op, c, b[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+                  for c in ("k_cache", "v_cache")}
+        for j, n in enumerate(cols.tolist()):
+            head, in_head = n // d, n % d
+            # Pair i of a rotated head goes back to elements (i, i + D/2); v stays in place.
+            dims = (in_head, in_head + 1) if head >= hq + hkv else (in_head // 2, in_head // 2 + d // 2)
+            for value, dim in zip((y_even[:, j], y_odd[:, j]), dims):
+                if head < hq:
+                    q[r0:r1, head * d + dim] = value.to(q.dtype)
+                    continue
+                cache = caches["k_cache" if head < hq + hkv else "v_cache"]
+                kv = head - hq if head < hq + hkv else head - hq - hkv
+                for i, p in enumerate(pos.tolist()):
+                    if 0 <= p < max_seq:
+                        cache[r0 + i, kv, p, dim] = value[i].to(cache.dtype)
+        if self.write_seqlens and a["pid_n"] == 0:
+            seqlens = _view(op, "seqlens", b["seqlens"], 1, batch)[0]
+            seqlens[r0:r1] = (pos + 1).clamp(0, max_seq).to(seqlens.dtype)
+
+    def reads(self, a, bind) -> list:
+        r0, r1, _, _, _, _ = self.s.tile(a)
+        return [Region(bind["pos"], 0, 1, r0, r1), Region(bind["inv_freq"], 0, 1, 0, self.d // 2)]
+
+    def writes(self, a, bind) -> list:
+        hq, hkv, d, max_seq = self.hq, self.hkv, self.d, self.max_seq
+        r0, r1, n0, n1, _, _ = self.s.tile(a)
+        regs = []
+        for head in range(n0 // d, (n1 - 1) // d + 1):
+            # The tile's weight rows of this head, then the elements they become.
+            lo, hi = max(n0, head * d) - head * d, min(n1, (head + 1) * d) - head * d
+            if head >= hq + hkv or (lo, hi) == (0, d):
+                spans = [(lo, hi)]
+            else:
+                spans = [(lo // 2, hi // 2), (lo // 2 + d // 2, hi // 2 + d // 2)]
+            if head < hq:
+                regs += [Region(bind["q"], r0, r1, head * d + c0, head * d + c1) for c0, c1 in spans]
+                continue
+            cache, kv = ("k_cache", head - hq) if head < hq + hkv else ("v_cache", head - hq - hkv)
+            regs += [Region(bind[cache], (row * hkv + kv) * max_seq, (row * hkv + kv + 1) * max_seq, c0, c1)
+                     for row in range(r0, r1) for c0, c1 in spans]
+        if self.write_seqlens and a["pid_n"] == 0:
+            regs.append(Region(bind["seqlens"], 0, 1, r0, r1))
+        return regs
 
 
 @register("qkv_rope_kv")
@@ -452,75 +528,69 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     if norm:
         constexprs["EPS"] = float(eps)
 
+    rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens)
+    preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
+                   if preload else "")
+    prefetch = _FULL_K_PREFETCH
+
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
         h = _prologue_ref(_view("qkv_rope_kv", "x", b["x"], batch, K)[r0:r1], b["norm_w"] if norm else None, eps)
-        acc = h @ _2d(b["w"])[n0:n1].float().T
-        pos = _view("qkv_rope_kv", "pos", b["pos"], 1, batch)[0, r0:r1].long()
-        inv = _view("qkv_rope_kv", "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
-        cols = torch.arange(n0, n1, 2)
-        heads, in_head = cols // d, cols % d
-        angle = pos.float()[:, None] * inv[in_head // 2][None, :]
-        even, odd = acc[:, 0::2], acc[:, 1::2]
-        rot = (heads < hq + hkv)[None, :]
-        y_even = torch.where(rot, even * angle.cos() - odd * angle.sin(), even)
-        y_odd = torch.where(rot, odd * angle.cos() + even * angle.sin(), odd)
-        q = _view("qkv_rope_kv", "q", b["q"], batch, hq * d)
-        caches = {c: _view("qkv_rope_kv", c, b[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
-                  for c in ("k_cache", "v_cache")}
-        for j, n in enumerate(cols.tolist()):
-            head, in_head = n // d, n % d
-            # Pair i of a rotated head goes back to elements (i, i + D/2); v stays in place.
-            dims = (in_head, in_head + 1) if head >= hq + hkv else (in_head // 2, in_head // 2 + d // 2)
-            for value, dim in zip((y_even[:, j], y_odd[:, j]), dims):
-                if head < hq:
-                    q[r0:r1, head * d + dim] = value.to(q.dtype)
-                    continue
-                cache = caches["k_cache" if head < hq + hkv else "v_cache"]
-                kv = head - hq if head < hq + hkv else head - hq - hkv
-                for i, p in enumerate(pos.tolist()):
-                    if 0 <= p < max_seq:
-                        cache[r0 + i, kv, p, dim] = value[i].to(cache.dtype)
-        if write_seqlens and a["pid_n"] == 0:
-            seqlens = _view("qkv_rope_kv", "seqlens", b["seqlens"], 1, batch)[0]
-            seqlens[r0:r1] = (pos + 1).clamp(0, max_seq).to(seqlens.dtype)
+        rope.store(b, a, h @ _2d(b["w"])[n0:n1].float().T)
 
     def reads(a, bind):
         r0, r1, n0, n1, _, _ = s.tile(a)
-        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K),
-                Region(bind["pos"], 0, 1, r0, r1), Region(bind["inv_freq"], 0, 1, 0, d // 2)]
+        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)] + rope.reads(a, bind)
         if norm:
             regs.append(Region(bind["norm_w"], 0, 1, 0, K))
         return regs
 
-    def writes(a, bind):
-        r0, r1, n0, n1, _, _ = s.tile(a)
-        regs = []
-        for head in range(n0 // d, (n1 - 1) // d + 1):
-            # The tile's weight rows of this head, then the elements they become.
-            lo, hi = max(n0, head * d) - head * d, min(n1, (head + 1) * d) - head * d
-            if head >= hq + hkv or (lo, hi) == (0, d):
-                spans = [(lo, hi)]
-            else:
-                spans = [(lo // 2, hi // 2), (lo // 2 + d // 2, hi // 2 + d // 2)]
-            if head < hq:
-                regs += [Region(bind["q"], r0, r1, head * d + c0, head * d + c1) for c0, c1 in spans]
-                continue
-            cache, kv = ("k_cache", head - hq) if head < hq + hkv else ("v_cache", head - hq - hkv)
-            regs += [Region(bind[cache], (row * hkv + kv) * max_seq, (row * hkv + kv + 1) * max_seq, c0, c1)
-                     for row in range(r0, r1) for c0, c1 in spans]
-        if write_seqlens and a["pid_n"] == 0:
-            regs.append(Region(bind["seqlens"], 0, 1, r0, r1))
-        return regs
-
-    preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
-                   if preload else "")
-    prefetch = _FULL_K_PREFETCH
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_weights_first",
                            "from mk.tasks.qkv_rope import qkv_rope_kv_tile"),
-                  constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
+                  constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
+
+
+@register("qkv_rope_kv_reduce")
+def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int,
+                          split_k: int, *, block_m: int | None = None, block_n: int | None = None,
+                          block_k: int | None = None, num_warps: int | None = None, write_seqlens: bool = False,
+                          dtype: torch.dtype | None = None) -> OpSpec:
+    """Tile (pid_m, pid_n) of a split-K QKV projection: sum its float32 partials (from a
+    :func:`linear_partial_op` of the same sizes, N = (Hq + 2 Hkv) * D, q/k rows interleaved),
+    then RoPE + KV append as :func:`qkv_rope_kv_op` does.
+
+    Operands: ws float32 ``[split_k, batch, N]``, pos, inv_freq, q, k_cache, v_cache (and
+    seqlens with ``write_seqlens``) as in :func:`qkv_rope_kv_op`. Args: pid_m, pid_n.
+    """
+    op = "qkv_rope_kv_reduce"
+    _check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
+                 max_seq=max_seq, split_k=split_k)
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    if d % 2:
+        raise ValueError(f"{op}: head_dim must be even, got {d}")
+    s = _LinearShape(op, batch, (hq + 2 * hkv) * d, K, split_k, block_m, block_n, block_k, num_warps, False, False,
+                     0, dtype)
+    if s.bn % 2:
+        raise ValueError(f"{op}: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
+    rope = _QkvRope(op, s, batch, hq, hkv, d, max_seq, write_seqlens)
+    operands = ("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+    body = (f"qkv_rope_kv_reduce_tile(ws, pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, "
+            f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * N, N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, WRITE_SEQLENS=SEQLENS, "
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
+    constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
+    constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens))
+
+    def run(b, a):
+        rope.store(b, a, s.reduce(b, a))
+
+    def reads(a, bind):
+        return s.ws_regions(a, bind) + rope.reads(a, bind)
+
+    return OpSpec(name=op, operands=operands, args=("pid_m", "pid_n"), body=body,
+                  imports=("from mk.tasks.qkv_rope import qkv_rope_kv_reduce_tile",),
+                  constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 
 def linear_tiles(spec: OpSpec) -> list[dict]:
@@ -529,7 +599,7 @@ def linear_tiles(spec: OpSpec) -> list[dict]:
     Tiles in row-major (pid_m, pid_n) order; for partials, all splits of a tile together.
     """
     c = spec.constexprs
-    if spec.name not in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv"):
+    if spec.name not in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv", "qkv_rope_kv_reduce"):
         raise ValueError(f"not a linear op: {spec.name!r}")
     tiles = [{"pid_m": m, "pid_n": n} for m in range(_cdiv(c["M"], c["BLOCK_M"]))
              for n in range(_cdiv(c["N"], c["BLOCK_N"]))]
@@ -1136,7 +1206,7 @@ def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
     (b, kv_head, split) order, all splits of a head together.
     """
     c = spec.constexprs
-    if spec.name in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv"):
+    if spec.name in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv", "qkv_rope_kv_reduce"):
         return linear_tiles(spec)
     if spec.name in ("rmsnorm", "silu_mul"):
         if rows is None:

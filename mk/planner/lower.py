@@ -227,7 +227,8 @@ def _streaming(choice, M: int, K: int) -> dict:
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
                   max_seq: int) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
-    tiles, or with RoPE + KV append fused, qkv_rope_kv tiles."""
+    tiles, or with RoPE + KV append fused, qkv_rope_kv tiles (split-K: partials, then
+    qkv_rope_kv_reduce tiles)."""
     d = node.dims
     M, N, K = d["M"], d["N"], d["K"]
     fused = [nodes[f] for f in choice.fuse]
@@ -248,10 +249,9 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     gemv = _streaming(choice, M, K)
     norm_kw = dict(norm=norm is not None, eps=eps)
     if rope is not None:
-        if choice.split_k != 1 or add is not None or silu is not None:
-            raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} with split_k={choice.split_k} "
-                             f"and {[f.name for f in fused]}: RoPE fuses only into a QKV linear without split-K, "
-                             f"beside its RMSNorm")
+        if add is not None or silu is not None:
+            raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} and {[f.name for f in fused]}: "
+                             f"RoPE fuses only into a QKV linear, beside its RMSNorm")
         r, layer = rope.dims, node.name.rsplit(".", 1)[0]
         first = layer == "l0"  # one layer publishes the lengths attention reads
         bind.update(pos="pos", inv_freq="inv_freq", q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
@@ -263,10 +263,17 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
     try:
         if rope is not None:
-            spec = make_op("qkv_rope_kv", batch=M, num_q_heads=r["heads"], num_kv_heads=r["kv_heads"],
-                           head_dim=r["head_dim"], K=K, max_seq=max_seq, write_seqlens=first, **norm_kw, **tiles,
-                           **gemv)
-            add_op(node.name, spec, **bind)
+            heads = dict(num_q_heads=r["heads"], num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], K=K,
+                         max_seq=max_seq, write_seqlens=first)
+            if choice.split_k == 1:
+                add_op(node.name, make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv), **bind)
+                return
+            # Split-K: the partials as for any linear, then reduce tiles that rotate and store.
+            part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
+            ws = activation(f"{node.name}.ws", choice.split_k, M, N)
+            add_op(node.name, part, **{k: bind[k] for k in ("x", "w", "norm_w") if k in bind}, ws=ws)
+            red = make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **tiles)
+            add_op(node.name, red, ws=ws, **{k: v for k, v in bind.items() if k not in ("x", "w", "norm_w")})
             return
         out = activation(out_name, M, out_cols)
         if choice.split_k == 1:

@@ -17,7 +17,9 @@ q and the cache have the usual layout. v rows are as they are.
 
 Accumulation, rotation and q are float32; the cache stores round to the cache's dtype.
 :func:`qkv_rope_kv_tile` is the device function (the megakernel's fused QKV task);
-:func:`qkv_rope_kv` launches it on its own; :func:`qkv_rope_kv_ref` is the torch reference.
+:func:`qkv_rope_kv_reduce_tile` the same epilogue after a split-K reduce (the QKV of decode
+batches); :func:`qkv_rope_kv` launches either on its own; :func:`qkv_rope_kv_ref` is the
+torch reference.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import triton
 import triton.language as tl
 
 from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
-from .linear import _check_config, _linear_acc, _tile_rows, LinearConfig, linear_config, linear_ref
+from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config, linear_partial_kernel,
+                     linear_ref)
 from .rope import _check_inv_freq, rope_kv_ref
 
 
@@ -54,6 +57,43 @@ def qkv_rope_kv_tile(
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                       DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES)
+    qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+                         pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
+                         WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@triton.jit
+def qkv_rope_kv_reduce_tile(
+    ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+    pid_m, pid_n, M, max_seq, split_k, stride_ws_split, stride_ws_m,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Tile (pid_m, pid_n) of a split-K QKV: sum its ``split_k`` float32 partials (written by
+    :func:`mk.tasks.linear.linear_partial_tile`, read in split order, from L2), then rotate
+    and store as :func:`qkv_rope_kv_tile` does."""
+    N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, split_k):
+        acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+    qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+                         pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
+                         WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@triton.jit
+def qkv_rope_kv_epilogue(
+    acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, pid_m, pid_n, M, max_seq,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Rotate tile (pid_m, pid_n)'s float32 ``[BLOCK_M, BLOCK_N]`` QKV values and store them:
+    q columns to q, k / v columns into the caches at each row's position."""
+    N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     # Adjacent accumulator columns are one rotation pair (2i, 2i + 1).
     even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,6 +138,21 @@ def qkv_rope_kv_tile(
 
 
 @triton.jit
+def qkv_rope_kv_reduce_kernel(
+    ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+    M, max_seq, split_k, stride_ws_split, stride_ws_m,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    tiles_n = tl.cdiv((HQ + 2 * HKV) * HEAD_DIM, BLOCK_N)
+    pid = tl.program_id(0)
+    qkv_rope_kv_reduce_tile(ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+                            pid // tiles_n, pid % tiles_n, M, max_seq, split_k, stride_ws_split, stride_ws_m,
+                            HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, WRITE_SEQLENS=WRITE_SEQLENS,
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+
+
+@triton.jit
 def qkv_rope_kv_kernel(
     x_ptr, w_ptr, norm_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
     M, K, max_seq, eps,
@@ -131,7 +186,8 @@ def qkv_rope_kv(
         num_q_heads: Hq.
         norm_weight: optional ``[K]``: x is RMSNorm-ed first (eps ``norm_eps``).
         seqlens: optional int32/int64 ``[B]``, set to ``positions + 1``.
-        config: tile sizes (even block_n); :func:`mk.tasks.linear.linear_config` when None.
+        config: tile sizes (even block_n; with split_k > 1 the partials go through a float32
+            workspace and a reduce tile rotates); :func:`mk.tasks.linear.linear_config` when None.
 
     Returns:
         Rotated q, float32 ``[B, Hq * D]`` (the usual half-split layout). Everything is checked
@@ -169,18 +225,29 @@ def qkv_rope_kv(
     config = _check_config(config if config is not None else linear_config(B, N, K, x.dtype), K, silu_mul=False)
     if config.block_n < 2:
         raise ValueError(f"config.block_n must be even (>= 2): a tile holds whole rotation pairs, got {config.block_n}")
-    if config.split_k != 1:
-        raise ValueError(f"qkv_rope_kv has no split-K; got config.split_k={config.split_k}")
     q = torch.empty((B, num_q_heads * d), dtype=torch.float32, device=x.device)
     if B == 0:
         return q
     bm, bn = _tile_rows(config, B), config.block_n
     tiles = triton.cdiv(B, bm) * triton.cdiv(N, bn)
-    qkv_rope_kv_kernel[(tiles,)](
-        x, weight, norm_weight if norm_weight is not None else weight, positions, inv_freq, q, k_cache, v_cache,
-        seqlens if seqlens is not None else positions, B, K, max_seq, float(norm_eps),
-        HQ=num_q_heads, HKV=hkv, HEAD_DIM=d, HAS_NORM=norm_weight is not None, WRITE_SEQLENS=seqlens is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    sizes = dict(HQ=num_q_heads, HKV=hkv, HEAD_DIM=d, WRITE_SEQLENS=seqlens is not None, BLOCK_M=bm, BLOCK_N=bn,
+                 num_warps=config.num_warps)
+    outputs = (positions, inv_freq, q, k_cache, v_cache, seqlens if seqlens is not None else positions)
+    norm_w = norm_weight if norm_weight is not None else weight
+    if config.split_k == 1:
+        qkv_rope_kv_kernel[(tiles,)](
+            x, weight, norm_w, *outputs, B, K, max_seq, float(norm_eps), HAS_NORM=norm_weight is not None,
+            BLOCK_K=config.block_k, num_stages=config.num_stages, **sizes)
+        return q
+    # Split-K: the linear's partials, then one reduce tile per output tile rotates and stores.
+    ws = torch.empty((config.split_k, B, N), dtype=torch.float32, device=x.device)
+    linear_partial_kernel[(tiles, config.split_k)](
+        x, weight, norm_w, ws, B, N, K, config.split_k, x.stride(0), weight.stride(0), ws.stride(0), ws.stride(1),
+        float(norm_eps), HAS_NORM=norm_weight is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k,
+        GROUP_M=1, PREFETCH_LINES=0, LINE=1, PDL=False, PREFETCH_BULK=False,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    qkv_rope_kv_reduce_kernel[(tiles,)](ws, *outputs, B, max_seq, config.split_k, ws.stride(0), ws.stride(1),
+                                        **sizes)
     return q
 
 

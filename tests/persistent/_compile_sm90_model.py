@@ -30,7 +30,8 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                     ("wgu", z(2 * I, H)), ("act", z(B, I)), ("wd", z(H, I)), ("ws", z(2, B, H, dt=torch.float32)),
                     ("h2", z(B, H)), ("h2n", z(B, H)), ("wlm", z(V, H)), ("logits", z(B, V)),
                     ("pv", z(B, 4, dt=torch.float32)), ("pi", z(B, 4, dt=torch.int32)),
-                    ("val", z(B, dt=torch.float32)), ("arrivals", z(B * HKV, dt=torch.int32))):
+                    ("val", z(B, dt=torch.float32)), ("arrivals", z(B * HKV, dt=torch.int32)),
+                    ("wsq", z(2, B, qkv_n, dt=torch.float32))):
         g.buffer(name, t)
 
     def add(op, **bind):
@@ -51,6 +52,11 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                 num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse")
     add(make_op("decode_attention_merge", batch=B, num_q_heads=HQ, head_dim=D, num_splits=splits),
         o_part="o_part", lse="lse", out="attn")
+    # A split-K QKV whose reduce tiles rotate and append (the decode batches' QKV task).
+    add(make_op("linear_partial", M=B, N=qkv_n, K=H, split_k=2, norm=True, dtype=BF16), x="x", w="wqkv", norm_w="ln",
+        ws="wsq")
+    add(make_op("qkv_rope_kv_reduce", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, K=H, max_seq=S,
+                split_k=2, dtype=BF16), ws="wsq", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc")
     # The one-phase attention (each KV group's last split merges it), after the two-phase pair.
     add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
                 num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse",
@@ -71,7 +77,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
 def main() -> None:
     program = lower(decoder_graph(), num_workers=8)
     names = {spec.name for spec, _ in program.variants}
-    assert {"embedding", "rope_kv", "qkv_rope_kv", "decode_attention_partial", "decode_attention_merge",
+    assert {"embedding", "rope_kv", "qkv_rope_kv", "qkv_rope_kv_reduce", "decode_attention_partial", "decode_attention_merge",
             "decode_attention", "argmax_partial", "argmax_reduce"} <= names, names
     compiled = compile_for_target(program, num_warps=4)
     ptx = compiled.asm["ptx"]

@@ -43,16 +43,18 @@ def variants(graph):
     assert "l0.rope_kv" in best.choices["l0.qkv"].fuse, "the search fuses RoPE into QKV"
     for name in ("l0.down", "l1.qkv", "lm_head"):
         edited[name] = replace(edited[name], split_k=2, block_k=32, tma_stages=0)
-    # RoPE does not fuse into a split-K QKV: l1's runs as its own task.
-    edited["l1.qkv"] = replace(edited["l1.qkv"], fuse=tuple(f for f in edited["l1.qkv"].fuse if f != "l1.rope_kv"))
-    edited["l1.rope_kv"] = OpChoice()
+    # l1's split-K QKV carries RoPE in its reduce tiles; in `own_rope`, RoPE is its own task.
+    assert "l1.rope_kv" in edited["l1.qkv"].fuse
     edited["l1.attention"] = OpChoice(kv_splits=3)
+    own_rope = dict(edited)
+    own_rope["l1.qkv"] = replace(edited["l1.qkv"], fuse=tuple(f for f in edited["l1.qkv"].fuse if f != "l1.rope_kv"))
+    own_rope["l1.rope_kv"] = OpChoice()
     # l0's attention norm as its own tasks rather than the QKV prologue (RoPE stays fused).
     edited["l0.qkv"] = replace(edited["l0.qkv"], fuse=("l0.rope_kv",))
     edited["l0.attn_norm"] = OpChoice()
     tma = {n: replace(c, tma_stages=2, block_n=16, block_k=32, split_k=1) if graph.node(n).kind == "linear" else c
            for n, c in best.choices.items()}
-    return plans + [replace(best, choices=edited), replace(best, choices=tma)]
+    return plans + [replace(best, choices=edited), replace(best, choices=own_rope), replace(best, choices=tma)]
 
 
 @pytest.fixture(scope="module")

@@ -71,8 +71,9 @@ def random_case(rng):
     for name, c in list(choices.items()):
         kind = graph.node(name).kind
         if kind == "linear" and rng.random() < 0.5:
-            # A split-K QKV cannot carry RoPE: it runs as its own task then.
-            ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv"]
+            # A split-K QKV carries RoPE in its reduce tiles, or (half the time) RoPE runs as
+            # its own task.
+            ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv" and rng.random() < 0.5]
             choices[name] = replace(c, block_n=16, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0,
                                     fuse=tuple(f for f in c.fuse if f not in ropes))
             choices.update({f: OpChoice() for f in ropes})

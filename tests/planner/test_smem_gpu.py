@@ -77,10 +77,7 @@ def test_compiled_shared_memory_matches_the_model(models, shape, batch, variant)
             if graph.node(n).kind != "linear":
                 choices[n] = c
                 continue
-            # RoPE rides only in a QKV tile without split-K; with one it runs as its own task.
-            ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv"] if pick.split_k > 1 else []
-            choices[n] = replace(pick, fuse=tuple(f for f in c.fuse if f not in ropes))
-            choices.update({f: OpChoice() for f in ropes})
+            choices[n] = replace(pick, fuse=c.fuse)
         plan = replace(plan, choices=choices)
     predicted = estimate_step(graph, plan.choices, model.device_spec, plan.workers).peak_smem_bytes
     compiled = model._build_decoder(plan, graph, batch, "argmax").kernel.residency().shared_bytes
