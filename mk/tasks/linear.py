@@ -394,6 +394,21 @@ def linear_partial_tile(
 
 
 @triton.jit
+def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """float32 [BLOCK_M, BLOCK_N]: the split_k partials of tile (pid_m, pid_n) summed in split
+    order (bitwise repeatable), read with ``.cg`` (past L1: other SMs wrote them)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, split_k):
+        acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def linear_splitk_reduce_tile(
     ws_ptr, res_ptr, out_ptr,
     pid_m, pid_n, M, N, split_k,
@@ -405,13 +420,8 @@ def linear_splitk_reduce_tile(
     The fixed order makes the result bitwise repeatable run to run. Partials are read with
     ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs.
     """
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, split_k):
-        acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+    acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 

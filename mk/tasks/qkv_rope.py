@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
 from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config, linear_partial_kernel,
-                     linear_ref)
+                     linear_ref, linear_splitk_sum)
 from .rope import _check_inv_freq, rope_kv_ref
 
 
@@ -72,14 +72,8 @@ def qkv_rope_kv_reduce_tile(
     """Tile (pid_m, pid_n) of a split-K QKV: sum its ``split_k`` float32 partials (written by
     :func:`mk.tasks.linear.linear_partial_tile`, read in split order, from L2), then rotate
     and store as :func:`qkv_rope_kv_tile` does."""
-    N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, split_k):
-        acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+    acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, (HQ + 2 * HKV) * HEAD_DIM, split_k, stride_ws_split,
+                            stride_ws_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
                          WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
