@@ -248,44 +248,38 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
     gemv = _streaming(choice, M, K)
     norm_kw = dict(norm=norm is not None, eps=eps)
+    # What the tile's epilogue (or, split-K, the reduce's) writes and reads besides x and w.
+    epilogue = {}
     if rope is not None:
         if add is not None or silu is not None:
             raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} and {[f.name for f in fused]}: "
                              f"RoPE fuses only into a QKV linear, beside its RMSNorm")
         r, layer = rope.dims, node.name.rsplit(".", 1)[0]
         first = layer == "l0"  # one layer publishes the lengths attention reads
-        bind.update(pos="pos", inv_freq="inv_freq", q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
-                    k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache")
+        heads = dict(num_q_heads=r["heads"], num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], K=K,
+                     max_seq=max_seq, write_seqlens=first)
+        epilogue.update(pos="pos", inv_freq="inv_freq", q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
+                        k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache")
         if first:
-            bind["seqlens"] = activation("seqlens", M, dt=torch.int32)
-    epilogue = {}
-    if add is not None:
-        epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
+            epilogue["seqlens"] = activation("seqlens", M, dt=torch.int32)
+    else:
+        if add is not None:
+            epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
+        epilogue["out"] = activation(out_name, M, out_cols)
+    flags = dict(residual=add is not None, silu_mul=silu is not None)
     try:
-        if rope is not None:
-            heads = dict(num_q_heads=r["heads"], num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], K=K,
-                         max_seq=max_seq, write_seqlens=first)
-            if choice.split_k == 1:
-                add_op(node.name, make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv), **bind)
-                return
-            # Split-K: the partials as for any linear, then reduce tiles that rotate and store.
-            part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
-            ws = activation(f"{node.name}.ws", choice.split_k, M, N)
-            add_op(node.name, part, **{k: bind[k] for k in ("x", "w", "norm_w") if k in bind}, ws=ws)
-            red = make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **tiles)
-            add_op(node.name, red, ws=ws, **{k: v for k, v in bind.items() if k not in ("x", "w", "norm_w")})
-            return
-        out = activation(out_name, M, out_cols)
         if choice.split_k == 1:
-            spec = make_op("linear", M=M, N=N, K=K, residual=add is not None, silu_mul=silu is not None,
-                           **norm_kw, **tiles, **gemv)
-            add_op(node.name, spec, **bind, **epilogue, out=out)
+            spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv) if rope is not None else
+                    make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv))
+            add_op(node.name, spec, **bind, **epilogue)
         else:
+            # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
-            red = make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, residual=add is not None,
-                          silu_mul=silu is not None, **tiles)
+            red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **tiles)
+                   if rope is not None else
+                   make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **tiles))
             ws = activation(f"{node.name}.ws", choice.split_k, M, N)
             add_op(node.name, part, **bind, ws=ws)
-            add_op(node.name, red, ws=ws, **epilogue, out=out)
+            add_op(node.name, red, ws=ws, **epilogue)
     except ValueError as err:
         raise ValueError(f"lower_decode_step: op {node.name} ({M}x{N}x{K}) with {choice}: {err}") from None
