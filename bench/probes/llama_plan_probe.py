@@ -116,6 +116,29 @@ def kv_splits(splits):
     return transform
 
 
+def tiles(runs: bool, **block_n):
+    """Every linear a TMA tile of ``block_n[op suffix]`` rows (default: the plan's), ring 4, no
+    split-K; with ``runs`` each op's tiles dealt as runs of adjacent tiles, one run a worker
+    where the op has more tiles than workers (:attr:`OpChoice.tiles_per_task`)."""
+    def transform(plan, graph):
+        choices = {}
+        for n, c in plan.choices.items():
+            node = graph.node(n)
+            if node.kind != "linear":
+                choices[n] = c
+                continue
+            bn = block_n.get(n.split(".")[-1], c.block_n)
+            tasks = -(-node.dims["N"] // bn)
+            run = -(-tasks // plan.workers) if runs else 1
+            choices[n] = replace(c, block_n=bn, block_k=256, split_k=1, tma_stages=4, tiles_per_task=run)
+        return replace(plan, choices=choices)
+    return transform
+
+
+#: The search's picks at session 10 (one tile a task), by op.
+SESSION10 = {"1b": dict(qkv=16, o_proj=8, gate_up=32, down=8, lm_head=32),
+             "8b": dict(qkv=32, o_proj=16, gate_up=16, down=16, lm_head=32)}
+
 MODEL_SPEC = []  # the live DeviceSpec, set in main
 VARIANTS = {
     "search": lambda p, g: p,
@@ -151,6 +174,13 @@ VARIANTS = {
     # (Session 9's l2wait* variants, weights asked into L2 just before each task's wait,
     # needed a plan field that was removed once measured: bench/NOTES.md.)
     "ring8_o_down": tuned(("o_proj", "down"), tma_stages=8),
+    # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
+    "session10": tiles(False, **SESSION10[KEY]),
+    "session10_runs": tiles(True, **SESSION10[KEY]),
+    "runs8": tiles(True, qkv=8, o_proj=8, gate_up=8, down=8, lm_head=8),
+    "runs16": tiles(True, qkv=16, o_proj=16, gate_up=16, down=16, lm_head=16),
+    "runs32": tiles(True, qkv=32, o_proj=32, gate_up=32, down=32, lm_head=32),
+    "search_no_runs": tuned(tiles_per_task=1),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),

@@ -122,8 +122,8 @@ class _LinearShape:
     """
 
     def __init__(self, op, M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
-                 prefetch_k, dtype):
-        _check_sizes(op, M=M, N=N, K=K, split_k=split_k)
+                 prefetch_k, dtype, tiles_per_task=1):
+        _check_sizes(op, M=M, N=N, K=K, split_k=split_k, tiles_per_task=tiles_per_task)
         if silu_mul and N % 2:
             raise ValueError(f"{op}: silu_mul needs an even N (gate/up pairs), got N={N}")
         if silu_mul and residual:
@@ -141,10 +141,15 @@ class _LinearShape:
         self.n_out = N // 2 if silu_mul else N
         self.silu_mul = silu_mul
         self.tiles_m, self.tiles_n = _cdiv(M, self.bm), _cdiv(N, self.bn)
+        # A task is a run of tiles_per_task adjacent tiles along N (mk.tasks.linear.linear_run),
+        # so for regions and the VM it is one tile of tiles_per_task * bn weight rows.
+        self.run = tiles_per_task
+        self.tasks_n = _cdiv(self.tiles_n, self.run)
         self.k_splits = linear_k_splits(K, self.bk, split_k)
         # The interpreter has no inline PTX: no prefetch there, whatever was asked.
         lines, line = prefetch_lines(cfg, K, torch.empty((), dtype=dtype).element_size())
-        self.prefetch_lines, self.line = (0 if INTERPRET else lines), line
+        # (A run streams its own tiles back to back: no L2 prefetch ahead of its wait.)
+        self.prefetch_lines, self.line = (0 if INTERPRET or self.run > 1 else lines), line
         # TMA bulk prefetch of whole row segments when rows (and so split starts) are 16-byte
         # aligned; TaskGraph.buffer refuses buffers that are not.
         eb = torch.empty((), dtype=dtype).element_size()
@@ -154,16 +159,27 @@ class _LinearShape:
     def constexprs(self) -> dict:
         return {"M": self.M, "N": self.N, "K": self.K, "N_OUT": self.n_out, "BLOCK_M": self.bm,
                 "BLOCK_N": self.bn, "BLOCK_K": self.bk, "PREFETCH_LINES": self.prefetch_lines, "LINE": self.line,
-                "PREFETCH_BULK": self.bulk}
+                "PREFETCH_BULK": self.bulk, "TILES_PER_TASK": self.run, "TILES_N": self.tiles_n}
+
+    def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "") -> str:
+        """The device call of a run task (tiles_per_task > 1): :func:`mk.tasks.linear.linear_run`
+        over the task's tiles (x, w and with ``norm`` norm_w; ``k_range`` = "k_lo, k_hi"), the
+        epilogue's runtime args and its constexpr flags (names of constexprs)."""
+        return (f"EPILOGUE_FLAGS: tl.constexpr = ({flags}{',' if flags else ''})\n"
+                f"linear_run(x, w, {'norm_w' if norm else 'w'}, pid_m, pid_n * TILES_PER_TASK, "
+                f"tl.minimum(TILES_PER_TASK, TILES_N - pid_n * TILES_PER_TASK), M, N, K, {k_range}, K, K, "
+                f"{'EPS' if norm else '0.0'}, EPILOGUE={epilogue}, epilogue_args=({epilogue_args},), "
+                f"EPILOGUE_FLAGS=EPILOGUE_FLAGS, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
+                f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES)")
 
     def tile(self, a) -> tuple[int, int, int, int, int, int]:
-        """(r0, r1, n0, n1, c0, c1): x/out rows, weight rows and out columns of tile (pid_m, pid_n),
-        clipped to the buffers (edge tiles are partial)."""
+        """(r0, r1, n0, n1, c0, c1): x/out rows, weight rows and out columns of task (pid_m, pid_n)
+        (its run of tiles), clipped to the buffers (edge tiles are partial)."""
         pm, pn = a["pid_m"], a["pid_n"]
         _check_tile(self.op, "pid_m", pm, self.tiles_m)
-        _check_tile(self.op, "pid_n", pn, self.tiles_n)
-        r0, n0 = pm * self.bm, pn * self.bn
-        r1, n1 = min(r0 + self.bm, self.M), min(n0 + self.bn, self.N)
+        _check_tile(self.op, "pid_n", pn, self.tasks_n)
+        r0, n0 = pm * self.bm, pn * self.bn * self.run
+        r1, n1 = min(r0 + self.bm, self.M), min(n0 + self.bn * self.run, self.N)
         # With silu_mul a tile's adjacent (gate, up) weight rows make one output column.
         c0, c1 = (n0 // 2, n1 // 2) if self.silu_mul else (n0, n1)
         return r0, r1, n0, n1, c0, c1
@@ -240,7 +256,7 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     if preload_weights is None:
         preload_weights = K <= s.bk
     tma = _tma_stages(s, K, tma_stages, dtype)
-    if tma:
+    if tma or s.run > 1:  # the ring, or a run's own stream (linear_run), replaces both
         double_buffer, preload_weights = False, False
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
 
@@ -255,7 +271,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
-              dtype: torch.dtype | None = None) -> OpSpec:
+              tiles_per_task: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -268,10 +284,11 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     ``tma_stages`` > 0 streams the weights through a shared-memory ring of that many TMA
     loads instead (GEMV body; aligned rows, chunks of at most 256 elements). ``prefetch_k``
     weight columns are pulled into L2 before the dependency wait (never under the
-    interpreter).
+    interpreter). ``tiles_per_task`` > 1: a task is that many adjacent tiles along N (pid_n
+    counts runs), streamed as one (:func:`mk.tasks.linear.linear_run`).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
-                     prefetch_k, dtype)
+                     prefetch_k, dtype, tiles_per_task)
     tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     # Unused pointer operands get a harmless real pointer, as the launcher does.
@@ -281,6 +298,9 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+    if s.run > 1:
+        body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
+                          "HAS_RESIDUAL, SILU_MUL")
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "TMA_STAGES": tma,
@@ -310,7 +330,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     constexprs["PRELOAD"] = int(preload)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
-                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_tile, linear_weights_first",),
+                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
+                           "linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -318,7 +339,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                       norm: bool = False, eps: float = 1e-6, prefetch_k: int = 0, double_buffer: bool = True,
-                      tma_stages: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+                      tma_stages: int = 0, tiles_per_task: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
     """Split-K partial of tile (pid_m, pid_n) over K split ``split``: float32 into ws[split].
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm), ws float32
@@ -326,10 +347,11 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     K range of x, so it waits only for the producer tiles of that range (split-K
     dataflow); with norm it reads whole rows (the RMSNorm statistics need all of K).
     Pair with :func:`linear_reduce_op` built from the same sizes. ``double_buffer`` and
-    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles).
+    ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles), and ``tiles_per_task``
+    makes a task a run of tiles as there (:func:`linear_reduce_op` then pairs with single tiles).
     """
     s = _LinearShape("linear_partial", M, N, K, split_k, block_m, block_n, block_k, num_warps, False, False,
-                     prefetch_k, dtype)
+                     prefetch_k, dtype, tiles_per_task)
     tma = _tma_stages(s, K, tma_stages, dtype)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + ("ws",)
     norm_w = "norm_w" if norm else "w"
@@ -343,6 +365,9 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
             f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * N, N, "
             f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, "
             f"DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)")
+    if s.run > 1:
+        body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
+                + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N"))
     constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm), "TMA_STAGES": tma,
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1 and not tma)}
     if norm:
@@ -374,7 +399,8 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
         w0, w1 = s.ws_rows(a["split"], r0, r1)
         return [Region(bind["ws"], w0, w1, n0, n1)]
 
-    imports = ("from mk.tasks.linear import linear_partial_tile, linear_prefetch_tile, linear_split_range",)
+    imports = ("from mk.tasks.linear import linear_partial_epilogue, linear_partial_tile, linear_prefetch_tile, "
+               "linear_run, linear_split_range",)
     return OpSpec(name="linear_partial", operands=operands, args=("pid_m", "pid_n", "split"), body=body,
                   prefetch=prefetch, imports=imports,
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
@@ -489,7 +515,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                    num_warps: int | None = None, norm: bool = False, eps: float = 1e-6,
                    write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
-                   tma_stages: int = 0, prefetch_k: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+                   tma_stages: int = 0, prefetch_k: int = 0, tiles_per_task: int = 1,
+                   dtype: torch.dtype | None = None) -> OpSpec:
     """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
     (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
     rotates its q / k pairs and stores q, or its k / v columns into the caches.
@@ -511,7 +538,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         raise ValueError(f"qkv_rope_kv: head_dim must be even, got {d}")
     N = (hq + 2 * hkv) * d
     s = _LinearShape("qkv_rope_kv", batch, N, K, 1, block_m, block_n, block_k, num_warps, False, False,
-                     prefetch_k, dtype)
+                     prefetch_k, dtype, tiles_per_task)
     if s.bn % 2:
         raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
     tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
@@ -522,6 +549,10 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
             f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+    if s.run > 1:
+        body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
+                          f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX",
+                          "HQ, HKV, HEAD_DIM, SEQLENS")
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), "TMA_STAGES": tma, "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
@@ -547,8 +578,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
 
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src,
-                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_weights_first",
-                           "from mk.tasks.qkv_rope import qkv_rope_kv_tile"),
+                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_weights_first",
+                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile"),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 
@@ -596,13 +627,14 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
 def linear_tiles(spec: OpSpec) -> list[dict]:
     """Descriptor args of every task of one whole linear / linear_partial / linear_reduce op.
 
-    Tiles in row-major (pid_m, pid_n) order; for partials, all splits of a tile together.
+    Tiles (or runs of tiles_per_task tiles) in row-major (pid_m, pid_n) order; for partials,
+    all splits of a tile together.
     """
     c = spec.constexprs
     if spec.name not in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv", "qkv_rope_kv_reduce"):
         raise ValueError(f"not a linear op: {spec.name!r}")
-    tiles = [{"pid_m": m, "pid_n": n} for m in range(_cdiv(c["M"], c["BLOCK_M"]))
-             for n in range(_cdiv(c["N"], c["BLOCK_N"]))]
+    runs_n = _cdiv(_cdiv(c["N"], c["BLOCK_N"]), c.get("TILES_PER_TASK", 1))  # tasks along N
+    tiles = [{"pid_m": m, "pid_n": n} for m in range(_cdiv(c["M"], c["BLOCK_M"])) for n in range(runs_n)]
     if spec.name == "linear_partial":
         return [{**t, "split": k} for t in tiles for k in range(c["SPLIT_K"])]
     return tiles

@@ -45,6 +45,10 @@ class OpChoice:
     tma_stages: GEMV tiles only: depth of the shared-memory ring the TMA unit streams the
         weights through (0: the register path). :func:`whole_range_stages` makes the ring
         hold the task's whole K range, which is where split-K saves shared memory.
+    tiles_per_task: a linear task is a run of this many adjacent tiles along N, streamed as
+        one (:func:`mk.tasks.linear.linear_run`): a worker with several tiles of an op pays
+        a task's overhead (setup, the stream's ramp) once. The split-K reduces stay one
+        tile a task.
     """
 
     block_n: int = 0
@@ -55,6 +59,7 @@ class OpChoice:
     kv_splits: int = 1
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
+    tiles_per_task: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,10 +196,20 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
 
 
 def _x_task_bytes(node: OpNode, choice: OpChoice) -> int:
-    """Bytes of x one tile of a linear reads (float32, its rows over its K range, padded to
-    the tensor-core tile's rows)."""
+    """Bytes of x one task of a linear reads (float32, its rows over its K range, padded to
+    the tensor-core tile's rows, once for each tile of its run)."""
     d = node.dims
-    return _tile_rows_for(d["M"]) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES
+    return _tile_rows_for(d["M"]) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES * choice.tiles_per_task
+
+
+def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
+    """(row blocks, tiles along N) of a linear under the choice."""
+    d = node.dims
+    if choice.block_n < 1:
+        raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
+    if choice.tiles_per_task < 1:
+        raise ValueError(f"op {node.name}: tiles_per_task must be >= 1, got {choice.tiles_per_task}")
+    return math.ceil(d["M"] / _tile_rows_for(d["M"])), math.ceil(d["N"] / choice.block_n)
 
 
 def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
@@ -205,13 +220,12 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int
     argmax its chunk partials, the row reduce, and the token append."""
     d = node.dims
     if node.kind == "linear":
-        if choice.block_n < 1:
-            raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
-        tiles = math.ceil(d["M"] / _tile_rows_for(d["M"])) * math.ceil(d["N"] / choice.block_n)
+        blocks, tiles_n = linear_tiles_n(node, choice)
+        tasks = blocks * math.ceil(tiles_n / choice.tiles_per_task)  # runs of tiles along N
         if choice.split_k == 1:
-            return [(tiles, nbytes)]
+            return [(tasks, nbytes)]
         workspace = d["M"] * d["N"] * choice.split_k * 4
-        return [(tiles * choice.split_k, nbytes - workspace), (tiles, workspace)]
+        return [(tasks * choice.split_k, nbytes - workspace), (blocks * tiles_n, workspace)]
     if node.kind == "attention":
         return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes)]
     if node.kind == "argmax":
@@ -276,6 +290,10 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
         task_bytes = max(phase_bytes, 0) / phase_tasks
+        if node.kind == "linear" and i == 0 and choice.tiles_per_task > 1:
+            # A full run's bytes (the last run of a row block may be shorter).
+            blocks, tiles_n = linear_tiles_n(node, choice)
+            task_bytes = max(phase_bytes, 0) * choice.tiles_per_task / (blocks * tiles_n * choice.split_k)
         # A linear tile also streams its x rows over its K range (from L2, not DRAM), through
         # the same worker: at batch 8 a [16, 256] float32 x chunk is as big as a 32-row bf16
         # weight chunk, which halved what each worker's ring carried of weights (1B: 2.19 ms

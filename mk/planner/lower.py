@@ -247,6 +247,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         bind["norm_w"] = WEIGHT + norm.name
     tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
     gemv = _streaming(choice, M, K)
+    run = dict(tiles_per_task=choice.tiles_per_task)  # the reduces stay one tile a task
     norm_kw = dict(norm=norm is not None, eps=eps)
     # What the tile's epilogue (or, split-K, the reduce's) writes and reads besides x and w.
     epilogue = {}
@@ -269,12 +270,12 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     flags = dict(residual=add is not None, silu_mul=silu is not None)
     try:
         if choice.split_k == 1:
-            spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv) if rope is not None else
-                    make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv))
+            spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None
+                    else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run))
             add_op(node.name, spec, **bind, **epilogue)
         else:
             # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
-            part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
+            part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv, **run)
             red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **tiles)
                    if rope is not None else
                    make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **tiles))

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
+from .cost import OpChoice, _tile_rows_for, estimate_op, estimate_step, whole_range_stages
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
@@ -67,6 +67,7 @@ class Plan:
             c = self.choices[e.name]
             tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
                     + (f"tma_ring={c.tma_stages}" if c.tma_stages else f"stages={c.stages}") + f" warps={c.num_warps}"
+                    + (f" run={c.tiles_per_task}" if c.tiles_per_task > 1 else "")
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
                     else "the runtime's row tiles")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
@@ -121,52 +122,68 @@ def gemv_chunk_fits(block_n: int, block_k: int, dtype_bytes: int = 2, num_warps:
     return block_n * block_k * dtype_bytes <= GEMV_REG_CHUNK_BYTES * 32 * num_warps
 
 
-def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2) -> list[OpChoice]:
-    """Every choice the search tries for ``node`` (before the shared-memory check)."""
+def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: int | None = None) -> list[OpChoice]:
+    """Every choice the search tries for ``node`` (before the shared-memory check). With
+    ``workers``, a linear with more tasks than workers also gets each tile as runs of
+    adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker."""
     d = node.dims
     if node.kind == "linear":
-        out = []
-        skinny = d["M"] > 1
-        # GEMV weights stream through the TMA ring where there is one (Hopper on): in the
-        # whole 1B step on an H200, register-path tiles ran at 4-7 GB/s a worker against
-        # 25-28 GB/s for TMA 32 x 256 tiles (bench/NOTES.md, session 4).
-        # Skinny tl.dot tiles (batch > 1) too: pipelined plain loads kept a worker near 10 GB/s,
-        # the batch-8 step 2-3x its batch-1 time (bench/NOTES.md, session 7).
-        tma = device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
-        register_block_ns = [] if tma else _pow2s(16 if skinny else 2, 64 if skinny else 32)
-        for block_n in register_block_ns:
-            for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
-                if block_k > 2 * d["K"]:
-                    continue
-                if not skinny and not gemv_chunk_fits(block_n, block_k, dtype_bytes):
-                    continue
-                for split_k in (1, 2, 4):
-                    if math.ceil(d["K"] / block_k) < split_k:
-                        continue
-                    for stages in ((2, 3, 4) if skinny else (1,)):
-                        out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
-                                            num_warps=2 if skinny else GEMV_WARPS))
-        if tma:  # TMA-streamed tiles: a 4-deep ring, or the task's whole K range
-            # 64-row boxes measured 17.5 GB/s a worker on the 1B LM head, 32-row 28 GB/s.
-            # Decode batches (skinny) take wider boxes: each tile re-reads its float32 x rows
-            # ([16, block_k] a chunk), so more weight rows a chunk carry them further; a
-            # 3-deep ring is what fits a 99 KiB budget, 6 deep keeps narrow-K chunks in flight.
-            # 8-row GEMV boxes give the 2048-row projections of a 1B-sized layer 256 tasks
-            # instead of 128 (1B step 1.009 -> 0.998 ms on an H200, bench/NOTES.md, session 9).
-            shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
-                      else [(8, 256), (16, 256), (32, 256)])
-            for block_n, block_k in shapes:
-                for split_k in (1, 2, 4, 8):
-                    if math.ceil(d["K"] / block_k) < split_k:
-                        continue
-                    rings = (3, 4, 6) if skinny else (4,)
-                    for ring in sorted({*rings, whole_range_stages(d["K"], block_k, split_k)}):
-                        out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,
-                                            tma_stages=ring))
-        return out
+        singles = _linear_candidates(node, device, dtype_bytes)
+        if workers is None or math.ceil(d["M"] / _tile_rows_for(d["M"])) > 1:
+            return singles
+        runs = []
+        for c in singles:
+            tasks = math.ceil(d["N"] / c.block_n) * c.split_k
+            if tasks > workers:
+                runs.append(replace(c, tiles_per_task=math.ceil(tasks / workers)))
+        return singles + runs
     if node.kind == "attention":
         return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, d["kv_len"] // 32)]
     return [OpChoice()]  # row-wise ops: one task a row (the runtime's tiles), nothing to choose
+
+
+def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> list[OpChoice]:
+    """The tiles :func:`candidates` tries for a linear, one tile a task."""
+    d = node.dims
+    out = []
+    skinny = d["M"] > 1
+    # GEMV weights stream through the TMA ring where there is one (Hopper on): in the
+    # whole 1B step on an H200, register-path tiles ran at 4-7 GB/s a worker against
+    # 25-28 GB/s for TMA 32 x 256 tiles (bench/NOTES.md, session 4).
+    # Skinny tl.dot tiles (batch > 1) too: pipelined plain loads kept a worker near 10 GB/s,
+    # the batch-8 step 2-3x its batch-1 time (bench/NOTES.md, session 7).
+    tma = device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
+    register_block_ns = [] if tma else _pow2s(16 if skinny else 2, 64 if skinny else 32)
+    for block_n in register_block_ns:
+        for block_k in _pow2s(128 if skinny else 256, 256 if skinny else 2048):
+            if block_k > 2 * d["K"]:
+                continue
+            if not skinny and not gemv_chunk_fits(block_n, block_k, dtype_bytes):
+                continue
+            for split_k in (1, 2, 4):
+                if math.ceil(d["K"] / block_k) < split_k:
+                    continue
+                for stages in ((2, 3, 4) if skinny else (1,)):
+                    out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, stages=stages,
+                                        num_warps=2 if skinny else GEMV_WARPS))
+    if tma:  # TMA-streamed tiles: a 4-deep ring, or the task's whole K range
+        # 64-row boxes measured 17.5 GB/s a worker on the 1B LM head, 32-row 28 GB/s.
+        # Decode batches (skinny) take wider boxes: each tile re-reads its float32 x rows
+        # ([16, block_k] a chunk), so more weight rows a chunk carry them further; a
+        # 3-deep ring is what fits a 99 KiB budget, 6 deep keeps narrow-K chunks in flight.
+        # 8-row GEMV boxes give the 2048-row projections of a 1B-sized layer 256 tasks
+        # instead of 128 (1B step 1.009 -> 0.998 ms on an H200, bench/NOTES.md, session 9).
+        shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
+                  else [(8, 256), (16, 256), (32, 256)])
+        for block_n, block_k in shapes:
+            for split_k in (1, 2, 4, 8):
+                if math.ceil(d["K"] / block_k) < split_k:
+                    continue
+                rings = (3, 4, 6) if skinny else (4,)
+                for ring in sorted({*rings, whole_range_stages(d["K"], block_k, split_k)}):
+                    out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,
+                                        tma_stages=ring))
+    return out
 
 
 @dataclass(frozen=True)
@@ -321,7 +338,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
 
     for node in iterator:
         if shape(node) not in ranked_of:
-            options = [c for c in candidates(node, device, graph.model.dtype_bytes)
+            options = [c for c in candidates(node, device, graph.model.dtype_bytes, workers)
                        if cost_of(node, c, ()).smem_bytes <= budget]
             if not options:
                 raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "

@@ -45,7 +45,7 @@ from mk.persistent.graph import SCHEDULES  # the planner chooses between them (t
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import linear_k_splits
 
-from .cost import PhaseCost, phase_costs
+from .cost import PhaseCost, linear_tiles_n, phase_costs
 from .device import DeviceSpec
 from .graph import OpGraph
 
@@ -110,15 +110,19 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
         d = node.dims
         if node.kind == "linear":
             silu = any(nodes[f].kind == "silu_mul" for f in choice.fuse)
-            out = (choice.block_n // 2, d["N"] // 2) if silu else (choice.block_n, d["N"])
+            run = choice.tiles_per_task  # a task writes its run of tiles
+            if run > 1 and linear_tiles_n(node, choice)[0] > 1:
+                raise ValueError(f"op {node.name}: runs of tiles need one row block (M <= the tile's rows)")
+            width, columns = (choice.block_n // 2, d["N"] // 2) if silu else (choice.block_n, d["N"])
             if choice.split_k == 1:
-                phases.append(SimPhase(node.name, costs[0], writes=out))
+                phases.append(SimPhase(node.name, costs[0], writes=(width * run, columns)))
                 continue
             # A split reads only its K range of x, unless an RMSNorm prologue needs whole rows.
+            # Reduce tile j waits for the splits of the run holding it (tasks run-major).
             norm = any(nodes[f].kind == "rmsnorm" for f in choice.fuse)
             ranges = None if norm else tuple((r,) for r in linear_k_splits(d["K"], choice.block_k, choice.split_k))
             phases += [SimPhase(node.name, costs[0], reads=ranges),
-                       SimPhase(node.name, costs[1], group=(1, choice.split_k), writes=out)]
+                       SimPhase(node.name, costs[1], group=(run, choice.split_k), writes=(width, columns))]
         elif node.kind == "attention":
             # Sequence b's splits wait for b's RoPE task, or, with RoPE in the QKV tiles, KV
             # group g's splits for the tiles of g's q, k and v heads (and in the layer that

@@ -306,6 +306,114 @@ def linear_tile(
 
 
 @triton.jit
+def linear_run(
+    x_ptr, w_ptr, norm_w_ptr,
+    pid_m, pid_n, n_tiles, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
+    EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TMA_STAGES: tl.constexpr = 0,
+):
+    """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
+    [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
+    EPILOGUE_FLAGS)`` after each tile's last chunk (acc: its float32 [BLOCK_M, BLOCK_N]
+    product, RMSNorm applied). The flags are a tuple of constexprs (values inside
+    ``epilogue_args`` are not constexpr to the compiler).
+
+    Why: a task of one tile pays for its stream's ramp (the first chunk's DRAM latency, the
+    ring's refill) and its setup (descriptor, barriers) once per tile. A run of adjacent
+    tiles is one flat loop over (tile, chunk): the ring keeps the next tile's chunks in
+    flight while this tile's epilogue runs, so those costs are paid once per run. The
+    tiles' weight rows are adjacent, so they stream like one tall tile, while the
+    accumulator stays one tile's size.
+
+    With TMA_STAGES > 0 the weights come through a TMA ring of that depth (16-byte aligned
+    rows, boxes of at most 256 a side), else plain loads. BLOCK_M == 1: the GEMV body
+    (FMAs into a [BLOCK_N, BLOCK_K] accumulator, reduced at the tile's end); else tl.dot
+    tiles through :func:`mk.tasks._dot.mma`. The RMSNorm statistics come from the chunks the
+    first tile streams when the range is the whole row; a K split takes them in a pass over
+    x first. Columns past k_hi meet x = 0, so a split reads its own range only in effect.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        rstd_pre = tl.full([], 1.0, tl.float32)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        rstd_pre = tl.full([BLOCK_M], 1.0, tl.float32)
+    whole_row = (k_lo == 0) & (k_hi == K)
+    if HAS_NORM:
+        if not whole_row:
+            rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    if TMA_STAGES > 0:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    for i in tl.range(0, n_tiles * n_k, num_stages=TMA_STAGES if TMA_STAGES > 0 else 1):
+        t = i // n_k
+        k = k_lo + (i - t * n_k) * BLOCK_K
+        cols = k + offs_k
+        n0 = (pid_n + t) * BLOCK_N
+        if TMA_STAGES > 0:
+            w = w_desc.load([n0, k])
+        else:
+            w_rows = w_ptr + tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1)[:, None] * stride_wn
+            w = tl.load(w_rows + cols[None, :], mask=(cols < k_hi)[None, :], other=0.0)
+        xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
+        if HAS_NORM:
+            xt = xt.to(tl.float32)
+            sum_sq += tl.where(t == 0, xt * xt, 0.0)
+            nw = tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+            if BLOCK_M == 1:
+                xt = xt * nw
+            else:
+                xt = xt * nw[None, :]
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
+        else:
+            acc = mma(xt, tl.trans(w), acc)
+        if k + BLOCK_K >= k_hi:  # the tile's last chunk
+            if BLOCK_M == 1:
+                y = tl.sum(acc, axis=1)[None, :]
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            else:
+                y = acc
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if HAS_NORM:
+                # rstd is one number a row, so it factors out of the row's sum.
+                if BLOCK_M == 1:
+                    rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
+                else:
+                    rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
+                y = y * rstd
+            EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+
+
+@triton.jit
+def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
+    """:func:`linear_run`'s epilogue for a linear: residual add or SiLU·mul, then the store.
+    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
+    res_ptr, out_ptr, M, N, stride_rm, stride_om = args
+    _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+
+
+@triton.jit
+def linear_partial_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr = ()):
+    """:func:`linear_run`'s epilogue for a split-K partial: the float32 tile into its split's
+    workspace. ``args``: (ws_ptr, split, M, N, stride_ws_split, stride_ws_m); no flags."""
+    ws_ptr, split, M, N, stride_ws_split, stride_ws_m = args
+    offs_m = pid_m * acc.shape[0] + tl.arange(0, acc.shape[0])
+    offs_n = pid_n * acc.shape[1] + tl.arange(0, acc.shape[1])
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(ws_ptr + split * stride_ws_split + offs_m[:, None] * stride_ws_m + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
 def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
     """K range [k_lo, k_hi) of split ``split`` of ``split_k``: whole BLOCK_K chunks, balanced to
     within one chunk, the ragged end in the last split (same as :func:`linear_k_splits`)."""
@@ -387,10 +495,7 @@ def linear_partial_tile(
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                       DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(ws_ptr + split * stride_ws_split + offs_m[:, None] * stride_ws_m + offs_n[None, :], acc, mask=mask)
+    linear_partial_epilogue(acc, pid_m, pid_n, (ws_ptr, split, M, N, stride_ws_split, stride_ws_m))
 
 
 @triton.jit

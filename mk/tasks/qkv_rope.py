@@ -132,6 +132,18 @@ def qkv_rope_kv_epilogue(
 
 
 @triton.jit
+def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
+    """:func:`qkv_rope_kv_epilogue` as :func:`mk.tasks.linear.linear_run`'s epilogue, so a run
+    of QKV tiles rotates and stores each tile as it completes. ``args``: (pos_ptr,
+    inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq); FLAGS: (HQ, HKV,
+    HEAD_DIM, WRITE_SEQLENS)."""
+    pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
+    qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
+                         pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
+                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+
+
+@triton.jit
 def qkv_rope_kv_reduce_kernel(
     ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
     M, max_seq, split_k, stride_ws_split, stride_ws_m,

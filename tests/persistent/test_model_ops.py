@@ -141,11 +141,13 @@ def test_rope_kv_op(hq, hkv, pos_dtype, _seed):
                           "seqlens": torch.full((batch,), -7, dtype=torch.int32)}, check, _seed)
 
 
-@pytest.mark.parametrize("block_n,block_m", [(4, 1), (32, 1), (16, 16)], ids=["quarter-head", "two-heads", "dot"])
-def test_qkv_rope_kv_op(block_n, block_m, _seed):
+@pytest.mark.parametrize("block_n,block_m,run", [(4, 1, 1), (32, 1, 1), (16, 16, 1), (4, 1, 3), (16, 16, 2)],
+                         ids=["quarter-head", "two-heads", "dot", "run-of-3-quarter-heads", "dot-run-of-2"])
+def test_qkv_rope_kv_op(block_n, block_m, run, _seed):
     # The fused QKV + RoPE + append on half-split weights made interleaved: equal to the
     # linear then rope_kv references, every other cache row untouched, each position out of
-    # range writing no row; tiles of a fraction of a head, of two heads, and tl.dot tiles.
+    # range writing no row; tiles of a fraction of a head, of two heads, and tl.dot tiles,
+    # one a task or a run of adjacent tiles a task (the last run shorter).
     batch, hq, hkv, d, K, max_seq = 3, 4, 2, 16, 40, 9
     w_hf = torch.randn((hq + 2 * hkv) * d, K, device=DEV) * 0.2
     wq, wk, wv = w_hf.split([hq * d, hkv * d, hkv * d])
@@ -160,7 +162,8 @@ def test_qkv_rope_kv_op(block_n, block_m, _seed):
     g.buffer("kc", kc0.clone()), g.buffer("vc", vc0.clone())
     g.buffer("seqlens", torch.zeros(batch, dtype=torch.int32, device=DEV))
     op = make_op("qkv_rope_kv", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, K=K, max_seq=max_seq,
-                 block_m=block_m, block_n=block_n, block_k=16, norm=True, eps=EPS, write_seqlens=True)
+                 block_m=block_m, block_n=block_n, block_k=16, norm=True, eps=EPS, write_seqlens=True,
+                 tiles_per_task=run)
     add_all(g, op, x="x", w="w", norm_w="norm_w", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc",
             v_cache="vc", seqlens="seqlens")
     qkv = linear_ref(g.buffers["x"], w_hf, norm_weight=g.buffers["norm_w"], norm_eps=EPS).view(batch, 1, -1, d)

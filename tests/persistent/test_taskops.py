@@ -130,18 +130,21 @@ class RandomDag:
         out = self.activation(n_out)
         flags = {"residual": res is not None, "silu_mul": variant == "silu_mul"}
         tiles = self.tiles()
+        # A task of one tile, or a run of adjacent tiles streamed as one (the last run shorter).
+        run = {"tiles_per_task": self.rng.choice([1, 2, 3])}
         operands = dict(x=src, w=w, **({"norm_w": norm_w} if norm_w else {}))
         # linear_config's tl.dot tiles keep block_k >= 16, so K must hold split_k such chunks.
         if split_k is None:
             split_k = self.rng.choice([s for s in (1, 1, 2, 3) if s <= -(-K // 16)])
         if split_k == 1:
-            op = make_op("linear", M=M, N=N, K=K, norm=norm_w is not None, eps=EPS, dtype=F32, **flags, **tiles)
+            op = make_op("linear", M=M, N=N, K=K, norm=norm_w is not None, eps=EPS, dtype=F32, **flags, **tiles,
+                         **run)
             for a in linear_tiles(op):
                 self.g.add(op, out=out, **operands, **({"res": res} if res else {}), **a)
         else:
             ws = self.tensor("ws", torch.full((split_k, M, N), float("nan")))
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=split_k, norm=norm_w is not None, eps=EPS,
-                           dtype=F32, **tiles)
+                           dtype=F32, **tiles, **run)
             red = make_op("linear_reduce", M=M, N=N, K=K, split_k=split_k, dtype=F32, **flags, **tiles)
             for a in linear_tiles(part):
                 self.g.add(part, ws=ws, **operands, **a)
@@ -151,7 +154,7 @@ class RandomDag:
         self.expected[out] = linear_ref(self.expected[src], b[w], residual=self.expected[res] if res else None,
                                         norm_weight=b[norm_w] if norm_w else None, norm_eps=EPS,
                                         silu_mul=variant == "silu_mul")
-        self.kinds.append(f"linear/{variant}/split{split_k}")
+        self.kinds.append(f"linear/{variant}/split{split_k}/run{run['tiles_per_task']}")
 
     def add_silu_mul(self):
         gate = self.pick()
@@ -181,9 +184,9 @@ class RandomDag:
             else:
                 self.add_rmsnorm()
         # Both linear forms at least once: full-K tiles and split-K partials + reduce.
-        if not any("/split1" not in k for k in self.kinds if k.startswith("linear")):
+        if not any("/split1/" not in k for k in self.kinds if k.startswith("linear")):
             self.add_linear(self.rng.choice(["plain", "residual", "silu_mul"]), split_k=2)
-        if not any(k.endswith("/split1") for k in self.kinds if k.startswith("linear")):
+        if not any("/split1/" in k for k in self.kinds if k.startswith("linear")):
             self.add_linear(self.rng.choice(["plain", "residual", "norm", "silu_mul"]), split_k=1)
         return self
 
@@ -441,21 +444,24 @@ def test_ops_differing_only_in_eps_get_their_own_branch():
         lower(g, 1)
 
 
-@pytest.mark.parametrize("preload,tma,norm", [(False, 0, False), (True, 0, False), (False, 3, False),
-                                               (False, 0, True), (False, 3, True)])
-def test_gemv_tile_variants_of_the_weight_stream(preload, tma, norm):
+@pytest.mark.parametrize("preload,tma,norm,run", [(False, 0, False, 1), (True, 0, False, 1), (False, 3, False, 1),
+                                                   (False, 0, True, 1), (False, 3, True, 1), (False, 3, True, 2),
+                                                   (False, 0, False, 2)])
+def test_gemv_tile_variants_of_the_weight_stream(preload, tma, norm, run):
     """Weights preloaded before the wait and TMA-streamed weights
     (descriptor loads, zero-filled past N) give the same product,
     including a ragged last chunk (K=200 over 64-wide chunks) and a clipped last tile;
-    with an RMSNorm prologue the TMA body gathers the statistics inside its loop."""
+    with an RMSNorm prologue the TMA body gathers the statistics inside its loop; a run of
+    tiles a task (the last run one clipped tile) streams them as one."""
     dev = default_device()
     g = TaskGraph()
     g.buffer("x", torch.randn(1, 200, device=dev) * 3), g.buffer("w", torch.randn(40, 200, device=dev))
     g.buffer("g", torch.rand(200, device=dev) + 0.5)
     g.buffer("y", torch.full((1, 40), float("nan"), device=dev))
     op = make_op("linear", M=1, N=40, K=200, block_n=16, block_k=64, preload_weights=preload,
-                 tma_stages=tma, norm=norm, eps=EPS, dtype=F32)
+                 tma_stages=tma, norm=norm, eps=EPS, dtype=F32, tiles_per_task=run)
     assert bool(op.preload) == preload and op.constexprs["TMA_STAGES"] == tma
+    assert len(linear_tiles(op)) == -(-3 // run)  # 40 rows: three tiles of 16
     for a in linear_tiles(op):
         g.add(op, x="x", w="w", out="y", **({"norm_w": "g"} if norm else {}), **a)
     Megakernel(lower(g, 1)).run()

@@ -79,6 +79,8 @@ def random_case(rng):
             choices.update({f: OpChoice() for f in ropes})
         elif kind == "attention":
             choices[name] = OpChoice(kv_splits=rng.choice([1, 2, 3]))
+        if kind == "linear" and rng.random() < 0.5:  # tasks that are runs of 2 or 3 tiles
+            choices[name] = replace(choices[name], tiles_per_task=rng.choice([2, 3]))
     if rng.random() < 0.5:  # l1's attention norm as its own tasks
         choices["l1.qkv"] = replace(choices["l1.qkv"],
                                     fuse=tuple(f for f in choices["l1.qkv"].fuse if f == "l1.rope_kv"))
