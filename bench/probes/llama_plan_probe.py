@@ -180,6 +180,7 @@ VARIANTS = {
     "runs8": tiles(True, qkv=8, o_proj=8, gate_up=8, down=8, lm_head=8),
     "runs16": tiles(True, qkv=16, o_proj=16, gate_up=16, down=16, lm_head=16),
     "runs32": tiles(True, qkv=32, o_proj=32, gate_up=32, down=32, lm_head=32),
+    "session10_runs_ring8": lambda p, g: tuned(("o_proj", "down"), tma_stages=8)(tiles(True, **SESSION10[KEY])(p, g), g),
     "search_no_runs": tuned(tiles_per_task=1),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),

@@ -285,7 +285,10 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     nbytes, flops = _op_traffic(node, choice, fused)
-    rate = device.worker_rate(tma=node.kind == "linear" and choice.tma_stages > 0)
+    tma = node.kind == "linear" and choice.tma_stages > 0
+    # The ring keeps tma_stages - 1 weight chunks in flight (one with a 1-deep ring).
+    in_flight = max(choice.tma_stages - 1, 1) * choice.block_n * choice.block_k * dtype_bytes if tma else 0
+    rate = device.worker_rate(tma=tma, in_flight_bytes=in_flight)
     streams = []
     for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)

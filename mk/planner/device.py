@@ -58,7 +58,7 @@ _MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16
 _INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_threads_per_sm",
                "max_blocks_per_sm", "l2_bytes", "max_threads_per_block", "reserved_smem_per_block")
 _RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
-_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s")
+_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
 _WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth")
 
@@ -94,6 +94,8 @@ class DeviceSpec:
             bind pointers, epilogue bookkeeping).
         wait_overhead_s: one dependency hop, producer's release to consumer's acquire.
         launch_overhead_s: launch, ramp-up and tail of the one kernel per step.
+        load_latency_s: how long a weight chunk takes to arrive while every worker streams:
+            a TMA worker with B bytes in flight streams at most B / load_latency_s.
         calibrated: True once the constants come from micro-benchmarks on this device.
     """
 
@@ -123,6 +125,10 @@ class DeviceSpec:
     # Placeholder: a CUDA-graph-replayed launch cost ~2 µs of ramp-up and tail on an H200
     # (bench/NOTES.md).
     launch_overhead_s: float = 2.0e-6
+    # A 128256 x 2048 GEMV over 264 workers on an H200 (bench/NOTES.md, session 11): 8 x 256
+    # boxes in a 4-deep ring (12 KiB in flight a worker) streamed at 0.81 of the copy
+    # bandwidth, as Little's law gives with 0.9 µs; 24 KiB or more in flight reached 0.96-0.98.
+    load_latency_s: float = 0.9e-6
     calibrated: bool = False
 
     def __post_init__(self):
@@ -151,11 +157,16 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name!r}: smem_per_block {self.smem_per_block} "
                              f"exceeds smem_per_sm {self.smem_per_sm}")
 
-    def worker_rate(self, tma: bool) -> float:
+    def worker_rate(self, tma: bool, in_flight_bytes: int = 0) -> float:
         """Bytes/s one worker streams at when DRAM is not the limit (TMA ring or registers):
-        the calibrated figure, else an even share of ``dram_bandwidth`` over one worker an SM."""
+        the calibrated figure, else an even share of ``dram_bandwidth`` over one worker an SM;
+        with ``in_flight_bytes`` (a TMA ring's chunks in flight) at most those bytes per
+        :attr:`load_latency_s` (Little's law)."""
         measured = self.tma_worker_bandwidth if tma else self.worker_bandwidth
-        return measured or self.dram_bandwidth / self.sm_count
+        rate = measured or self.dram_bandwidth / self.sm_count
+        if in_flight_bytes and self.load_latency_s:
+            rate = min(rate, in_flight_bytes / self.load_latency_s)
+        return rate
 
     # ---- serialisation -------------------------------------------------------------
 

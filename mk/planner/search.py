@@ -179,7 +179,9 @@ def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> li
             for split_k in (1, 2, 4, 8):
                 if math.ceil(d["K"] / block_k) < split_k:
                     continue
-                rings = (3, 4, 6) if skinny else (4,)
+                # An 8-deep ring keeps 8-row boxes streaming (0.81 -> 0.96 of the copy bandwidth
+                # on a 128256 x 2048 GEMV, H200, bench/NOTES.md session 11).
+                rings = (3, 4, 6) if skinny else (4, 8)
                 for ring in sorted({*rings, whole_range_stages(d["K"], block_k, split_k)}):
                     out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,
                                         tma_stages=ring))
