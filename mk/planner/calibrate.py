@@ -32,6 +32,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .device import DeviceSpec
+
 #: Rows and columns of one tiny GEMV task: 16 x 64 bf16 weights = 2 KiB.
 TINY_ROWS, TINY_K = 16, 64
 #: Tasks per worker in the "many tasks" spread.
@@ -117,27 +119,29 @@ def _chain_graph_op(config: ChainConfig):
 
 def _phase_rows(config: ChainConfig, workers: int):
     """The phases of one layer as (waves, task bytes, x bytes a task re-reads, busy workers,
-    tma) - what the cost model sees (:func:`mk.planner.cost.phase_costs`)."""
-    from .cost import _x_task_bytes, op_bytes_flops, op_phases
+    tma, weight bytes in flight) - what the cost model sees (:func:`mk.planner.cost.phase_costs`)."""
+    from .cost import _x_task_bytes, op_bytes_flops, op_phases, ring_in_flight_bytes
 
     node, choice = _chain_graph_op(config)
     nbytes, _ = op_bytes_flops(node, choice)
     rows = []
     for i, (tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         rows.append((math.ceil(tasks / workers), max(phase_bytes, 0) / tasks,
-                     _x_task_bytes(node, choice) if i == 0 else 0, min(tasks, workers), config.tma_stages > 0))
+                     _x_task_bytes(node, choice) if i == 0 else 0, min(tasks, workers), config.tma_stages > 0,
+                     ring_in_flight_bytes(node, choice)))
     return rows
 
 
-def fit_constants(t: Timings) -> dict[str, float]:
+def fit_constants(t: Timings, load_latency_s: float = DeviceSpec.load_latency_s) -> dict[str, float]:
     """The cost-model constants that the timings imply.
 
     launch = the one-task spread minus one bare task (the spread's slope). The chains fit
     ``per layer = sum over its phases of [wait + waves x (task + max(bytes / (bandwidth / busy),
-    (bytes + x re-read) / worker rate of the path))]``: a least-squares fit of task,
-    wait and the two inverse worker rates, repeated until the set of worker-limited phases
-    settles. A worker rate no chain is limited by stays 0 (unmeasured); overheads are never
-    below zero.
+    (bytes + x re-read) / worker rate of the path, (bytes + x re-read) x load latency /
+    bytes in flight))]``: a least-squares fit of task, wait and the two inverse worker
+    rates, repeated until the set of worker-limited phases settles (the load latency is
+    given, not fitted). A worker rate no chain is limited by stays 0 (unmeasured);
+    overheads are never below zero.
     """
     if t.spread_tasks < 2:
         raise ValueError("fit_constants needs a spread of at least 2 tasks a worker")
@@ -154,15 +158,18 @@ def fit_constants(t: Timings) -> dict[str, float]:
         A, b, now = [], [], []
         for ch in t.chains:
             row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
-            for waves, task_bytes, reread, busy, tma in _phase_rows(ch.config, t.workers):
+            for waves, task_bytes, reread, busy, tma, in_flight in _phase_rows(ch.config, t.workers):
                 row[0] += waves
                 row[1] += 1
-                worker_limited = (task_bytes + reread) * inv[tma] > task_bytes * busy / t.copy_Bps
+                # The fixed limits of a task's stream: DRAM's share, and the ring's bytes in flight.
+                fixed = max(task_bytes * busy / t.copy_Bps,
+                            (task_bytes + reread) * load_latency_s / in_flight if in_flight else 0.0)
+                worker_limited = (task_bytes + reread) * inv[tma] > fixed
                 now.append(worker_limited)
                 if worker_limited:
                     row[2 if tma else 3] += waves * (task_bytes + reread)
                 else:
-                    rhs -= waves * task_bytes * busy / t.copy_Bps
+                    rhs -= waves * fixed
             A.append(row)
             b.append(rhs)
         A, b = np.array(A), np.array(b)
@@ -317,10 +324,9 @@ def calibrate(workers: int | None = None, progress: Callable[[str], None] | None
     """Measure and fit on the live GPU: ``(spec, timings)`` with ``spec`` the device's
     :class:`~mk.planner.device.DeviceSpec` carrying the measured constants (not yet saved:
     :func:`~mk.planner.device.save_calibration` does that)."""
-    from .device import DeviceSpec
-
     timings = measure(workers, progress)
-    spec = DeviceSpec.from_gpu(load_calibration=False).with_calibration(fit_constants(timings))
+    base = DeviceSpec.from_gpu(load_calibration=False)
+    spec = base.with_calibration(fit_constants(timings, base.load_latency_s))
     return spec, timings
 
 

@@ -202,6 +202,14 @@ def _x_task_bytes(node: OpNode, choice: OpChoice) -> int:
     return _tile_rows_for(d["M"]) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES * choice.tiles_per_task
 
 
+def ring_in_flight_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
+    """Weight bytes a linear task's TMA ring keeps in flight: tma_stages - 1 chunks (one with
+    a 1-deep ring); 0 without the ring."""
+    if node.kind != "linear" or not choice.tma_stages:
+        return 0
+    return max(choice.tma_stages - 1, 1) * choice.block_n * choice.block_k * dtype_bytes
+
+
 def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     """(row blocks, tiles along N) of a linear under the choice."""
     d = node.dims
@@ -286,9 +294,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         raise ValueError(f"workers must be >= 1, got {workers}")
     nbytes, flops = _op_traffic(node, choice, fused)
     tma = node.kind == "linear" and choice.tma_stages > 0
-    # The ring keeps tma_stages - 1 weight chunks in flight (one with a 1-deep ring).
-    in_flight = max(choice.tma_stages - 1, 1) * choice.block_n * choice.block_k * dtype_bytes if tma else 0
-    rate = device.worker_rate(tma=tma, in_flight_bytes=in_flight)
+    rate = device.worker_rate(tma=tma, in_flight_bytes=ring_in_flight_bytes(node, choice, dtype_bytes))
     streams = []
     for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
