@@ -1,7 +1,8 @@
 """GPU probe: how fast the megakernel streams one wide GEMV (the 1B LM head's shape,
 128256 x 2048 bf16, 525 MB) under each TMA box and ring, with one tile a task or runs of
 adjacent tiles (one run a worker). Aggregate GB/s against the copy bandwidth of the same
-run; each output checked against torch. Env: PROBE_N, PROBE_K. Writes
+run; each output checked against torch. Env: PROBE_N, PROBE_K, PROBE_NORM=1 (an RMSNorm
+prologue, as the LM head has), PROBE_CASES (indices into CASES, comma list). Writes
 $OUT/run_stream_probe.json and prints a table last."""
 import json, os, sys, time
 
@@ -22,13 +23,20 @@ CASES = [(32, 256, 4, False), (16, 256, 4, False), (8, 256, 4, False),
          (128, 64, 4, True), (16, 256, 8, True), (8, 256, 8, True), (32, 128, 6, True)]
 
 
+NORM = os.environ.get("PROBE_NORM", "0") == "1"
+if os.environ.get("PROBE_CASES"):
+    CASES = [CASES[int(i)] for i in os.environ["PROBE_CASES"].split(",")]
+
+
 def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     workers = 2 * sms
     bw = copy_bandwidth()["copy_Bps"]
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(1, K, device="cuda", dtype=torch.float32)
-    ref = (w.float() @ x[0]).view(1, N)
+    nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    h = x[0] * torch.rsqrt(x[0].pow(2).mean() + 1e-5) * nw.float() if NORM else x[0]
+    ref = (w.float() @ h).view(1, N)
     rows = []
     for bn, bk, ring, runs in CASES:
         t0 = time.time()
@@ -37,10 +45,11 @@ def main():
             run = -(-tiles // workers) if runs else 1
             g = TaskGraph()
             g.buffer("x", x), g.buffer("w", w), g.buffer("y", torch.full((1, N), float("nan"), device="cuda"))
+            g.buffer("nw", nw)
             op = make_op("linear", M=1, N=N, K=K, block_n=bn, block_k=bk, tma_stages=ring, tiles_per_task=run,
-                         dtype=torch.bfloat16)
+                         norm=NORM, eps=1e-5, dtype=torch.bfloat16)
             for a in linear_tiles(op):
-                g.add(op, x="x", w="w", out="y", **a)
+                g.add(op, x="x", w="w", out="y", **({"norm_w": "nw"} if NORM else {}), **a)
             k = Megakernel(lower(g, workers))
             k.run()
             torch.cuda.synchronize()
@@ -57,9 +66,9 @@ def main():
         rows.append(r)
         print({a: round(b, 4) if isinstance(b, float) else b for a, b in r.items()}, flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MK_COMMIT"),
-               "N": N, "K": K, "workers": workers, "copy_Bps": bw, "rows": rows},
+               "N": N, "K": K, "norm": NORM, "workers": workers, "copy_Bps": bw, "rows": rows},
               open(os.path.join(os.environ.get("OUT", "."), "run_stream_probe.json"), "w"), indent=1)
-    print(f"\n{N}x{K} bf16 GEMV, {workers} workers, copy {bw / 1e12:.2f} TB/s")
+    print(f"\n{N}x{K} bf16 GEMV{' with RMSNorm' if NORM else ''}, {workers} workers, copy {bw / 1e12:.2f} TB/s")
     print("box      ring run  tasks   ms      frac  err")
     for r in rows:
         if "error" in r:

@@ -165,7 +165,7 @@ class _LinearShape:
         """The device call of a run task (tiles_per_task > 1): :func:`mk.tasks.linear.linear_run`
         over the task's tiles (x, w and with ``norm`` norm_w; ``k_range`` = "k_lo, k_hi"), the
         epilogue's runtime args and its constexpr flags (names of constexprs)."""
-        return (f"EPILOGUE_FLAGS: tl.constexpr = ({flags}{',' if flags else ''})\n"
+        return (f"EPILOGUE_FLAGS: tl.constexpr = {f'({flags},)' if flags else None}\n"
                 f"linear_run(x, w, {'norm_w' if norm else 'w'}, pid_m, pid_n * TILES_PER_TASK, "
                 f"tl.minimum(TILES_PER_TASK, TILES_N - pid_n * TILES_PER_TASK), M, N, K, {k_range}, K, K, "
                 f"{'EPS' if norm else '0.0'}, EPILOGUE={epilogue}, epilogue_args=({epilogue_args},), "

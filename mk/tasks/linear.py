@@ -316,7 +316,7 @@ def linear_run(
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
     EPILOGUE_FLAGS)`` after each tile's last chunk (acc: its float32 [BLOCK_M, BLOCK_N]
-    product, RMSNorm applied). The flags are a tuple of constexprs (values inside
+    product, RMSNorm applied). The flags are a tuple of constexprs, or None (values inside
     ``epilogue_args`` are not constexpr to the compiler).
 
     Why: a task of one tile pays for its stream's ramp (the first chunk's DRAM latency, the
@@ -403,9 +403,9 @@ def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
 
 
 @triton.jit
-def linear_partial_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr = ()):
+def linear_partial_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for a split-K partial: the float32 tile into its split's
-    workspace. ``args``: (ws_ptr, split, M, N, stride_ws_split, stride_ws_m); no flags."""
+    workspace. ``args``: (ws_ptr, split, M, N, stride_ws_split, stride_ws_m); FLAGS: None."""
     ws_ptr, split, M, N, stride_ws_split, stride_ws_m = args
     offs_m = pid_m * acc.shape[0] + tl.arange(0, acc.shape[0])
     offs_n = pid_n * acc.shape[1] + tl.arange(0, acc.shape[1])
@@ -495,7 +495,7 @@ def linear_partial_tile(
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                       DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)
-    linear_partial_epilogue(acc, pid_m, pid_n, (ws_ptr, split, M, N, stride_ws_split, stride_ws_m))
+    linear_partial_epilogue(acc, pid_m, pid_n, (ws_ptr, split, M, N, stride_ws_split, stride_ws_m), None)
 
 
 @triton.jit
