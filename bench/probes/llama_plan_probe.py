@@ -5,7 +5,8 @@ For each plan variant (the search's, and hand-made uniform tilings of the linear
 compile, time 50 launches, read residency (registers, spills, shared memory), then one
 traced launch summarised per op. The search plan's trace is saved (JSON + PNG).
 Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all), PROBE_TRACE=0
-(trace only the search's plan), PROBE_KNOBS
+(trace only the search's plan), PROBE_SAVE_TRACES (variants whose trace files are
+kept, default search), PROBE_KNOBS
 (comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program).
 Writes $OUT/llama_plan_probe.json.
 """
@@ -269,8 +270,9 @@ def main():
                 out_buf = next((t.bind[k] for k in ("out", "o_part", "part_val", "ws", "q", "tokens") if k in t.bind), "")
                 e["label"] = f"{t.op.name}:{out_buf.split('.', 1)[-1]}"
             r["trace"] = summarize(events)
-            if name == "search":
-                traced.save_trace(os.path.join(OUT, f"trace_{KEY}_b{B}.json"), os.path.join(OUT, f"trace_{KEY}_b{B}.png"))
+            if name in os.environ.get("PROBE_SAVE_TRACES", "search").split(","):
+                stem = f"trace_{KEY}_b{B}" + ("" if name == "search" else f"_{name}")
+                traced.save_trace(os.path.join(OUT, stem + ".json"), os.path.join(OUT, stem + ".png"))
             del traced
             mark(name, {k: v for k, v in r.items() if k not in ("trace", "tokens", "plan")},
                  "span", round(r["trace"]["span_us"], 1), "busy", round(r["trace"]["busy_frac"], 2))

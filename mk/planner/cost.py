@@ -294,7 +294,8 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         raise ValueError(f"workers must be >= 1, got {workers}")
     nbytes, flops = _op_traffic(node, choice, fused)
     tma = node.kind == "linear" and choice.tma_stages > 0
-    rate = device.worker_rate(tma=tma, in_flight_bytes=ring_in_flight_bytes(node, choice, dtype_bytes))
+    rate = device.worker_rate(tma=tma, in_flight_bytes=ring_in_flight_bytes(node, choice, dtype_bytes),
+                              chunk_bytes=choice.block_n * choice.block_k * dtype_bytes if tma else 0)
     streams = []
     for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)

@@ -58,7 +58,7 @@ _MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16
 _INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_threads_per_sm",
                "max_blocks_per_sm", "l2_bytes", "max_threads_per_block", "reserved_smem_per_block")
 _RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
-_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s")
+_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s", "chunk_overhead_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
 _WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth")
 
@@ -96,6 +96,9 @@ class DeviceSpec:
         launch_overhead_s: launch, ramp-up and tail of the one kernel per step.
         load_latency_s: how long a weight chunk takes to arrive while every worker streams:
             a TMA worker with B bytes in flight streams at most B / load_latency_s.
+        chunk_overhead_s: the least time a TMA worker spends on one chunk of its ring (wait,
+            operand loads, FMAs, the slot's release): chunks of C bytes stream at most at
+            C / chunk_overhead_s.
         calibrated: True once the constants come from micro-benchmarks on this device.
     """
 
@@ -129,6 +132,9 @@ class DeviceSpec:
     # boxes in a 4-deep ring (12 KiB in flight a worker) streamed at 0.81 of the copy
     # bandwidth, as Little's law gives with 0.9 µs; 24 KiB or more in flight reached 0.96-0.98.
     load_latency_s: float = 0.9e-6
+    # The same GEMV with 8 x 256 boxes (4 KiB a chunk) in an 8-deep ring, 61 tiles a task:
+    # 0.26 µs a chunk (0.29 with an RMSNorm prologue), whatever was in flight.
+    chunk_overhead_s: float = 0.28e-6
     calibrated: bool = False
 
     def __post_init__(self):
@@ -157,15 +163,18 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name!r}: smem_per_block {self.smem_per_block} "
                              f"exceeds smem_per_sm {self.smem_per_sm}")
 
-    def worker_rate(self, tma: bool, in_flight_bytes: int = 0) -> float:
+    def worker_rate(self, tma: bool, in_flight_bytes: int = 0, chunk_bytes: int = 0) -> float:
         """Bytes/s one worker streams at when DRAM is not the limit (TMA ring or registers):
         the calibrated figure, else an even share of ``dram_bandwidth`` over one worker an SM;
         with ``in_flight_bytes`` (a TMA ring's chunks in flight) at most those bytes per
-        :attr:`load_latency_s` (Little's law)."""
+        :attr:`load_latency_s` (Little's law), and with ``chunk_bytes`` (the ring's chunk) at
+        most one chunk per :attr:`chunk_overhead_s`."""
         measured = self.tma_worker_bandwidth if tma else self.worker_bandwidth
         rate = measured or self.dram_bandwidth / self.sm_count
         if in_flight_bytes and self.load_latency_s:
             rate = min(rate, in_flight_bytes / self.load_latency_s)
+        if chunk_bytes and self.chunk_overhead_s:
+            rate = min(rate, chunk_bytes / self.chunk_overhead_s)
         return rate
 
     # ---- serialisation -------------------------------------------------------------

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from .cost import OpChoice, _tile_rows_for, estimate_op, estimate_step, whole_range_stages
+from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
@@ -124,12 +124,14 @@ def gemv_chunk_fits(block_n: int, block_k: int, dtype_bytes: int = 2, num_warps:
 
 def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: int | None = None) -> list[OpChoice]:
     """Every choice the search tries for ``node`` (before the shared-memory check). With
-    ``workers``, a linear with more tasks than workers also gets each tile as runs of
-    adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker."""
+    ``workers``, a GEMV (M = 1) with more tasks than workers also gets each tile as runs of
+    adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker. (Runs of tl.dot
+    tiles work too, but measured no gain at batch 8: the 1B LM head as runs of four
+    128-row tiles, 1.382 ms a step against 1.363 one tile a task; H200, session 11.)"""
     d = node.dims
     if node.kind == "linear":
         singles = _linear_candidates(node, device, dtype_bytes)
-        if workers is None or math.ceil(d["M"] / _tile_rows_for(d["M"])) > 1:
+        if workers is None or d["M"] > 1:
             return singles
         runs = []
         for c in singles:
@@ -179,10 +181,12 @@ def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> li
             for split_k in (1, 2, 4, 8):
                 if math.ceil(d["K"] / block_k) < split_k:
                     continue
-                # An 8-deep ring keeps 8-row boxes streaming (0.81 -> 0.96 of the copy bandwidth
-                # on a 128256 x 2048 GEMV, H200, bench/NOTES.md session 11).
-                rings = (3, 4, 6) if skinny else (4, 8)
-                for ring in sorted({*rings, whole_range_stages(d["K"], block_k, split_k)}):
+                # (GEMV rings of 8 measured slower in the 1B step than 4 for the 8-row o_proj/down
+                # tiles, sessions 9 and 11, though a lone 128256 x 2048 GEMV of 8-row boxes
+                # streamed at 0.96 of the copy bandwidth with 8 against 0.81 with 4.)
+                rings = (3, 4, 6) if skinny else (4,)
+                whole = whole_range_stages(d["K"], block_k, split_k)  # saves shared memory on short ranges
+                for ring in sorted({*rings, whole} if skinny or whole < max(rings) else set(rings)):
                     out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,
                                         tma_stages=ring))
     return out
