@@ -117,10 +117,11 @@ def _chain_graph_op(config: ChainConfig):
     return node, choice
 
 
-def _phase_rows(config: ChainConfig, workers: int):
+def _phase_rows(config: ChainConfig, workers: int, device: DeviceSpec):
     """The phases of one layer as (waves, task bytes, x bytes a task re-reads, busy workers,
-    tma, weight bytes in flight) - what the cost model sees (:func:`mk.planner.cost.phase_costs`)."""
-    from .cost import _x_task_bytes, op_bytes_flops, op_phases, ring_in_flight_bytes
+    tma, the ring's least seconds per weight byte) - what the cost model sees
+    (:func:`mk.planner.cost.phase_costs`)."""
+    from .cost import _x_task_bytes, op_bytes_flops, op_phases, ring_seconds_per_byte
 
     node, choice = _chain_graph_op(config)
     nbytes, _ = op_bytes_flops(node, choice)
@@ -128,20 +129,20 @@ def _phase_rows(config: ChainConfig, workers: int):
     for i, (tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         rows.append((math.ceil(tasks / workers), max(phase_bytes, 0) / tasks,
                      _x_task_bytes(node, choice) if i == 0 else 0, min(tasks, workers), config.tma_stages > 0,
-                     ring_in_flight_bytes(node, choice)))
+                     ring_seconds_per_byte(node, choice, device) if i == 0 else 0.0))
     return rows
 
 
-def fit_constants(t: Timings, load_latency_s: float = DeviceSpec.load_latency_s) -> dict[str, float]:
+def fit_constants(t: Timings, device: DeviceSpec) -> dict[str, float]:
     """The cost-model constants that the timings imply.
 
     launch = the one-task spread minus one bare task (the spread's slope). The chains fit
     ``per layer = sum over its phases of [wait + waves x (task + max(bytes / (bandwidth / busy),
-    (bytes + x re-read) / worker rate of the path, (bytes + x re-read) x load latency /
-    bytes in flight))]``: a least-squares fit of task, wait and the two inverse worker
-    rates, repeated until the set of worker-limited phases settles (the load latency is
-    given, not fitted). A worker rate no chain is limited by stays 0 (unmeasured);
-    overheads are never below zero.
+    (bytes + x re-read) / worker rate of the path, bytes x the ring's least seconds a byte))]``:
+    a least-squares fit of task, wait and the two inverse worker rates, repeated until the
+    set of worker-limited phases settles. The ring's limits (load latency, chunk overhead)
+    are ``device``'s, not fitted. A worker rate no chain
+    is limited by stays 0 (unmeasured); overheads are never below zero.
     """
     if t.spread_tasks < 2:
         raise ValueError("fit_constants needs a spread of at least 2 tasks a worker")
@@ -158,12 +159,11 @@ def fit_constants(t: Timings, load_latency_s: float = DeviceSpec.load_latency_s)
         A, b, now = [], [], []
         for ch in t.chains:
             row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
-            for waves, task_bytes, reread, busy, tma, in_flight in _phase_rows(ch.config, t.workers):
+            for waves, task_bytes, reread, busy, tma, ring_s in _phase_rows(ch.config, t.workers, device):
                 row[0] += waves
                 row[1] += 1
-                # The fixed limits of a task's stream: DRAM's share, and the ring's bytes in flight.
-                fixed = max(task_bytes * busy / t.copy_Bps,
-                            (task_bytes + reread) * load_latency_s / in_flight if in_flight else 0.0)
+                # The fixed limits of a task's stream: DRAM's share, and what the ring delivers.
+                fixed = max(task_bytes * busy / t.copy_Bps, task_bytes * ring_s)
                 worker_limited = (task_bytes + reread) * inv[tma] > fixed
                 now.append(worker_limited)
                 if worker_limited:
@@ -326,7 +326,7 @@ def calibrate(workers: int | None = None, progress: Callable[[str], None] | None
     :func:`~mk.planner.device.save_calibration` does that)."""
     timings = measure(workers, progress)
     base = DeviceSpec.from_gpu(load_calibration=False)
-    spec = base.with_calibration(fit_constants(timings, base.load_latency_s))
+    spec = base.with_calibration(fit_constants(timings, base))
     return spec, timings
 
 

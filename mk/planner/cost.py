@@ -202,12 +202,14 @@ def _x_task_bytes(node: OpNode, choice: OpChoice) -> int:
     return _tile_rows_for(d["M"]) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES * choice.tiles_per_task
 
 
-def ring_in_flight_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
-    """Weight bytes a linear task's TMA ring keeps in flight: tma_stages - 1 chunks (one with
-    a 1-deep ring); 0 without the ring."""
+def ring_seconds_per_byte(node: OpNode, choice: OpChoice, device: DeviceSpec, dtype_bytes: int = 2) -> float:
+    """The least time a linear's TMA ring spends per weight byte
+    (:meth:`DeviceSpec.ring_seconds_per_byte`: tma_stages - 1 chunks in flight, one with a
+    1-deep ring); 0 without the ring."""
     if node.kind != "linear" or not choice.tma_stages:
-        return 0
-    return max(choice.tma_stages - 1, 1) * choice.block_n * choice.block_k * dtype_bytes
+        return 0.0
+    chunk = choice.block_n * choice.block_k * dtype_bytes
+    return device.ring_seconds_per_byte(max(choice.tma_stages - 1, 1) * chunk, chunk)
 
 
 def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
@@ -284,8 +286,9 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     """The op's phases (:func:`op_phases`) with the time of one task of each.
 
     A task streams its share of the phase's bytes at the lesser of what one worker streams
-    alone (:meth:`DeviceSpec.worker_rate`) and an even share of DRAM among the phase's busy
-    workers, plus the task overhead; where the op's flops outweigh its bytes (prefill-sized
+    alone (:meth:`DeviceSpec.worker_rate`, x re-read included), an even share of DRAM among
+    the phase's busy workers, and what a TMA ring delivers of weights
+    (:func:`ring_seconds_per_byte`), plus the task overhead; where the op's flops outweigh its bytes (prefill-sized
     M) the streaming part stretches to the compute time. An attention split is priced as
     the last of its KV group, which then reads the group's partials back to merge them: exact
     when the splits run in one wave, as they do in decode.
@@ -293,9 +296,9 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     nbytes, flops = _op_traffic(node, choice, fused)
-    tma = node.kind == "linear" and choice.tma_stages > 0
-    rate = device.worker_rate(tma=tma, in_flight_bytes=ring_in_flight_bytes(node, choice, dtype_bytes),
-                              chunk_bytes=choice.block_n * choice.block_k * dtype_bytes if tma else 0)
+    rate = device.worker_rate(tma=node.kind == "linear" and choice.tma_stages > 0)
+    # The weights' own limit in a TMA ring (bytes in flight, chunks): the partials' stream only.
+    ring_s = ring_seconds_per_byte(node, choice, device, dtype_bytes)
     streams = []
     for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
@@ -313,7 +316,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             d = node.dims
             reread = _attention_workspace(d, choice.kv_splits) // (d["batch"] * d["kv_heads"])
         streams.append((phase_tasks, waves, max(task_bytes / (device.dram_bandwidth / busy),
-                                                (task_bytes + reread) / rate)))
+                                                (task_bytes + reread) / rate, task_bytes * ring_s if i == 0 else 0.0)))
     memory_s = sum(waves * s for _, waves, s in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0
     return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s) for tasks, _, s in streams]

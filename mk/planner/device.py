@@ -163,19 +163,17 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name!r}: smem_per_block {self.smem_per_block} "
                              f"exceeds smem_per_sm {self.smem_per_sm}")
 
-    def worker_rate(self, tma: bool, in_flight_bytes: int = 0, chunk_bytes: int = 0) -> float:
+    def worker_rate(self, tma: bool) -> float:
         """Bytes/s one worker streams at when DRAM is not the limit (TMA ring or registers):
-        the calibrated figure, else an even share of ``dram_bandwidth`` over one worker an SM;
-        with ``in_flight_bytes`` (a TMA ring's chunks in flight) at most those bytes per
-        :attr:`load_latency_s` (Little's law), and with ``chunk_bytes`` (the ring's chunk) at
-        most one chunk per :attr:`chunk_overhead_s`."""
+        the calibrated figure, else an even share of ``dram_bandwidth`` over one worker an SM."""
         measured = self.tma_worker_bandwidth if tma else self.worker_bandwidth
-        rate = measured or self.dram_bandwidth / self.sm_count
-        if in_flight_bytes and self.load_latency_s:
-            rate = min(rate, in_flight_bytes / self.load_latency_s)
-        if chunk_bytes and self.chunk_overhead_s:
-            rate = min(rate, chunk_bytes / self.chunk_overhead_s)
-        return rate
+        return measured or self.dram_bandwidth / self.sm_count
+
+    def ring_seconds_per_byte(self, in_flight_bytes: int, chunk_bytes: int) -> float:
+        """The least time a TMA ring spends per weight byte: its bytes in flight arrive once
+        per :attr:`load_latency_s` (Little's law), and it takes one chunk per
+        :attr:`chunk_overhead_s`."""
+        return max(self.load_latency_s / in_flight_bytes, self.chunk_overhead_s / chunk_bytes)
 
     # ---- serialisation -------------------------------------------------------------
 

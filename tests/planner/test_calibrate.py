@@ -13,6 +13,7 @@ from mk.planner.cost import estimate_op
 from mk.planner.device import CALIBRATED_FIELDS, PRESETS
 
 WORKERS = 264
+H200 = PRESETS["h200"]  # the device whose ring limits the chains are fitted with
 
 
 def _timings(true: dict, bare_task=6e-7, k=9, chains=CHAINS):
@@ -39,7 +40,7 @@ def test_fit_recovers_the_constants_that_made_the_timings():
     rng = random.Random(7)
     for _ in range(20):
         true = _random_constants(rng)
-        fitted = fit_constants(_timings(true, k=rng.randint(2, 16)))
+        fitted = fit_constants(_timings(true, k=rng.randint(2, 16)), H200)
         assert set(fitted) == set(CALIBRATED_FIELDS)
         for name, value in true.items():
             assert fitted[name] == pytest.approx(value, rel=1e-6, abs=1e-15), name
@@ -48,7 +49,7 @@ def test_fit_recovers_the_constants_that_made_the_timings():
 def test_fitted_constants_reproduce_the_chains():
     true = _random_constants(random.Random(3))
     t = _timings(true)
-    rows = chain_residuals(t, PRESETS["h200"].with_calibration(fit_constants(t)))
+    rows = chain_residuals(t, H200.with_calibration(fit_constants(t, H200)))
     assert len(rows) == len(CHAINS)
     for r in rows:
         assert r["model_us"] == pytest.approx(r["measured_us"], rel=1e-6)
@@ -59,18 +60,18 @@ def test_fit_never_returns_negative_overheads_and_leaves_unmeasured_rates_at_zer
     t = _timings(true)
     # Noise can make the chains cheaper than their tasks: a wait then costs nothing, not less.
     faster = replace(t, chains=tuple(replace(c, seconds=c.seconds * 0.3) for c in t.chains))
-    c = fit_constants(faster)
+    c = fit_constants(faster, H200)
     assert c["wait_overhead_s"] >= 0 and c["task_overhead_s"] >= 0
-    only_tma = fit_constants(_timings(true, chains=[ch for ch in CHAINS if ch.tma_stages]))
+    only_tma = fit_constants(_timings(true, chains=[ch for ch in CHAINS if ch.tma_stages]), H200)
     assert only_tma["worker_bandwidth"] == 0.0 and only_tma["tma_worker_bandwidth"] > 0
-    assert fit_constants(replace(t, chains=()))["wait_overhead_s"] == 0.0  # nothing to fit it from
+    assert fit_constants(replace(t, chains=()), H200)["wait_overhead_s"] == 0.0  # nothing to fit it from
     with pytest.raises(ValueError, match="at least"):
-        fit_constants(replace(t, spread_tasks=1))
+        fit_constants(replace(t, spread_tasks=1), H200)
 
 
 def test_fitted_constants_make_a_calibrated_spec():
     true = _random_constants(random.Random(11))
-    spec = PRESETS["h200"].with_calibration(fit_constants(_timings(true)))
+    spec = H200.with_calibration(fit_constants(_timings(true), H200))
     assert spec.calibrated and spec.wait_overhead_s == pytest.approx(true["wait_overhead_s"], rel=1e-6)
     assert spec.worker_rate(tma=True) == pytest.approx(true["tma_worker_bandwidth"], rel=1e-6)
 
