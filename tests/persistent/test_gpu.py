@@ -123,3 +123,21 @@ def test_trace_is_a_timeline_in_dependency_order(tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert len([t for t in trace if t["cat"] != "wait"]) == len(events)
     assert all(e["start_us"] <= e["ready_us"] <= e["end_us"] for e in events)
+
+
+@pytest.mark.parametrize("block_n,ring,run", [(16, 4, 3), (8, 4, 5), (32, 3, 2)])
+def test_runs_of_tma_tiles_equal_one_tile_a_task(block_n, ring, run):
+    """A chain of bf16 GEMVs whose tasks are runs of TMA tiles (mk.tasks.linear.linear_run),
+    the last run of each layer shorter, over every resident worker: the same numbers as one
+    tile a task, and within bf16 rounding of the reference."""
+    n, layers = 1000 - 1000 % block_n + block_n // 2, 3  # a clipped last tile
+    n -= n % 8  # rows 16-byte aligned for the TMA descriptor
+    results = []
+    for tiles_per_task in (1, run):
+        torch.manual_seed(0)
+        g, ws = gemv_chain(layers, n, block_n=block_n, block_k=128, tma_stages=ring, tiles_per_task=tiles_per_task)
+        kernel = Megakernel(lower(g, num_workers=2 * sm_count()))
+        kernel.run()
+        results.append(g.buffers[f"h{layers}"].float())
+        assert rel_err(results[-1], chain_ref(g.buffers["h0"], ws)) < 1e-2
+    assert torch.equal(results[0], results[1])
