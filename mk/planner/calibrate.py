@@ -119,17 +119,20 @@ def _chain_graph_op(config: ChainConfig):
 
 def _phase_rows(config: ChainConfig, workers: int, device: DeviceSpec):
     """The phases of one layer as (waves, task bytes, x bytes a task re-reads, busy workers,
-    tma, the ring's least seconds per weight byte) - what the cost model sees
-    (:func:`mk.planner.cost.phase_costs`)."""
-    from .cost import _x_task_bytes, op_bytes_flops, op_phases, ring_seconds_per_byte
+    tma, the ring's least seconds per weight byte, a task's exposed chunk seconds) - what the
+    cost model sees (:func:`mk.planner.cost.phase_costs`)."""
+    from .cost import _x_task_bytes, exposed_chunk_seconds, op_bytes_flops, op_phases, ring_seconds_per_byte
 
     node, choice = _chain_graph_op(config)
     nbytes, _ = op_bytes_flops(node, choice)
     rows = []
     for i, (tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
-        rows.append((math.ceil(tasks / workers), max(phase_bytes, 0) / tasks,
-                     _x_task_bytes(node, choice) if i == 0 else 0, min(tasks, workers), config.tma_stages > 0,
-                     ring_seconds_per_byte(node, choice, device) if i == 0 else 0.0))
+        task_bytes = max(phase_bytes, 0) / tasks
+        first = i == 0  # the weights' stream
+        rows.append((math.ceil(tasks / workers), task_bytes, _x_task_bytes(node, choice) if first else 0,
+                     min(tasks, workers), config.tma_stages > 0,
+                     ring_seconds_per_byte(node, choice, device) if first else 0.0,
+                     exposed_chunk_seconds(node, choice, device, task_bytes) if first else 0.0))
     return rows
 
 
@@ -138,10 +141,11 @@ def fit_constants(t: Timings, device: DeviceSpec) -> dict[str, float]:
 
     launch = the one-task spread minus one bare task (the spread's slope). The chains fit
     ``per layer = sum over its phases of [wait + waves x (task + max(bytes / (bandwidth / busy),
-    (bytes + x re-read) / worker rate of the path, bytes x the ring's least seconds a byte))]``:
+    (bytes + x re-read) / worker rate of the path, bytes x the ring's least seconds a byte)
+    + the exposed chunk seconds)]``:
     a least-squares fit of task, wait and the two inverse worker rates, repeated until the
-    set of worker-limited phases settles. The ring's limits (load latency, chunk overhead)
-    are ``device``'s, not fitted. A worker rate no chain
+    set of worker-limited phases settles. The ring's limits (load latency, chunk overhead,
+    exposed chunk time) are ``device``'s, not fitted. A worker rate no chain
     is limited by stays 0 (unmeasured); overheads are never below zero.
     """
     if t.spread_tasks < 2:
@@ -159,9 +163,10 @@ def fit_constants(t: Timings, device: DeviceSpec) -> dict[str, float]:
         A, b, now = [], [], []
         for ch in t.chains:
             row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
-            for waves, task_bytes, reread, busy, tma, ring_s in _phase_rows(ch.config, t.workers, device):
+            for waves, task_bytes, reread, busy, tma, ring_s, exposed in _phase_rows(ch.config, t.workers, device):
                 row[0] += waves
                 row[1] += 1
+                rhs -= waves * exposed
                 # The fixed limits of a task's stream: DRAM's share, and what the ring delivers.
                 fixed = max(task_bytes * busy / t.copy_Bps, task_bytes * ring_s)
                 worker_limited = (task_bytes + reread) * inv[tma] > fixed

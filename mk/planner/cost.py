@@ -212,6 +212,16 @@ def ring_seconds_per_byte(node: OpNode, choice: OpChoice, device: DeviceSpec, dt
     return device.ring_seconds_per_byte(max(choice.tma_stages - 1, 1) * chunk, chunk)
 
 
+def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, task_bytes: float,
+                          dtype_bytes: int = 2) -> float:
+    """What a GEMV task of ``task_bytes`` weight bytes spends on its TMA ring's chunks beyond
+    its stream (:attr:`DeviceSpec.chunk_exposed_s` a chunk): 0 for other tiles (measured on
+    GEMV rings; tl.dot tiles' rates carry their work a chunk)."""
+    if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1:
+        return 0.0
+    return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s
+
+
 def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     """(row blocks, tiles along N) of a linear under the choice."""
     d = node.dims
@@ -315,8 +325,11 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         if node.kind == "attention":  # the group's partials, read back by its merging split
             d = node.dims
             reread = _attention_workspace(d, choice.kv_splits) // (d["batch"] * d["kv_heads"])
-        streams.append((phase_tasks, waves, max(task_bytes / (device.dram_bandwidth / busy),
-                                                (task_bytes + reread) / rate, task_bytes * ring_s if i == 0 else 0.0)))
+        stream = max(task_bytes / (device.dram_bandwidth / busy), (task_bytes + reread) / rate,
+                     task_bytes * ring_s if i == 0 else 0.0)
+        if i == 0:
+            stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
+        streams.append((phase_tasks, waves, stream))
     memory_s = sum(waves * s for _, waves, s in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0
     return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s) for tasks, _, s in streams]

@@ -58,7 +58,8 @@ _MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16
 _INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_threads_per_sm",
                "max_blocks_per_sm", "l2_bytes", "max_threads_per_block", "reserved_smem_per_block")
 _RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
-_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s", "chunk_overhead_s")
+_OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s", "chunk_overhead_s",
+                    "chunk_exposed_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
 _WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth")
 
@@ -99,6 +100,8 @@ class DeviceSpec:
         chunk_overhead_s: the least time a TMA worker spends on one chunk of its ring (wait,
             operand loads, FMAs, the slot's release): chunks of C bytes stream at most at
             C / chunk_overhead_s.
+        chunk_exposed_s: the part of a GEMV chunk's work the stream does not hide (its x
+            chunk, the ring's bookkeeping): a task of c chunks takes c x chunk_exposed_s more.
         calibrated: True once the constants come from micro-benchmarks on this device.
     """
 
@@ -135,6 +138,9 @@ class DeviceSpec:
     # The same GEMV with 8 x 256 boxes (4 KiB a chunk) in an 8-deep ring, 61 tiles a task:
     # 0.26 µs a chunk (0.29 with an RMSNorm prologue), whatever was in flight.
     chunk_overhead_s: float = 0.28e-6
+    # The 1B LM head in the step (H200, session 11): runs of 32-row tiles (128 chunks a
+    # task) took 115 µs a task, of 16-row tiles (248 chunks) 121 µs, the same bytes.
+    chunk_exposed_s: float = 0.05e-6
     calibrated: bool = False
 
     def __post_init__(self):
