@@ -30,8 +30,10 @@ workspace ``[split_k, M, N]``, and a reduce step sums them in split order 0, 1, 
 BLOCK_N) tiling, so each reduce tile depends on exactly ``split_k`` partial tiles.
 
 Device functions for a persistent kernel: :func:`linear_tile`, :func:`linear_partial_tile`,
-:func:`linear_splitk_reduce_tile` (plus :func:`linear_split_range`). They never read
-``tl.program_id`` and write only their own tile. Offsets are int32: weights must hold
+:func:`linear_splitk_reduce_tile` (plus :func:`linear_split_range`), and :func:`linear_run`,
+which streams a run of adjacent tiles as one and hands each finished tile to an epilogue
+(:func:`linear_store_epilogue`, :func:`linear_partial_epilogue`). They never read
+``tl.program_id`` and write only their own tiles. Offsets are int32: weights must hold
 fewer than 2**31 elements.
 """
 
