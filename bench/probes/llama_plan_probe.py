@@ -66,25 +66,26 @@ def ranked(i, **budget):
     return transform
 
 
+def on_linears(plan, graph, pick, **plan_fields):
+    """The plan with each linear's choice replaced by ``pick(name, node, choice)``."""
+    choices = {n: pick(n, graph.node(n), c) if graph.node(n).kind == "linear" else c for n, c in plan.choices.items()}
+    return replace(plan, choices=choices, **plan_fields)
+
+
 def skinny(bn, bk, ring, workers=None):
     """A plan transform for decode batches: every linear a TMA-fed tl.dot tile of bn x bk
     with a ring of ``ring`` chunks, split-K wherever that brings the tasks up to ~the workers
     (at most 8 splits, at least 2 chunks a split)."""
     def transform(plan, graph):
         n_workers = workers or plan.workers
-        choices = {}
-        for name, c in plan.choices.items():
-            node = graph.node(name)
-            if node.kind != "linear":
-                choices[name] = c
-                continue
+
+        def pick(name, node, c):
             tiles, chunks = -(-node.dims["N"] // bn), -(-node.dims["K"] // bk)
             split = 1
             while tiles * split < n_workers and split < 8 and chunks // (2 * split) >= 2:
                 split *= 2
-            choices[name] = OpChoice(block_n=bn, block_k=bk, num_warps=4, tma_stages=ring, split_k=split,
-                                     fuse=c.fuse)
-        return replace(plan, choices=choices, workers=n_workers)
+            return OpChoice(block_n=bn, block_k=bk, num_warps=4, tma_stages=ring, split_k=split, fuse=c.fuse)
+        return on_linears(plan, graph, pick, workers=n_workers)
     return transform
 
 
@@ -122,17 +123,12 @@ def tiles(runs: bool, **block_n):
     split-K; with ``runs`` each op's tiles dealt as runs of adjacent tiles, one run a worker
     where the op has more tiles than workers (:attr:`OpChoice.tiles_per_task`)."""
     def transform(plan, graph):
-        choices = {}
-        for n, c in plan.choices.items():
-            node = graph.node(n)
-            if node.kind != "linear":
-                choices[n] = c
-                continue
-            bn = block_n.get(n.split(".")[-1], c.block_n)
-            tasks = -(-node.dims["N"] // bn)
-            run = -(-tasks // plan.workers) if runs else 1
-            choices[n] = replace(c, block_n=bn, block_k=256, split_k=1, tma_stages=4, tiles_per_task=run)
-        return replace(plan, choices=choices)
+        def pick(name, node, c):
+            bn = block_n.get(name.split(".")[-1], c.block_n)
+            tiles = -(-node.dims["N"] // bn)
+            run = -(-tiles // plan.workers) if runs else 1
+            return replace(c, block_n=bn, block_k=256, split_k=1, tma_stages=4, tiles_per_task=run)
+        return on_linears(plan, graph, pick)
     return transform
 
 
