@@ -126,8 +126,9 @@ def gemv_chunk_fits(block_n: int, block_k: int, dtype_bytes: int = 2, num_warps:
 
 def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: int | None = None) -> list[OpChoice]:
     """Every choice the search tries for ``node`` (before the shared-memory check). With
-    ``workers``, a GEMV (M = 1) with more tasks than workers also gets each tile as runs of
-    adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker. (Runs of tl.dot
+    ``workers``, a TMA-fed GEMV (M = 1) with more tasks than workers also gets each tile as
+    runs of adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker. (A run of
+    register tiles has no double buffering, so only the ring's tiles get runs. Runs of tl.dot
     tiles work too, but measured no gain at batch 8: the 1B LM head as runs of four
     128-row tiles, 1.382 ms a step against 1.363 one tile a task; H200, session 11.)"""
     d = node.dims
@@ -138,7 +139,7 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: 
         runs = []
         for c in singles:
             tiles = math.ceil(d["N"] / c.block_n)
-            if tiles * c.split_k <= workers:
+            if not c.tma_stages or tiles * c.split_k <= workers:
                 continue
             run = math.ceil(tiles * c.split_k / workers)
             # Runs are there to give every worker one even share; a run length that leaves

@@ -75,3 +75,30 @@ def test_rope_fuses_into_qkv_with_or_without_split_k(batch):
     assert (qkv.split_k > 1) == (batch == 8), qkv  # both paths are what the search picks
 
 
+
+
+def test_gemvs_with_more_tiles_than_workers_run_as_one_even_run_a_worker():
+    """At batch 1 on an H200, ops with more tiles than workers (the LM head, the 1B gate_up)
+    are dealt as runs of adjacent TMA tiles that keep >= 95% of the workers busy, one run a
+    worker; ops with fewer tiles stay one tile a task, and tl.dot tiles (batch 8) never run."""
+    from mk.planner.cost import op_tasks
+    from mk.planner.search import RUN_MIN_BUSY
+
+    spec = DeviceSpec.preset("h200")
+    for name in ("llama-3.2-1b", "llama-3-8b"):
+        for batch in (1, 8):
+            graph = llama_decode_graph(ModelShape.preset(name), batch, 1024)
+            plan = search(graph, spec, top_k=1)[0]
+            for op, c in plan.choices.items():
+                node = graph.node(op)
+                if node.kind != "linear":
+                    continue
+                tiles = -(-node.dims["N"] // c.block_n) * c.split_k
+                if batch > 1 or tiles <= plan.workers:
+                    assert c.tiles_per_task == 1, (name, batch, op, c)
+                    continue
+                tasks = op_tasks(node, c) - (tiles // c.split_k if c.split_k > 1 else 0)
+                assert c.tma_stages and RUN_MIN_BUSY * plan.workers <= tasks <= plan.workers, (name, op, c, tasks)
+            if batch == 1:
+                assert plan.choices["lm_head"].tiles_per_task > 1
+                assert f"run={plan.choices['lm_head'].tiles_per_task}" in plan.explain()
