@@ -457,7 +457,7 @@ class _QkvRope:
         r0, r1, n0, n1, _, _ = self.s.tile(a)
         pos = _view(op, "pos", b["pos"], 1, batch)[0, r0:r1].long()
         inv = _view(op, "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
-        cols = torch.arange(n0, n1, 2)
+        cols = torch.arange(n0, n1, 2, device=acc.device)
         heads, in_head = cols // d, cols % d
         angle = pos.float()[:, None] * inv[in_head // 2][None, :]
         even, odd = acc[:, 0::2], acc[:, 1::2]
