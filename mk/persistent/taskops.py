@@ -1026,7 +1026,7 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
     block_s, block_d = 1 << (S - 1).bit_length(), 1 << (d - 1).bit_length()
     body = ("decode_attention_merge_tile(o_part, lse, out, b, q_head, NUM_SPLITS, "
             "HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1, "
-            "HQ * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)")
+            "HQ * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, CACHE='.cg')")
 
     def head(a):
         _check_tile(op, "b", a["b"], batch)
