@@ -161,6 +161,8 @@ VARIANTS = {
     "skinny128x64r6": skinny(128, 64, 6),
     "skinny256x64r4": skinny(256, 64, 4),
     # KV splits of attention other than the search's (session 10: each group's last split merges it).
+    "kv1": kv_splits(1),
+    "kv2": kv_splits(2),
     "kv4": kv_splits(4),
     "kv8": kv_splits(8),
     # RoPE + KV append as its own task again (fused into the QKV tiles since session 9).
@@ -171,6 +173,13 @@ VARIANTS = {
     # (Session 9's l2wait* variants, weights asked into L2 just before each task's wait,
     # needed a plan field that was removed once measured: bench/NOTES.md.)
     "ring8_o_down": tuned(("o_proj", "down"), tma_stages=8),
+    # Since session 12 a GEMV task's ring prologue is in flight while it waits for its
+    # inputs: a deeper ring puts more of the task's weights in flight before the wait.
+    "ring6_o_down": tuned(("o_proj", "down"), tma_stages=6),
+    "ring8_qkv_o_down": tuned(("qkv", "o_proj", "down"), tma_stages=8),
+    "ring8_qkv_o": tuned(("qkv", "o_proj"), tma_stages=8),
+    "ring8_all": tuned(tma_stages=8),
+    "ring6_all": tuned(tma_stages=6),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),
     "session10_runs": tiles(True, **SESSION10[KEY]),

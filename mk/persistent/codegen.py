@@ -65,10 +65,18 @@ def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]
     if spec.preload:
         lines.append("# loads that do not depend on other tasks, issued before waiting for them")
         lines.append(textwrap.dedent(spec.preload).strip("\n"))
-    lines.append(_waits(program))
-    lines.append("t_ready = now_ns(USE_TIMER & TRACE)")
-    lines.append("if ok != 0:")
-    lines.append(_indent(spec.body, 1))
+    if spec.waits_in_body:
+        # The body calls task_wait itself, after issuing what does not depend on its inputs.
+        lines.append(f"task_wait_args = ({', '.join(_wait_words(program))}, counters_ptr, error_ptr, epoch, worker, "
+                     f"timeout)")
+        lines.append("task_wait_state = (ok, last_ev, last_need, tl.zeros([], dtype=tl.int64))")
+        lines.append("TASK_WAIT_FLAGS: tl.constexpr = (USE_TIMER, BACKOFF_NS, TRACE)")
+        lines.append(textwrap.dedent(spec.body).strip("\n"))
+    else:
+        lines.append(_waits(program))
+        lines.append("t_ready = now_ns(USE_TIMER & TRACE)")
+        lines.append("if ok != 0:")
+        lines.append(_indent(spec.body, 1))
     dt_names = [str(d).replace("torch.", "") for d in dtypes]
     return (f"@triton.jit\ndef op_{opcode}({_words('w', n)}, counters_ptr, error_ptr, epoch, worker, timeout, ok, "
             f"last_ev, last_need, USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr, "
@@ -87,6 +95,25 @@ def _waits(program: Program) -> str:
                      f"epoch, worker, w3, timeout, last_ev, last_need, USE_TIMER=USE_TIMER, "
                      f"BACKOFF_NS=BACKOFF_NS)")
     return "\n".join(lines)
+
+
+def _wait_words(program: Program) -> list[str]:
+    """Descriptor words a task's waits read: the number of waits, the task index, the (event,
+    count) pairs."""
+    return ["w2", "w3"] + [f"w{HEADER_WORDS + j}" for j in range(2 * program.max_waits)]
+
+
+def _task_wait_function(program: Program) -> str:
+    """``task_wait``: a task's dependency waits as a function, for bodies that wait themselves
+    (:attr:`OpSpec.waits_in_body`); the same waits as every other op's."""
+    lines = [f"{', '.join(_wait_words(program))}, counters_ptr, error_ptr, epoch, worker, timeout = args",
+             "ok, last_ev, last_need, t_ready = state",
+             "USE_TIMER: tl.constexpr = FLAGS[0]", "BACKOFF_NS: tl.constexpr = FLAGS[1]",
+             "TRACE: tl.constexpr = FLAGS[2]", _waits(program), "t_ready = now_ns(USE_TIMER & TRACE)",
+             "return ok, last_ev, last_need, t_ready"]
+    return ("@triton.jit\ndef task_wait(args, state, FLAGS: tl.constexpr):\n"
+            "    \"\"\"The task's dependency waits; state (ok, last_ev, last_need, t_ready) in and out.\"\"\"\n"
+            + _indent("\n".join(lines), 1) + "\n")
 
 
 def _prefetch_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
@@ -119,6 +146,8 @@ def generate_source(program: Program) -> str:
     n = device_words(program)
     imports = sorted({imp for spec, _ in program.variants for imp in spec.imports})
     functions = "\n\n".join(_variant_function(i, spec, dtypes, program) for i, (spec, dtypes) in enumerate(program.variants))
+    if any(spec.waits_in_body for spec, _ in program.variants):
+        functions = _task_wait_function(program) + "\n\n" + functions
     prefetches = "\n\n".join(_prefetch_function(i, spec, dtypes, program)
                               for i, (spec, dtypes) in enumerate(program.variants) if spec.prefetch)
     has_prefetch = lambda spec: bool(spec.prefetch)  # noqa: E731

@@ -56,6 +56,12 @@ class OpSpec:
     #: source run just before the op's dependency waits, binding names the body then uses
     #: (weights loaded into registers while the inputs are still being produced)
     preload: str = ""
+    #: the body waits for the task's inputs itself, so that it can start loads that do not
+    #: depend on them first: it calls ``task_wait(task_wait_args, task_wait_state,
+    #: TASK_WAIT_FLAGS)`` (names the generated code binds) once, before it reads any input,
+    #: and assigns ``ok, last_ev, last_need, t_ready`` from what that returns (see
+    #: :func:`mk.tasks.linear.linear_run`'s WAIT)
+    waits_in_body: bool = False
     constexprs: Mapping[str, int] = field(default_factory=dict)
     num_warps: int = 4
     #: run(buffers_by_role, args) executes one tile with torch ops (the VM's semantics).

@@ -26,6 +26,7 @@ from mk.tasks.linear import (
     linear_config,
     linear_k_splits,
     prefetch_lines,
+    waits_in_stream,
 )
 from mk.tasks.rmsnorm import rmsnorm_block_n, rmsnorm_num_warps, rmsnorm_ref
 from mk.tasks.rope import rope_blocks, rope_num_warps, rope_ref
@@ -161,16 +162,31 @@ class _LinearShape:
                 "BLOCK_N": self.bn, "BLOCK_K": self.bk, "PREFETCH_LINES": self.prefetch_lines, "LINE": self.line,
                 "PREFETCH_BULK": self.bulk, "TILES_PER_TASK": self.run, "TILES_N": self.tiles_n}
 
-    def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "") -> str:
-        """The device call of a run task (tiles_per_task > 1): :func:`mk.tasks.linear.linear_run`
-        over the task's tiles (x, w and with ``norm`` norm_w; ``k_range`` = "k_lo, k_hi"), the
-        epilogue's runtime args and its constexpr flags (names of constexprs)."""
-        return (f"EPILOGUE_FLAGS: tl.constexpr = {f'({flags},)' if flags else None}\n"
-                f"linear_run(x, w, {'norm_w' if norm else 'w'}, pid_m, pid_n * TILES_PER_TASK, "
+    def streams_in_run(self, tma: int) -> bool:
+        """Whether a task runs as :func:`mk.tasks.linear.linear_run`: a run of tiles, or a
+        GEMV tile through the TMA ring (which waits for its inputs inside the stream, with
+        the ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`)."""
+        return self.run > 1 or self.waits_in_body(tma)
+
+    def waits_in_body(self, tma: int) -> bool:
+        """Whether the task waits for x inside its stream (:func:`mk.tasks.linear.waits_in_stream`)."""
+        return waits_in_stream(self.bm, tma, self.run * max(_cdiv(hi - lo, self.bk) for lo, hi in self.k_splits))
+
+    def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "",
+                 wait: bool = False) -> str:
+        """The device call of a task run by :func:`mk.tasks.linear.linear_run` over the task's
+        tiles (x, w and with ``norm`` norm_w; ``k_range`` = "k_lo, k_hi"), the epilogue's
+        runtime args and its constexpr flags (names of constexprs); with ``wait`` it waits
+        for its inputs itself (:attr:`OpSpec.waits_in_body`)."""
+        call = (f"linear_run(x, w, {'norm_w' if norm else 'w'}, pid_m, pid_n * TILES_PER_TASK, "
                 f"tl.minimum(TILES_PER_TASK, TILES_N - pid_n * TILES_PER_TASK), M, N, K, {k_range}, K, K, "
                 f"{'EPS' if norm else '0.0'}, EPILOGUE={epilogue}, epilogue_args=({epilogue_args},), "
                 f"EPILOGUE_FLAGS=EPILOGUE_FLAGS, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
-                f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES)")
+                f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES")
+        if wait:
+            call = ("ok, last_ev, last_need, t_ready = " + call + ", WAIT=task_wait, wait_args=task_wait_args, "
+                    "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS")
+        return f"EPILOGUE_FLAGS: tl.constexpr = {f'({flags},)' if flags else None}\n{call})"
 
     def tile(self, a) -> tuple[int, int, int, int, int, int]:
         """(r0, r1, n0, n1, c0, c1): x/out rows, weight rows and out columns of task (pid_m, pid_n)
@@ -298,9 +314,9 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
-    if s.run > 1:
+    if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
-                          "HAS_RESIDUAL, SILU_MUL")
+                          "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "TMA_STAGES": tma,
@@ -329,7 +345,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  preload=preload_src,
+                  preload=preload_src, waits_in_body=s.waits_in_body(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
                            "linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
@@ -365,9 +381,10 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
             f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * N, N, "
             f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, "
             f"DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)")
-    if s.run > 1:
+    if s.streams_in_run(tma):
         body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
-                + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N"))
+                + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N",
+                             wait=s.waits_in_body(tma)))
     constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm), "TMA_STAGES": tma,
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1 and not tma)}
     if norm:
@@ -402,7 +419,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     imports = ("from mk.tasks.linear import linear_partial_epilogue, linear_partial_tile, linear_prefetch_tile, "
                "linear_run, linear_split_range",)
     return OpSpec(name="linear_partial", operands=operands, args=("pid_m", "pid_n", "split"), body=body,
-                  prefetch=prefetch, imports=imports,
+                  prefetch=prefetch, imports=imports, waits_in_body=s.waits_in_body(tma),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -549,10 +566,10 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
             f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
-    if s.run > 1:
+    if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
                           f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX",
-                          "HQ, HKV, HEAD_DIM, SEQLENS")
+                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), "TMA_STAGES": tma, "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
@@ -577,7 +594,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         return regs
 
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  preload=preload_src,
+                  preload=preload_src, waits_in_body=s.waits_in_body(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_weights_first",
                            "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile"),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)

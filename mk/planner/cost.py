@@ -29,7 +29,7 @@ import torch
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
-from mk.tasks.linear import DOT_MIN, _tile_rows, linear_config, linear_cost
+from mk.tasks.linear import DOT_MIN, _tile_rows, linear_config, linear_cost, waits_in_stream
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -139,6 +139,9 @@ MEGAKERNEL_DOT_BUFFERS = 2
 #: Shared memory of the small tasks (embedding, RMSNorm, RoPE, merges, reduces, argmax):
 #: cross-warp reduction scratch, at most 2 KiB in the compiled megakernel.
 SMALL_TASK_SMEM = 2 * 1024
+#: Scratch beside a GEMV task's TMA ring (S > 1): its cross-warp reduction, 512 B for
+#: 128- and 256-wide chunks in the compiled megakernel (64 B for 64-wide: this bounds it).
+GEMV_RING_SCRATCH = 512
 
 
 #: Bytes of an activation element: the lowering keeps every activation float32 (see
@@ -152,7 +155,9 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
 
     * TMA GEMV (M = 1, ``tma_stages`` = S): S - 1 buffers in flight (at least one), each a
       [block_n, block_k] weight chunk and an 8-byte barrier, plus, pipelined beside it
-      (S > 1), x's chunk and the RMSNorm weight's chunk when fused;
+      (S > 1), the RMSNorm weight's chunk when fused, and x's chunk, or instead of it
+      :data:`GEMV_RING_SCRATCH` when the task waits for x inside its stream
+      (:func:`mk.tasks.linear.waits_in_stream`: x then comes to registers, not pipelined);
     * register GEMV (M = 1): the weights go to registers; what remains is the cross-warp
       reduction (64 B a weight row bounds it);
     * tl.dot tiles (M > 1): :data:`MEGAKERNEL_DOT_BUFFERS` x (x chunk [rows, block_k] + weight
@@ -173,6 +178,10 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
             chunk = choice.block_n * choice.block_k * dtype_bytes
             if choice.tma_stages == 1:
                 return chunk + 8
+            chunks = choice.tiles_per_task * math.ceil(math.ceil(node.dims["K"] / choice.block_k) / choice.split_k)
+            if waits_in_stream(1, choice.tma_stages, chunks):  # x comes to registers
+                side = (choice.block_k * dtype_bytes if norm else 0) + 8
+                return (choice.tma_stages - 1) * (chunk + side) + GEMV_RING_SCRATCH
             side = choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
             return (choice.tma_stages - 1) * (chunk + side)
         if node.dims["M"] == 1:

@@ -63,6 +63,20 @@ DOT_MIN = 16
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
 
+#: Longest stream (weight chunks a task) that waits for x inside it. The wait in the stream
+#: puts the ring's prologue in flight before the inputs are ready, but x then comes by
+#: volatile loads converted through shared memory every chunk (:func:`linear_run`'s WAIT).
+#: Measured on an H200 (bench/NOTES.md, session 12): 8- to 32-chunk tasks gained 0.7-1.5 us
+#: each (1B step 0.947 -> 0.893 ms); the 8B down projection's 56-chunk tasks lost 4.5 us and
+#: the 1B LM head's 128-chunk runs ~1.7 us.
+WAIT_IN_STREAM_MAX_CHUNKS = 32
+
+
+def waits_in_stream(block_m: int, tma_stages: int, chunks: int) -> bool:
+    """Whether a persistent task of this tile waits for x inside its weight stream
+    (:func:`linear_run`'s WAIT): GEMV tiles (``block_m`` 1) through a TMA ring, streaming
+    ``chunks`` weight chunks, at most :data:`WAIT_IN_STREAM_MAX_CHUNKS`."""
+    return block_m == 1 and tma_stages > 0 and chunks <= WAIT_IN_STREAM_MAX_CHUNKS
 
 
 # ---------------------------------------------------------------------------------------
@@ -313,7 +327,8 @@ def linear_run(
     pid_m, pid_n, n_tiles, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TMA_STAGES: tl.constexpr = 0,
+    TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
+    WAIT_FLAGS: tl.constexpr = None,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -334,6 +349,15 @@ def linear_run(
     tiles through :func:`mk.tasks._dot.mma`. The RMSNorm statistics come from the chunks the
     first tile streams when the range is the whole row; a K split takes them in a pass over
     x first. Columns past k_hi meet x = 0, so a split reads its own range only in effect.
+
+    ``WAIT`` (a jit function; GEMV tiles through the TMA ring only) is the caller's wait for
+    x: ``WAIT(wait_args, wait_state, WAIT_FLAGS)`` returns the new state (a 4-tuple opaque
+    here), which linear_run returns. It is called in the loop's first iteration, so the
+    ring's prologue (the descriptor and the first TMA_STAGES - 1 weight chunks) is already
+    in flight while the caller waits: weights never depend on other tasks, and Triton's
+    pipeliner issues a loop's prologue where the loop starts. x is then read after the
+    wait only, by volatile loads a few chunks ahead (which the pipeliner leaves in place:
+    a pipelined x load would be issued in the prologue, before the wait).
     """
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
@@ -348,14 +372,25 @@ def linear_run(
         sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         rstd_pre = tl.full([BLOCK_M], 1.0, tl.float32)
     whole_row = (k_lo == 0) & (k_hi == K)
-    if HAS_NORM:
+    WAITS_IN_LOOP: tl.constexpr = WAIT is not None
+    if WAITS_IN_LOOP:
+        tl.static_assert((BLOCK_M == 1) & (TMA_STAGES > 0), "linear_run waits in its loop for TMA GEMV tiles only")
+        s0, s1, s2, s3 = wait_state
+    elif HAS_NORM:
         if not whole_row:
             rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     if TMA_STAGES > 0:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
     n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
-    for i in tl.range(0, n_tiles * n_k, num_stages=TMA_STAGES if TMA_STAGES > 0 else 1):
+    n_chunks = n_tiles * n_k
+    if WAITS_IN_LOOP:
+        # x chunks i+1..i+3 in registers (the chunk after them is requested each iteration):
+        # enough ahead to cover an L2 round trip at a chunk's streaming time.
+        x1 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        x2 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        x3 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+    for i in tl.range(0, n_chunks, num_stages=TMA_STAGES if TMA_STAGES > 0 else 1):
         t = i // n_k
         k = k_lo + (i - t * n_k) * BLOCK_K
         cols = k + offs_k
@@ -365,7 +400,21 @@ def linear_run(
         else:
             w_rows = w_ptr + tl.minimum(n0 + tl.arange(0, BLOCK_N), N - 1)[:, None] * stride_wn
             w = tl.load(w_rows + cols[None, :], mask=(cols < k_hi)[None, :], other=0.0)
-        xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
+        if WAITS_IN_LOOP:
+            if i == 0:
+                s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
+                if HAS_NORM:
+                    if not whole_row:
+                        rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+                x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
+                x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
+                x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
+            xt = x1
+            x1 = x2
+            x2 = x3
+            x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
+        else:
+            xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
         if HAS_NORM:
             xt = xt.to(tl.float32)
             sum_sq += tl.where(t == 0, xt * xt, 0.0)
@@ -393,6 +442,20 @@ def linear_run(
                     rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
                 y = y * rstd
             EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+    if WAITS_IN_LOOP:
+        return s0, s1, s2, s3
+    else:
+        return 0
+
+
+@triton.jit
+def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
+    """x's chunk for iteration ``j`` of :func:`linear_run`'s flat loop (zeros past its last),
+    by volatile loads: Triton's pipeliner does not hoist them into the loop's prologue.
+    (Their layout is converted through shared memory for the weight chunk's columns, two
+    barriers a chunk, where a pipelined load lands in shared memory and is read from there.)"""
+    cols = k_lo + (j % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(x_rows + cols, mask=cols < tl.where(j < n_chunks, k_hi, 0), other=0.0, volatile=True)
 
 
 @triton.jit

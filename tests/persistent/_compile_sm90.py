@@ -55,6 +55,19 @@ def main() -> None:
         ptx = compile_for_target(program, trace=trace, backoff_ns=backoff, defer_signals=defer).asm["ptx"]
         for needle in ("cp.async.bulk.prefetch.L2", "ld.global.acquire.gpu", "globaltimer", "cp.async.bulk.tensor"):
             assert needle in ptx, f"{needle} missing from the compiled megakernel"
+    # A chain of TMA-fed GEMV tasks that wait inside their streams: the ring's first chunks
+    # are requested before the wait (its acquire), not after it.
+    streamed = make_op("linear", M=1, N=256, K=256, dtype=BF16, block_n=16, block_k=128, tma_stages=4)
+    chain = TaskGraph()
+    for name, t in (("x", torch.zeros(1, 256, dtype=BF16)), ("w", torch.zeros(256, 256, dtype=BF16)),
+                    ("h", torch.zeros(1, 256)), ("y", torch.zeros(1, 256))):
+        chain.buffer(name, t)
+    for x, out in (("x", "h"), ("h", "y")):
+        for a in linear_tiles(streamed):
+            chain.add(streamed, x=x, w="w", out=out, **a)
+    assert streamed.waits_in_body
+    ptx = compile_for_target(lower(chain, num_workers=2)).asm["ptx"]
+    assert ptx.index("cp.async.bulk.tensor") < ptx.index("ld.global.acquire.gpu"), "ring prologue after the wait"
     # The standalone GEMV launch: PDL (gdc wait/launch) and the TMA bulk prefetch before it.
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
