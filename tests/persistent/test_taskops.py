@@ -488,3 +488,34 @@ def test_tma_gemv_split_with_norm_takes_statistics_over_the_whole_row():
     Megakernel(lower(g, 1)).run()
     assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"], norm_weight=g.buffers["g"], norm_eps=EPS),
                  F32)
+
+
+def test_short_tma_gemv_streams_wait_for_their_input_inside_the_stream():
+    """A TMA GEMV task of at most WAIT_IN_STREAM_MAX_CHUNKS chunks waits for x from its weight
+    loop (the generated task_wait, called by linear_run once the ring's prologue is issued):
+    a chain whose second layer reads the first's output still equals the torch product. A
+    longer stream waits before its body, as every other op does."""
+    from mk.persistent.codegen import generate_source
+    from mk.tasks.linear import WAIT_IN_STREAM_MAX_CHUNKS
+
+    dev = default_device()
+    g = TaskGraph()
+    g.buffer("x", torch.randn(1, 192, device=dev)), g.buffer("w1", torch.randn(48, 192, device=dev))
+    g.buffer("w2", torch.randn(40, 48, device=dev)), g.buffer("h", torch.full((1, 48), float("nan"), device=dev))
+    g.buffer("y", torch.full((1, 40), float("nan"), device=dev))
+    first = make_op("linear", M=1, N=48, K=192, block_n=16, block_k=64, tma_stages=3, dtype=F32)
+    second = make_op("linear", M=1, N=40, K=48, block_n=8, block_k=16, tma_stages=2, tiles_per_task=2, dtype=F32)
+    assert first.waits_in_body and second.waits_in_body and "WAIT=task_wait" in first.body
+    for a in linear_tiles(first):
+        g.add(first, x="x", w="w1", out="h", **a)
+    for a in linear_tiles(second):
+        g.add(second, x="h", w="w2", out="y", **a)
+    program = lower(g, 1)
+    assert "def task_wait(" in generate_source(program)
+    Megakernel(program).run()
+    h = linear_ref(g.buffers["x"], g.buffers["w1"])
+    assert_close(g.buffers["h"], h, F32)
+    assert_close(g.buffers["y"], linear_ref(h, g.buffers["w2"]), F32)
+    long_k = 16 * (WAIT_IN_STREAM_MAX_CHUNKS + 1)
+    long = make_op("linear", M=1, N=16, K=long_k, block_n=16, block_k=16, tma_stages=3, dtype=F32)
+    assert not long.waits_in_body and "task_wait" not in long.body
