@@ -60,7 +60,9 @@ class OpSpec:
     #: depend on them first: it calls ``task_wait(task_wait_args, task_wait_state,
     #: TASK_WAIT_FLAGS)`` (names the generated code binds) once, before it reads any input,
     #: and assigns ``ok, last_ev, last_need, t_ready`` from what that returns (see
-    #: :func:`mk.tasks.linear.linear_run`'s WAIT)
+    #: :func:`mk.tasks.linear.linear_run`'s WAIT). After a failed wait such a body still runs
+    #: to its end (what it stores is garbage, as is every output of a failed launch); the
+    #: task then does not signal and the worker stops, as after any failed wait.
     waits_in_body: bool = False
     constexprs: Mapping[str, int] = field(default_factory=dict)
     num_warps: int = 4
