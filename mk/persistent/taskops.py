@@ -170,7 +170,7 @@ class _LinearShape:
 
     def waits_in_body(self, tma: int) -> bool:
         """Whether the task waits for x inside its stream (:func:`mk.tasks.linear.waits_in_stream`)."""
-        return waits_in_stream(self.bm, tma, self.run * max(_cdiv(hi - lo, self.bk) for lo, hi in self.k_splits))
+        return waits_in_stream(self.bm, tma, self.K, self.bk, self.split_k, self.run)
 
     def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "",
                  wait: bool = False) -> str:

@@ -178,12 +178,10 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
             chunk = choice.block_n * choice.block_k * dtype_bytes
             if choice.tma_stages == 1:
                 return chunk + 8
-            chunks = choice.tiles_per_task * math.ceil(math.ceil(node.dims["K"] / choice.block_k) / choice.split_k)
-            if waits_in_stream(1, choice.tma_stages, chunks):  # x comes to registers
-                side = (choice.block_k * dtype_bytes if norm else 0) + 8
-                return (choice.tma_stages - 1) * (chunk + side) + GEMV_RING_SCRATCH
-            side = choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
-            return (choice.tma_stages - 1) * (chunk + side)
+            in_stream = waits_in_stream(1, choice.tma_stages, node.dims["K"], choice.block_k, choice.split_k,
+                                        choice.tiles_per_task)  # then x comes to registers
+            side = (0 if in_stream else choice.block_k * x_bytes) + (choice.block_k * dtype_bytes if norm else 0) + 8
+            return (choice.tma_stages - 1) * (chunk + side) + (GEMV_RING_SCRATCH if in_stream else 0)
         if node.dims["M"] == 1:
             return 64 * choice.block_n
         rows = _tile_rows_for(node.dims["M"])

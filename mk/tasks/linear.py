@@ -72,10 +72,13 @@ VEC_BYTES = 16
 WAIT_IN_STREAM_MAX_CHUNKS = 32
 
 
-def waits_in_stream(block_m: int, tma_stages: int, chunks: int) -> bool:
+def waits_in_stream(block_m: int, tma_stages: int, K: int, block_k: int, split_k: int = 1,
+                    tiles_per_task: int = 1) -> bool:
     """Whether a persistent task of this tile waits for x inside its weight stream
-    (:func:`linear_run`'s WAIT): GEMV tiles (``block_m`` 1) through a TMA ring, streaming
-    ``chunks`` weight chunks, at most :data:`WAIT_IN_STREAM_MAX_CHUNKS`."""
+    (:func:`linear_run`'s WAIT): GEMV tiles (``block_m`` 1) through a TMA ring whose task
+    streams at most :data:`WAIT_IN_STREAM_MAX_CHUNKS` chunks (its run of tiles over its
+    K split's range, cut as :func:`linear_k_splits` cuts it)."""
+    chunks = tiles_per_task * -(-(-(-K // block_k)) // split_k)
     return block_m == 1 and tma_stages > 0 and chunks <= WAIT_IN_STREAM_MAX_CHUNKS
 
 
