@@ -173,16 +173,19 @@ class _LinearShape:
         return waits_in_stream(self.bm, tma, self.K, self.bk, self.split_k, self.run)
 
     def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "",
-                 wait: bool = False) -> str:
+                 wait: bool = False, epilogue_load: str | None = None) -> str:
         """The device call of a task run by :func:`mk.tasks.linear.linear_run` over the task's
         tiles (x, w and with ``norm`` norm_w; ``k_range`` = "k_lo, k_hi"), the epilogue's
         runtime args and its constexpr flags (names of constexprs); with ``wait`` it waits
-        for its inputs itself (:attr:`OpSpec.waits_in_body`)."""
+        for its inputs itself (:attr:`OpSpec.waits_in_body`); ``epilogue_load``: what loads
+        the epilogue's other operands when a tile's stream starts (linear_run's EPILOGUE_LOAD)."""
         call = (f"linear_run(x, w, {'norm_w' if norm else 'w'}, pid_m, pid_n * TILES_PER_TASK, "
                 f"tl.minimum(TILES_PER_TASK, TILES_N - pid_n * TILES_PER_TASK), M, N, K, {k_range}, K, K, "
                 f"{'EPS' if norm else '0.0'}, EPILOGUE={epilogue}, epilogue_args=({epilogue_args},), "
                 f"EPILOGUE_FLAGS=EPILOGUE_FLAGS, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
                 f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES")
+        if epilogue_load:
+            call += f", EPILOGUE_LOAD={epilogue_load}"
         if wait:
             call = ("ok, last_ev, last_need, t_ready = " + call + ", WAIT=task_wait, wait_args=task_wait_args, "
                     "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS")
@@ -316,7 +319,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
     if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
-                          "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
+                          "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma),
+                          epilogue_load="linear_store_preload" if residual else None)
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "TMA_STAGES": tma,
@@ -347,7 +351,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src, waits_in_body=s.waits_in_body(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
-                           "linear_tile, linear_weights_first",),
+                           "linear_store_preload, linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -569,7 +573,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
                           f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX",
-                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
+                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma),
+                          epilogue_load="qkv_rope_kv_run_preload")
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), "TMA_STAGES": tma, "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
@@ -596,7 +601,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src, waits_in_body=s.waits_in_body(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_weights_first",
-                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile"),
+                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_run_preload, "
+                           "qkv_rope_kv_tile"),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 
@@ -845,9 +851,17 @@ def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> 
     return start, max(start, min(start + split_len, seqlen))
 
 
+def _attention_live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
+    """Splits of a sequence of ``seqlen`` keys that hold a key (at least 1), as
+    decode_attention_tile counts them."""
+    split_len = _cdiv(_cdiv(seqlen, num_splits), block_n) * block_n
+    return max(_cdiv(seqlen, max(split_len, 1)), 1)
+
+
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
-                         max_seq: int, splits: int, block_n: int, scale: float) -> None:
-    """KV split s of (b, kv) for its group's query heads, with torch (the VM's partial)."""
+                         max_seq: int, splits: int, block_n: int, scale: float, direct: bool = False) -> None:
+    """KV split s of (b, kv) for its group's query heads, with torch (the VM's partial);
+    ``direct``: the split is the sequence's only live one and writes out instead."""
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
     seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
@@ -862,17 +876,28 @@ def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch:
         m = scores.max(dim=-1, keepdim=True).values
         p = torch.exp(scores - m)
         total = p.sum(dim=-1, keepdim=True)
-        o_part[b, heads, s] = ((p @ vc[b, kv, start:end].float()) / total).to(o_part.dtype)
+        y = (p @ vc[b, kv, start:end].float()) / total
+        if direct:
+            out = _view(op, "out", bufs["out"], batch, hq * d)
+            out[b, kv * group * d:(kv + 1) * group * d] = y.reshape(-1).to(out.dtype)
+            return
+        o_part[b, heads, s] = y.to(o_part.dtype)
         lse[b, heads, s] = (m + torch.log(total)).squeeze(-1).to(lse.dtype)
+    elif direct:  # no key at all (seqlen 0, never valid): zeros, as the device writes
+        out = _view(op, "out", bufs["out"], batch, hq * d)
+        out[b, kv * group * d:(kv + 1) * group * d] = 0
     else:  # an empty slice: zeros and -inf (weight 0 in the merge)
         o_part[b, heads, s] = 0
         lse[b, heads, s] = float("-inf")
 
 
-def _run_attention_merge(op: str, bufs: dict, b: int, h: int, *, batch: int, hq: int, d: int, splits: int) -> None:
-    """out[b, head h] from its splits' partials, with torch (the VM's merge)."""
-    lse = _view(op, "lse", bufs["lse"], batch * hq, splits)[b * hq + h].float()
-    o = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d)[b * hq + h].view(splits, d).float()
+def _run_attention_merge(op: str, bufs: dict, b: int, h: int, *, batch: int, hq: int, d: int, splits: int,
+                         live: int | None = None) -> None:
+    """out[b, head h] from its splits' partials (the first ``live`` of them, default all),
+    with torch (the VM's merge)."""
+    live = splits if live is None else live
+    lse = _view(op, "lse", bufs["lse"], batch * hq, splits)[b * hq + h][:live].float()
+    o = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d)[b * hq + h].view(splits, d)[:live].float()
     m = lse.max()
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # as the device: no -inf - -inf
     w = torch.exp(lse - m)
@@ -976,11 +1001,13 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     zero by every complete launch, see :attr:`OpSpec.sync_operands`) and out
     ``[batch, Hq * D]``. Args: b, kv_head, split.
 
-    The splits of one (b, kv_head) are a team (:attr:`OpSpec.team`): none waits for
-    another. Each declares the whole team's regions (any of them may be the merging one):
-    reads of the group's partials, writes of its own partial, the group's counter and the
-    group's heads of out. A consumer of out therefore waits for all of the group's splits,
-    and the last of them signals after its merge.
+    Only the live splits (those holding a key at the runtime length) work: with one, split 0
+    writes out itself (no partial, no count, no merge); with more, the last of them merges
+    the live partials. The splits of one (b, kv_head) are a team (:attr:`OpSpec.team`):
+    none waits for another. Each declares the whole team's regions (any of them may be the
+    one that writes out): reads of the group's partials, writes of its own partial, the
+    group's counter and the group's heads of out. A consumer of out therefore waits for all
+    of the group's splits, and the one that writes out signals after it.
     """
     op = "decode_attention"
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
@@ -997,14 +1024,20 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
 
     def run(bufs, a):
         b, kv, s = tile(a)
+        seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+        live = _attention_live_splits(seqlen, S, c["BLOCK_N"])
+        if s >= live:  # past the sequence: nothing to do
+            return
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
-                             block_n=c["BLOCK_N"], scale=c["SCALE"])
+                             block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1)
+        if live == 1:  # split 0 wrote out itself
+            return
         arrivals = _view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
         arrivals[b * hkv + kv] += 1
-        if int(arrivals[b * hkv + kv]) == S:
+        if int(arrivals[b * hkv + kv]) == live:
             arrivals[b * hkv + kv] = 0
             for h in range(kv * group, (kv + 1) * group):
-                _run_attention_merge(op, bufs, b, h, batch=batch, hq=hq, d=d, splits=S)
+                _run_attention_merge(op, bufs, b, h, batch=batch, hq=hq, d=d, splits=S, live=live)
 
     def reads(a, bind):
         b, kv, _ = tile(a)

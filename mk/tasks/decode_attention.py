@@ -20,7 +20,11 @@ with ``M = max_s lse_s``; an empty slice has weight exp(-inf) = 0. In one launch
 ``arrivals[b, kv]`` when its partial is stored, and the group's last split to arrive
 merges the group's heads (and sets the count back to 0), so nothing waits for anything. Slices are cut per
 sequence: ``ceil(L / num_splits)`` rounded up to whole BLOCK_N blocks, so a short
-sequence fills the first slices and leaves the others empty.
+sequence fills the first slices and leaves the others empty. In one launch only the *live*
+splits (those holding a key) take part: a sequence that fits in one slice is written
+straight to the output by split 0 (no workspace, no count, no merge), and otherwise the
+last of the live splits merges them. A decode step's attention cost then follows the
+sequence's length, not the number of splits planned for the longest one.
 
 KV cache layout (shared with :mod:`mk.tasks.rope`): ``[B, Hkv, S_max, D]``; positions
 ``>= seqlens[b]`` are never read, so they may hold anything (even NaN).
@@ -96,23 +100,24 @@ def decode_attention_num_splits(batch: int, num_kv_heads: int, max_seqlen: int, 
 
 
 @triton.jit
-def decode_attention_partial_tile(
-    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
+def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
+    """KV positions a slice holds: ceil(seqlen / num_splits), rounded up to whole blocks."""
+    return tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _attend_slice(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlen,
     b, kv_head, split, num_splits, sm_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Slice ``split`` of sequence b's KV for the GROUP query heads of ``kv_head``.
-
-    Writes ``o_ptr[b, h, split, :]`` (normalised over the slice, cast to o's dtype) and
-    ``lse_ptr[b, h, split]`` (natural-log log-sum-exp) for ``h = kv_head*GROUP + g``; nothing
-    else. With ``num_splits == 1`` o may point straight at the final output.
-    """
+    """Slice ``split`` of a sequence of ``seqlen`` keys for the group of ``kv_head``:
+    (out float32 [BLOCK_G, BLOCK_D], normalised over the slice; lse float32 [BLOCK_G],
+    natural log; 0 and -inf for an empty slice)."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -124,8 +129,7 @@ def decode_attention_partial_tile(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    seqlen = tl.load(seqlens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    split_len = _split_len(seqlen, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seqlen)
 
@@ -157,9 +161,56 @@ def decode_attention_partial_tile(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     log2_sum = m_i + tl.log2(tl.where(has_keys, l_i, 1.0))
     lse = tl.where(has_keys, log2_sum * 0.6931471805599453, float("-inf"))  # ln(2): back to base e
-    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=mask_g)
+    return out, lse
+
+
+@triton.jit
+def _store_heads(ptr, b, kv_head, stride_b, stride_h, values,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """values [BLOCK_G, BLOCK_D] into ptr[b, h, :HEAD_DIM] for the group's heads h (cast)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    tl.store(ptr + b * stride_b + heads[:, None] * stride_h + offs_d[None, :], values.to(ptr.dtype.element_ty),
+             mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   stride_ls, out, lse,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A slice's (out, lse) into the workspace: o[b, h, split, :] and lse[b, h, split]."""
+    _store_heads(o_ptr + split * stride_os, b, kv_head, stride_ob, stride_oh, out,
+                 GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+    offs_g = tl.arange(0, BLOCK_G)
+    tl.store(lse_ptr + b * stride_lb + (kv_head * GROUP + offs_g) * stride_lh + split * stride_ls, lse,
+             mask=offs_g < GROUP)
+
+
+@triton.jit
+def decode_attention_partial_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
+    b, kv_head, split, num_splits, sm_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Slice ``split`` of sequence b's KV for the GROUP query heads of ``kv_head``.
+
+    Writes ``o_ptr[b, h, split, :]`` (normalised over the slice, cast to o's dtype) and
+    ``lse_ptr[b, h, split]`` (natural-log log-sum-exp) for ``h = kv_head*GROUP + g``; nothing
+    else. With ``num_splits == 1`` o may point straight at the final output.
+    """
+    out, lse = _attend_slice(
+        q_ptr, k_cache_ptr, v_cache_ptr, tl.load(seqlens_ptr + b), b, kv_head, split, num_splits, sm_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+    _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                   stride_ls, out, lse, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
 
 
 @triton.jit
@@ -217,30 +268,46 @@ def decode_attention_tile(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_GROUP: tl.constexpr,
 ):
-    """Split ``split`` of (b, kv_head), as :func:`decode_attention_partial_tile`; the group's
-    last split to finish then merges the GROUP heads into ``out_ptr[b, h]``.
+    """Split ``split`` of (b, kv_head), as :func:`decode_attention_partial_tile`; then the
+    group's output, by one of the *live* splits (those that hold a key):
 
-    ``arrivals_ptr[b * num_kv_heads + kv_head]`` (int32) counts the group's finished splits
-    and must be 0 when the first one starts; the last resets it to 0. No split waits for
-    another, so the splits may run in any order, or one after another on one program.
+    * one live split (the sequence fits in split 0's slice): split 0 writes the group's heads
+      of ``out_ptr`` directly; no workspace, no count, no merge;
+    * several: each live split stores its partial and counts itself in
+      ``arrivals_ptr[b * num_kv_heads + kv_head]`` (int32, 0 when the first one starts); the
+      last to arrive sets it back to 0 and merges the live partials into ``out_ptr[b, h]``.
+
+    Splits past the live ones return at once. No split waits for another, so the splits may
+    run in any order, or one after another on one program.
     """
-    decode_attention_partial_tile(
-        q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, b, kv_head, split, num_splits, sm_scale,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
-        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
-    # Every thread's partial is stored before the release: the last split's acquire then
-    # sees the whole workspace of the group.
-    tl.debug_barrier()
-    counter = arrivals_ptr + b * num_kv_heads + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        # From L2: this SM's L1 may hold the workspace of an earlier step.
-        decode_attention_merge_tile(
-            o_ptr, lse_ptr, out_ptr, b, kv_head * GROUP, num_splits,
-            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
-            HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEADS=GROUP, BLOCK_HEADS=BLOCK_GROUP, CACHE=".cg")
+    seqlen = tl.load(seqlens_ptr + b)
+    # seqlen 0 (never valid) still gives one live split, which writes zeros.
+    live = tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
+    if split < live:
+        out, lse = _attend_slice(
+            q_ptr, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+        if live == 1:
+            _store_heads(out_ptr, b, kv_head, stride_outb, stride_outh, out,
+                         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+        else:
+            _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb,
+                           stride_lh, stride_ls, out, lse,
+                           GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+            # Every thread's partial is stored before the release: the last split's acquire
+            # then sees the whole workspace of the group.
+            tl.debug_barrier()
+            counter = arrivals_ptr + b * num_kv_heads + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == live - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                # From L2: this SM's L1 may hold the workspace of an earlier step.
+                decode_attention_merge_tile(
+                    o_ptr, lse_ptr, out_ptr, b, kv_head * GROUP, live,
+                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
+                    HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEADS=GROUP, BLOCK_HEADS=BLOCK_GROUP,
+                    CACHE=".cg")
 
 
 @triton.jit

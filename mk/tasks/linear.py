@@ -271,26 +271,48 @@ def _linear_acc(
 
 
 @triton.jit
+def _out_tile(pid_m, pid_n, M, N, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows, output columns, mask) of tile (pid_m, pid_n) of y (N = weight rows; with
+    SILU_MUL a pair of weight rows makes one column)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SILU_MUL:
+        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_out = N // 2
+    else:
+        offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_out = N
+    return offs_m, offs_o, (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
+
+
+@triton.jit
+def _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm,
+                   SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile (pid_m, pid_n)'s residual, float32 (what :func:`_linear_epilogue` adds)."""
+    offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_o[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _linear_epilogue(
     acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    res=None,
 ):
-    """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows).
+    ``res``: the tile's residual, when the caller loaded it already (:func:`_load_residual`)."""
+    offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     if SILU_MUL:
         # Interleaved rows (2i = gate_i, 2i+1 = up_i): adjacent accumulator columns pair up,
         # so the split stays inside the tile whatever BLOCK_N (even) is.
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         y = gate / (1.0 + tl.exp(-gate)) * up
-        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        n_out = N // 2
     else:
         y = acc
-        offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_out = N
-    mask = (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
     if HAS_RESIDUAL:
-        y += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_o[None, :], mask=mask, other=0.0).to(tl.float32)
+        if res is None:
+            res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=BLOCK_N)
+        y += res
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_o[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -316,12 +338,17 @@ def linear_tile(
     body) streams weights through a shared-memory ring filled by TMA (needs an allocator for
     on-device descriptors: :func:`mk.tasks.enable_device_descriptors`).
     """
+    # The residual's round trip overlaps the weight stream instead of following it.
+    res = None
+    if HAS_RESIDUAL:
+        res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL,
+                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                       DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
                       TMA_STAGES=TMA_STAGES)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
 
 
 @triton.jit
@@ -331,7 +358,7 @@ def linear_run(
     EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
-    WAIT_FLAGS: tl.constexpr = None,
+    WAIT_FLAGS: tl.constexpr = None, EPILOGUE_LOAD: tl.constexpr = None,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -361,6 +388,13 @@ def linear_run(
     pipeliner issues a loop's prologue where the loop starts. x is then read after the
     wait only, by volatile loads a few chunks ahead (which the pipeliner leaves in place:
     a pipelined x load would be issued in the prologue, before the wait).
+
+    ``EPILOGUE_LOAD`` (a jit function, optional): what the epilogue reads besides the
+    accumulator (a residual, positions), loaded when the tile's stream starts, so that its
+    round trip overlaps the stream instead of following it:
+    ``EPILOGUE_LOAD(pid_m, tile, epilogue_args, EPILOGUE_FLAGS, ACTIVE, BLOCK_M, BLOCK_N)``
+    returns a 2-tuple (zeros of the same types when the constexpr ACTIVE is False), which
+    the epilogue then gets as ``EPILOGUE(acc, pid_m, tile, epilogue_args, EPILOGUE_FLAGS, pre)``.
     """
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
@@ -387,6 +421,9 @@ def linear_run(
                                            block_shape=[BLOCK_N, BLOCK_K])
     n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
     n_chunks = n_tiles * n_k
+    PRELOADS: tl.constexpr = EPILOGUE_LOAD is not None
+    if PRELOADS:
+        pre0, pre1 = EPILOGUE_LOAD(pid_m, pid_n, epilogue_args, EPILOGUE_FLAGS, False, BLOCK_M, BLOCK_N)
     if WAITS_IN_LOOP:
         # x chunks i+1..i+3 in registers (the chunk after them is requested each iteration):
         # enough ahead to cover an L2 round trip at a chunk's streaming time.
@@ -418,6 +455,9 @@ def linear_run(
             x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
+        if PRELOADS:
+            if k == k_lo:  # the tile's first chunk (after the wait)
+                pre0, pre1 = EPILOGUE_LOAD(pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS, True, BLOCK_M, BLOCK_N)
         if HAS_NORM:
             xt = xt.to(tl.float32)
             sum_sq += tl.where(t == 0, xt * xt, 0.0)
@@ -444,7 +484,10 @@ def linear_run(
                 else:
                     rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
                 y = y * rstd
-            EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+            if PRELOADS:
+                EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS, (pre0, pre1))
+            else:
+                EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     if WAITS_IN_LOOP:
         return s0, s1, s2, s3
     else:
@@ -462,12 +505,30 @@ def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
+def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr, pre=None):
     """:func:`linear_run`'s epilogue for a linear: residual add or SiLU·mul, then the store.
-    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
+    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL);
+    ``pre``: from :func:`linear_store_preload` (the residual), else it loads it."""
     res_ptr, out_ptr, M, N, stride_rm, stride_om = args
+    res = None
+    if pre is not None:
+        res = pre[0]
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], res=res)
+
+
+@triton.jit
+def linear_store_preload(pid_m, pid_n, args, FLAGS: tl.constexpr, ACTIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """:func:`linear_run`'s EPILOGUE_LOAD for :func:`linear_store_epilogue`: the tile's
+    residual (float32; with ACTIVE False, zeros of its shape and no load)."""
+    res_ptr, out_ptr, M, N, stride_rm, stride_om = args
+    if ACTIVE:
+        res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=FLAGS[1], BLOCK_M=BLOCK_M,
+                             BLOCK_N=BLOCK_N)
+    else:
+        res = tl.zeros([BLOCK_M, BLOCK_N // (1 + FLAGS[1])], dtype=tl.float32)  # SiLU·mul: pairs of rows
+    return res, tl.zeros([], dtype=tl.int32)
 
 
 @triton.jit

@@ -54,12 +54,15 @@ def qkv_rope_kv_tile(
     :func:`mk.tasks.linear.linear_tile` does (DOUBLE_BUFFER, w_first, TMA_STAGES).
     """
     N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
+    # The rotation's operands' round trip overlaps the weight stream instead of following it.
+    pre = _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                         BLOCK_N=BLOCK_N)
     acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
                       HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                       DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
-                         WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                         WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, pre=pre)
 
 
 @triton.jit
@@ -83,10 +86,12 @@ def qkv_rope_kv_reduce_tile(
 def qkv_rope_kv_epilogue(
     acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, pid_m, pid_n, M, max_seq,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, pre=None,
 ):
     """Rotate tile (pid_m, pid_n)'s float32 ``[BLOCK_M, BLOCK_N]`` QKV values and store them:
-    q columns to q, k / v columns into the caches at each row's position."""
+    q columns to q, k / v columns into the caches at each row's position. ``pre``: the
+    tile's (positions, inv_freq) when the caller loaded them already
+    (:func:`qkv_rope_kv_run_preload`)."""
     N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     # Adjacent accumulator columns are one rotation pair (2i, 2i + 1).
     even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -94,8 +99,11 @@ def qkv_rope_kv_epilogue(
     col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)  # the pair's first weight row
     head = col // HEAD_DIM
     in_head = col % HEAD_DIM
-    position = tl.load(pos_ptr + tl.minimum(offs_m, M - 1))
-    inv_freq = tl.load(inv_freq_ptr + in_head // 2)
+    if pre is None:
+        position, inv_freq = _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM,
+                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    else:
+        position, inv_freq = pre
     angle = position.to(tl.float32)[:, None] * inv_freq[None, :]
     cos, sin = tl.cos(angle), tl.sin(angle)
     rotate = (head < HQ + HKV)[None, :]  # q and k heads; v passes through
@@ -132,15 +140,39 @@ def qkv_rope_kv_epilogue(
 
 
 @triton.jit
-def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
+def _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile (pid_m, pid_n)'s rows' positions and its rotation pairs' inverse frequencies."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
+    return tl.load(pos_ptr + tl.minimum(offs_m, M - 1)), tl.load(inv_freq_ptr + (col % HEAD_DIM) // 2)
+
+
+@triton.jit
+def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr, pre=None):
     """:func:`qkv_rope_kv_epilogue` as :func:`mk.tasks.linear.linear_run`'s epilogue, so a run
     of QKV tiles rotates and stores each tile as it completes. ``args``: (pos_ptr,
     inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq); FLAGS: (HQ, HKV,
-    HEAD_DIM, WRITE_SEQLENS)."""
+    HEAD_DIM, WRITE_SEQLENS); ``pre``: from :func:`qkv_rope_kv_run_preload`."""
     pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
-                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], pre=pre)
+
+
+@triton.jit
+def qkv_rope_kv_run_preload(pid_m, pid_n, args, FLAGS: tl.constexpr, ACTIVE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """:func:`mk.tasks.linear.linear_run`'s EPILOGUE_LOAD for :func:`qkv_rope_kv_run_epilogue`:
+    (positions, inv_freq) of the tile (with ACTIVE False, zeros of their types, no load)."""
+    pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
+    if ACTIVE:
+        position, inv_freq = _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=FLAGS[2],
+                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    else:
+        position = tl.zeros([BLOCK_M], dtype=pos_ptr.dtype.element_ty)
+        inv_freq = tl.zeros([BLOCK_N // 2], dtype=inv_freq_ptr.dtype.element_ty)
+    return position, inv_freq
 
 
 @triton.jit

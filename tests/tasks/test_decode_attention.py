@@ -182,16 +182,19 @@ def test_config_smem_and_cost():
 
 def test_one_launch_leaves_the_arrival_counts_at_zero_for_the_next(device):
     """The last split of each KV group merges it and sets its count back to 0, so one
-    arrivals buffer serves launch after launch (a count left over would merge too early)."""
+    arrivals buffer serves launch after launch (a count left over would merge too early).
+    A sequence within one slice is written by split 0 alone: its workspace stays untouched."""
     from mk.tasks.decode_attention import _launch_partials
 
-    q, k_cache, v_cache, lens = make_inputs([37, 100], 8, 2, 64, torch.float32, device)
-    arrivals = torch.zeros(2 * 2, dtype=torch.int32, device=device)
+    q, k_cache, v_cache, lens = make_inputs([1, 37, 100], 8, 2, 64, torch.float32, device)
+    arrivals = torch.zeros(3 * 2, dtype=torch.int32, device=device)
     for trial in range(2):
         q = torch.randn_like(q)
-        o_part = torch.full((2, 8, 3, 64), float("nan"), device=device)
-        lse = torch.full((2, 8, 3), float("nan"), device=device)
+        o_part = torch.full((3, 8, 3, 64), float("nan"), device=device)
+        lse = torch.full((3, 8, 3), float("nan"), device=device)
         out = torch.full_like(q, float("nan"))
         _launch_partials(q, k_cache, v_cache, lens, o_part, lse, 1 / 8, arrivals=arrivals, out=out)
         assert not arrivals.any(), trial
         assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens), torch.float32)
+        assert torch.isnan(o_part[0]).all() and torch.isnan(lse[0]).all(), trial
+        assert torch.isfinite(lse[2, :, 0]).all(), trial
