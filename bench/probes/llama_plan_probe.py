@@ -179,6 +179,9 @@ VARIANTS = {
     "ring8_qkv_o_down": tuned(("qkv", "o_proj", "down"), tma_stages=8),
     "ring8_qkv_o": tuned(("qkv", "o_proj"), tma_stages=8),
     "ring8_all": tuned(tma_stages=8),
+    # One projection at a time (session 13): o_proj's whole task (1B: 8 chunks) in flight before its wait.
+    "ring8_o": tuned(("o_proj",), tma_stages=8),
+    "ring8_qkv": tuned(("qkv",), tma_stages=8),
     "ring6_all": tuned(tma_stages=6),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),

@@ -1015,6 +1015,11 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
     group = hq // hkv
     c = part.constexprs
+    # The K/V lines of the slice into L2 while the task waits (inline PTX: not under the interpreter).
+    preload = "" if INTERPRET else (
+        "decode_attention_prefetch(k_cache, v_cache, seqlens, b.to(tl.int64), kv_head, split, NUM_SPLITS, S_MAX, "
+        "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
+        "HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
     body = ("decode_attention_tile(q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, b.to(tl.int64), "
             "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
@@ -1052,8 +1057,8 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                 Region(bind["arrivals"], 0, 1, b * hkv + kv, b * hkv + kv + 1),
                 Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)]
 
-    return OpSpec(name=op, operands=part.operands + ("arrivals", "out"), args=part.args, body=body,
-                  imports=("from mk.tasks.decode_attention import decode_attention_tile",),
+    return OpSpec(name=op, operands=part.operands + ("arrivals", "out"), args=part.args, body=body, preload=preload,
+                  imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile",),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length()},
                   num_warps=part.num_warps, run=run,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ._dot import mma
+from .linear import _prefetch_l2
 
 from ._cost import TaskCost
 from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing
@@ -146,14 +147,15 @@ def _attend_slice(
         mask_n = offs < end
         kv_mask = mask_n[:, None] & mask_d[None, :]
         # Masked loads never read positions >= seqlen, so garbage (even NaN) there can't leak.
+        # V with K: its round trip overlaps K's instead of following the softmax.
         k = tl.load(k_base + offs[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = mma(p, v, acc * alpha[:, None])
         m_i = m_new
 
@@ -211,6 +213,39 @@ def decode_attention_partial_tile(
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_ls, out, lse, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+
+
+@triton.jit
+def decode_attention_prefetch(
+    k_cache_ptr, v_cache_ptr, seqlens_ptr, b, kv_head, split, num_splits, max_seq,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr = 2,
+):
+    """Ask L2 for the first BLOCKS blocks of K and V rows of split ``split``'s slice, cut at
+    the length seqlens[b] holds *now*; issued before the task waits for its inputs.
+
+    The cached positions before this step's never depend on the step, but the slice bounds
+    do (this step's QKV tiles write the length): read early, the length may be the last
+    step's, one short. A prefetch is only a hint (no register, no fault, no stale value:
+    L2 is where the QKV tiles' stores land), so a slightly wrong slice costs nothing but
+    the lines. The split's loads then meet L2 instead of DRAM. Compiled GPU code only
+    (inline PTX)."""
+    seqlen = tl.load(seqlens_ptr + b, volatile=True)
+    split_len = _split_len(seqlen, num_splits, BLOCK_N)
+    start = split * split_len
+    # (+1: the position this step appends, if the length is the last step's)
+    end = tl.minimum(tl.minimum(start + split_len, seqlen + 1), tl.minimum(start + BLOCKS * BLOCK_N, max_seq))
+    LINE: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
+    LINES: tl.constexpr = (BLOCK_D + LINE - 1) // LINE
+    idx = tl.arange(0, BLOCKS * BLOCK_N * LINES)
+    pos = start + idx // LINES
+    col = (idx % LINES) * LINE
+    ok = (pos < end) & (col < HEAD_DIM)
+    pos = tl.where(ok, pos, start)
+    col = tl.where(ok, col, 0)
+    if start < end:
+        _prefetch_l2(k_cache_ptr + b * stride_kb + kv_head * stride_kh + pos * stride_ks + col)
+        _prefetch_l2(v_cache_ptr + b * stride_vb + kv_head * stride_vh + pos * stride_vs + col)
 
 
 @triton.jit
