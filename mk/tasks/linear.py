@@ -358,7 +358,7 @@ def linear_run(
     EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
-    WAIT_FLAGS: tl.constexpr = None, EPILOGUE_LOAD: tl.constexpr = None,
+    WAIT_FLAGS: tl.constexpr = None, EPILOGUE_PREFETCH: tl.constexpr = None,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -389,12 +389,12 @@ def linear_run(
     wait only, by volatile loads a few chunks ahead (which the pipeliner leaves in place:
     a pipelined x load would be issued in the prologue, before the wait).
 
-    ``EPILOGUE_LOAD`` (a jit function, optional): what the epilogue reads besides the
-    accumulator (a residual, positions), loaded when the tile's stream starts, so that its
-    round trip overlaps the stream instead of following it:
-    ``EPILOGUE_LOAD(pid_m, tile, epilogue_args, EPILOGUE_FLAGS, ACTIVE, BLOCK_M, BLOCK_N)``
-    returns a 2-tuple (zeros of the same types when the constexpr ACTIVE is False), which
-    the epilogue then gets as ``EPILOGUE(acc, pid_m, tile, epilogue_args, EPILOGUE_FLAGS, pre)``.
+    ``EPILOGUE_PREFETCH`` (a jit function, optional; compiled GPU code only) asks L1 for
+    what the epilogue reads besides the accumulator (a residual, positions) when the tile's
+    stream starts, after the wait: ``EPILOGUE_PREFETCH(pid_m, tile, epilogue_args,
+    EPILOGUE_FLAGS, BLOCK_M, BLOCK_N)``. The epilogue's loads then hit L1 instead of making
+    a round trip after the stream. (Loading the values there instead, carried in registers
+    to the epilogue, made the 1B step's GEMV tasks slower: bench/NOTES.md session 13.)
     """
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
@@ -421,9 +421,6 @@ def linear_run(
                                            block_shape=[BLOCK_N, BLOCK_K])
     n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
     n_chunks = n_tiles * n_k
-    PRELOADS: tl.constexpr = EPILOGUE_LOAD is not None
-    if PRELOADS:
-        pre0, pre1 = EPILOGUE_LOAD(pid_m, pid_n, epilogue_args, EPILOGUE_FLAGS, False, BLOCK_M, BLOCK_N)
     if WAITS_IN_LOOP:
         # x chunks i+1..i+3 in registers (the chunk after them is requested each iteration):
         # enough ahead to cover an L2 round trip at a chunk's streaming time.
@@ -455,9 +452,9 @@ def linear_run(
             x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
-        if PRELOADS:
+        if EPILOGUE_PREFETCH is not None:
             if k == k_lo:  # the tile's first chunk (after the wait)
-                pre0, pre1 = EPILOGUE_LOAD(pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS, True, BLOCK_M, BLOCK_N)
+                EPILOGUE_PREFETCH(pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS, BLOCK_M, BLOCK_N)
         if HAS_NORM:
             xt = xt.to(tl.float32)
             sum_sq += tl.where(t == 0, xt * xt, 0.0)
@@ -484,10 +481,7 @@ def linear_run(
                 else:
                     rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
                 y = y * rstd
-            if PRELOADS:
-                EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS, (pre0, pre1))
-            else:
-                EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+            EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     if WAITS_IN_LOOP:
         return s0, s1, s2, s3
     else:
@@ -505,30 +499,22 @@ def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr, pre=None):
+def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for a linear: residual add or SiLU·mul, then the store.
-    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL);
-    ``pre``: from :func:`linear_store_preload` (the residual), else it loads it."""
+    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
     res_ptr, out_ptr, M, N, stride_rm, stride_om = args
-    res = None
-    if pre is not None:
-        res = pre[0]
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], res=res)
+                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
 
 
 @triton.jit
-def linear_store_preload(pid_m, pid_n, args, FLAGS: tl.constexpr, ACTIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    """:func:`linear_run`'s EPILOGUE_LOAD for :func:`linear_store_epilogue`: the tile's
-    residual (float32; with ACTIVE False, zeros of its shape and no load)."""
+def linear_store_prefetch(pid_m, pid_n, args, FLAGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """:func:`linear_run`'s EPILOGUE_PREFETCH for :func:`linear_store_epilogue`: the tile's
+    residual into L1 (compiled GPU code only)."""
     res_ptr, out_ptr, M, N, stride_rm, stride_om = args
-    if ACTIVE:
-        res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=FLAGS[1], BLOCK_M=BLOCK_M,
-                             BLOCK_N=BLOCK_N)
-    else:
-        res = tl.zeros([BLOCK_M, BLOCK_N // (1 + FLAGS[1])], dtype=tl.float32)  # SiLU·mul: pairs of rows
-    return res, tl.zeros([], dtype=tl.int32)
+    offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=FLAGS[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    # Masked-off elements ask for the tile's first element's line again (no fault, no cost).
+    _prefetch_l1(res_ptr + tl.where(mask, offs_m[:, None] * stride_rm + offs_o[None, :], 0))
 
 
 @triton.jit
@@ -550,6 +536,13 @@ def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
     k_lo = (split * n_chunks // split_k) * BLOCK_K
     k_hi = tl.minimum(((split + 1) * n_chunks // split_k) * BLOCK_K, K)
     return k_lo, k_hi
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """Ask L1 (through L2) for the lines at ``ptrs``; returns at once (nothing lands in registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

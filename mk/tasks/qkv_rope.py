@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
-from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config, linear_partial_kernel,
-                     linear_ref, linear_splitk_sum)
+from .linear import (_check_config, _linear_acc, _prefetch_l1, _tile_rows, LinearConfig, linear_config,
+                     linear_partial_kernel, linear_ref, linear_splitk_sum)
 from .rope import _check_inv_freq, rope_kv_ref
 
 
@@ -90,8 +90,8 @@ def qkv_rope_kv_epilogue(
 ):
     """Rotate tile (pid_m, pid_n)'s float32 ``[BLOCK_M, BLOCK_N]`` QKV values and store them:
     q columns to q, k / v columns into the caches at each row's position. ``pre``: the
-    tile's (positions, inv_freq) when the caller loaded them already
-    (:func:`qkv_rope_kv_run_preload`)."""
+    tile's (positions, inv_freq) when the caller loaded them already (as
+    :func:`qkv_rope_kv_tile` does, before its weight stream)."""
     N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     # Adjacent accumulator columns are one rotation pair (2i, 2i + 1).
     even, odd = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
@@ -149,30 +149,27 @@ def _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
 
 
 @triton.jit
-def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr, pre=None):
+def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`qkv_rope_kv_epilogue` as :func:`mk.tasks.linear.linear_run`'s epilogue, so a run
     of QKV tiles rotates and stores each tile as it completes. ``args``: (pos_ptr,
     inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq); FLAGS: (HQ, HKV,
-    HEAD_DIM, WRITE_SEQLENS); ``pre``: from :func:`qkv_rope_kv_run_preload`."""
+    HEAD_DIM, WRITE_SEQLENS)."""
     pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
-                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], pre=pre)
+                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
 
 
 @triton.jit
-def qkv_rope_kv_run_preload(pid_m, pid_n, args, FLAGS: tl.constexpr, ACTIVE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """:func:`mk.tasks.linear.linear_run`'s EPILOGUE_LOAD for :func:`qkv_rope_kv_run_epilogue`:
-    (positions, inv_freq) of the tile (with ACTIVE False, zeros of their types, no load)."""
+def qkv_rope_kv_run_prefetch(pid_m, pid_n, args, FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+    """:func:`mk.tasks.linear.linear_run`'s EPILOGUE_PREFETCH for :func:`qkv_rope_kv_run_epilogue`:
+    the tile's positions and inverse frequencies into L1 (compiled GPU code only)."""
     pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
-    if ACTIVE:
-        position, inv_freq = _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=FLAGS[2],
-                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    else:
-        position = tl.zeros([BLOCK_M], dtype=pos_ptr.dtype.element_ty)
-        inv_freq = tl.zeros([BLOCK_N // 2], dtype=inv_freq_ptr.dtype.element_ty)
-    return position, inv_freq
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
+    _prefetch_l1(pos_ptr + tl.minimum(offs_m, M - 1))
+    _prefetch_l1(inv_freq_ptr + (col % FLAGS[2]) // 2)
 
 
 @triton.jit
