@@ -173,20 +173,16 @@ class _LinearShape:
         return waits_in_stream(self.bm, tma, self.K, self.bk, self.split_k, self.run)
 
     def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "",
-                 wait: bool = False, epilogue_load: str | None = None) -> str:
+                 wait: bool = False) -> str:
         """The device call of a task run by :func:`mk.tasks.linear.linear_run` over the task's
         tiles (x, w and with ``norm`` norm_w; ``k_range`` = "k_lo, k_hi"), the epilogue's
         runtime args and its constexpr flags (names of constexprs); with ``wait`` it waits
-        for its inputs itself (:attr:`OpSpec.waits_in_body`); ``epilogue_load``: what loads
-        the epilogue's other operands into L1 when a tile's stream starts (linear_run's
-        EPILOGUE_PREFETCH; inline PTX, so never under the interpreter)."""
+        for its inputs itself (:attr:`OpSpec.waits_in_body`)."""
         call = (f"linear_run(x, w, {'norm_w' if norm else 'w'}, pid_m, pid_n * TILES_PER_TASK, "
                 f"tl.minimum(TILES_PER_TASK, TILES_N - pid_n * TILES_PER_TASK), M, N, K, {k_range}, K, K, "
                 f"{'EPS' if norm else '0.0'}, EPILOGUE={epilogue}, epilogue_args=({epilogue_args},), "
                 f"EPILOGUE_FLAGS=EPILOGUE_FLAGS, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
                 f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES")
-        if epilogue_load and not INTERPRET:
-            call += f", EPILOGUE_PREFETCH={epilogue_load}"
         if wait:
             call = ("ok, last_ev, last_need, t_ready = " + call + ", WAIT=task_wait, wait_args=task_wait_args, "
                     "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS")
@@ -320,8 +316,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
     if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
-                          "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma),
-                          epilogue_load="linear_store_prefetch" if residual else None)
+                          "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   "TMA_STAGES": tma,
@@ -352,7 +347,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src, waits_in_body=s.waits_in_body(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
-                           "linear_store_prefetch, linear_tile, linear_weights_first",),
+                           "linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -574,8 +569,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
                           f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX",
-                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma),
-                          epilogue_load="qkv_rope_kv_run_prefetch")
+                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), "TMA_STAGES": tma, "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
@@ -602,8 +596,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src, waits_in_body=s.waits_in_body(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_weights_first",
-                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_run_prefetch, "
-                           "qkv_rope_kv_tile"),
+                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile"),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 

@@ -358,7 +358,7 @@ def linear_run(
     EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
-    WAIT_FLAGS: tl.constexpr = None, EPILOGUE_PREFETCH: tl.constexpr = None,
+    WAIT_FLAGS: tl.constexpr = None,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -388,13 +388,6 @@ def linear_run(
     pipeliner issues a loop's prologue where the loop starts. x is then read after the
     wait only, by volatile loads a few chunks ahead (which the pipeliner leaves in place:
     a pipelined x load would be issued in the prologue, before the wait).
-
-    ``EPILOGUE_PREFETCH`` (a jit function, optional; compiled GPU code only) asks L1 for
-    what the epilogue reads besides the accumulator (a residual, positions) when the tile's
-    stream starts, after the wait: ``EPILOGUE_PREFETCH(pid_m, tile, epilogue_args,
-    EPILOGUE_FLAGS, BLOCK_M, BLOCK_N)``. The epilogue's loads then hit L1 instead of making
-    a round trip after the stream. (Loading the values there instead, carried in registers
-    to the epilogue, made the 1B step's GEMV tasks slower: bench/NOTES.md session 13.)
     """
     offs_k = tl.arange(0, BLOCK_K)
     if BLOCK_M == 1:
@@ -452,9 +445,6 @@ def linear_run(
             x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
-        if EPILOGUE_PREFETCH is not None:
-            if k == k_lo:  # the tile's first chunk (after the wait)
-                EPILOGUE_PREFETCH(pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS, BLOCK_M, BLOCK_N)
         if HAS_NORM:
             xt = xt.to(tl.float32)
             sum_sq += tl.where(t == 0, xt * xt, 0.0)
@@ -508,16 +498,6 @@ def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
 
 
 @triton.jit
-def linear_store_prefetch(pid_m, pid_n, args, FLAGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """:func:`linear_run`'s EPILOGUE_PREFETCH for :func:`linear_store_epilogue`: the tile's
-    residual into L1 (compiled GPU code only)."""
-    res_ptr, out_ptr, M, N, stride_rm, stride_om = args
-    offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=FLAGS[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    # Masked-off elements ask for the tile's first element's line again (no fault, no cost).
-    _prefetch_l1(res_ptr + tl.where(mask, offs_m[:, None] * stride_rm + offs_o[None, :], 0))
-
-
-@triton.jit
 def linear_partial_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for a split-K partial: the float32 tile into its split's
     workspace. ``args``: (ws_ptr, split, M, N, stride_ws_split, stride_ws_m); FLAGS: None."""
@@ -536,13 +516,6 @@ def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
     k_lo = (split * n_chunks // split_k) * BLOCK_K
     k_hi = tl.minimum(((split + 1) * n_chunks // split_k) * BLOCK_K, K)
     return k_lo, k_hi
-
-
-@triton.jit
-def _prefetch_l1(ptrs):
-    """Ask L1 (through L2) for the lines at ``ptrs``; returns at once (nothing lands in registers)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

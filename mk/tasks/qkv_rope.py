@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
-from .linear import (_check_config, _linear_acc, _prefetch_l1, _tile_rows, LinearConfig, linear_config,
+from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config,
                      linear_partial_kernel, linear_ref, linear_splitk_sum)
 from .rope import _check_inv_freq, rope_kv_ref
 
@@ -158,18 +158,6 @@ def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
                          WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
-
-
-@triton.jit
-def qkv_rope_kv_run_prefetch(pid_m, pid_n, args, FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
-    """:func:`mk.tasks.linear.linear_run`'s EPILOGUE_PREFETCH for :func:`qkv_rope_kv_run_epilogue`:
-    the tile's positions and inverse frequencies into L1 (compiled GPU code only)."""
-    pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
-    _prefetch_l1(pos_ptr + tl.minimum(offs_m, M - 1))
-    _prefetch_l1(inv_freq_ptr + (col % FLAGS[2]) // 2)
 
 
 @triton.jit
