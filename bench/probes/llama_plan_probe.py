@@ -183,6 +183,11 @@ VARIANTS = {
     "ring8_o": tuned(("o_proj",), tma_stages=8),
     "ring8_qkv": tuned(("qkv",), tma_stages=8),
     "ring6_all": tuned(tma_stages=6),
+    # The down projection alone (session 14): 1B's 8-row boxes keep 16 KiB in flight a worker
+    # and its tasks stream at ~0.7 of the copy; gate_up's at ~0.95.
+    "ring6_down": tuned(("down",), tma_stages=6),
+    "ring8_down": tuned(("down",), tma_stages=8),
+    "ring6_gate_up": tuned(("gate_up",), tma_stages=6),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),
     "session10_runs": tiles(True, **SESSION10[KEY]),
