@@ -957,7 +957,7 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
     block_n = _check_pow2(op, "block_n", block_n or cfg.block_n, MIN_DOT_DIM)  # tl.dot: >= 16
     scale = 1.0 / d**0.5 if scale is None else float(scale)
     body = ("decode_attention_partial_tile(q, k_cache, v_cache, seqlens, o_part, lse, b.to(tl.int64), kv_head, "
-            "split, NUM_SPLITS, SCALE, S_MAX, " + _ATTENTION_STRIDES + ", "
+            "split, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
 
     tile = _attention_tile(op, batch, hkv, S)
@@ -1015,7 +1015,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
         "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
         "HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
     body = ("decode_attention_tile(q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, b.to(tl.int64), "
-            "kv_head, split, HKV, NUM_SPLITS, SCALE, S_MAX, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
+            "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
             "BLOCK_GROUP=BLOCK_GROUP)")
 

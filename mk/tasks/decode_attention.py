@@ -27,7 +27,7 @@ last of the live splits merges them. A decode step's attention cost then follows
 sequence's length, not the number of splits planned for the longest one.
 
 KV cache layout (shared with :mod:`mk.tasks.rope`): ``[B, Hkv, S_max, D]``; positions
-``>= seqlens[b]`` never reach the output, so they may hold anything (even NaN).
+``>= seqlens[b]`` are never read, so they may hold anything (even NaN).
 """
 
 from __future__ import annotations
@@ -107,68 +107,28 @@ def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_ptr, b, kv_head, stride_qb, stride_qh,
-            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The group's query heads, [BLOCK_G, BLOCK_D] (padded rows and columns load as zeros:
-    their scores are 0, finite, and they are never stored)."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g
-    return tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                   mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_first_block(k_cache_ptr, v_cache_ptr, b, kv_head, split, max_seq,
-                      stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Split 0's first K and V blocks, cache positions [0, BLOCK_N), whatever the sequence's
-    length (other splits load nothing and get zeros).
-
-    Why: split 0's slice starts at position 0 at any length, so its first block needs no
-    length. Loaded before the length, the two round trips (length, then K/V) are one, and a
-    sequence within one block (the short contexts of chat decode) costs the attention task a
-    single wait on memory. Rows at or past the length hold anything (even NaN):
-    :func:`_attend_slice` masks them."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_n < tl.where(split == 0, max_seq, 0))[:, None] & (offs_d < HEAD_DIM)[None, :]
-    v = tl.load(v_cache_ptr + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=mask, other=0.0)
-    k = tl.load(k_cache_ptr + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_block(q, k, v, valid, m_i, l_i, acc, qk_scale):
-    """One block of keys (k, v: [BLOCK_N, BLOCK_D]; ``valid``: which positions count, at
-    least one) into the online softmax state (m_i, l_i, acc), base 2."""
-    s = mma(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], dtype=tl.float32)) * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = mma(p, v, acc * alpha[:, None])
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attend_slice(
-    q, first_k, first_v, k_cache_ptr, v_cache_ptr, seqlen,
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlen,
     b, kv_head, split, num_splits, sm_scale,
+    stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
-    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Slice ``split`` of a sequence of ``seqlen`` keys for the group of ``kv_head`` (q from
-    :func:`_load_q`; first_k, first_v from :func:`_load_first_block`):
+    """Slice ``split`` of a sequence of ``seqlen`` keys for the group of ``kv_head``:
     (out float32 [BLOCK_G, BLOCK_D], normalised over the slice; lse float32 [BLOCK_G],
     natural log; 0 and -inf for an empty slice)."""
+    offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+
+    # Padded group rows load as zeros: their scores are 0 (finite) and they are never stored.
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
     split_len = _split_len(seqlen, num_splits, BLOCK_N)
     start = split * split_len
@@ -180,28 +140,24 @@ def _attend_slice(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    # Every block visited holds at least one valid position, so m_i turns finite on the
-    # first; an empty slice visits none and keeps l_i = 0.
-    n_lo = start
-    if (split == 0) & (end > 0):
-        valid = offs_n < end
-        # Rows past the length were loaded too: 0 * NaN would reach acc through p = 0. (These
-        # selects also keep the blocks' layout conversions, which wait for the loads, after
-        # the length's load: see decode_attention_tile.)
-        valid_rows = valid[:, None]
-        m_i, l_i, acc = _attend_block(q, tl.where(valid_rows, first_k, 0.0), tl.where(valid_rows, first_v, 0.0),
-                                      valid, m_i, l_i, acc, qk_scale)
-        n_lo = start + BLOCK_N
-    for n0 in range(n_lo, end, BLOCK_N):
+    # Every block this loop visits holds at least one valid position, so m_i turns finite
+    # on the first step; an empty slice skips the loop and keeps l_i = 0.
+    for n0 in range(start, end, BLOCK_N):
         offs = n0 + offs_n
         mask_n = offs < end
         kv_mask = mask_n[:, None] & mask_d[None, :]
         # Masked loads never read positions >= seqlen, so garbage (even NaN) there can't leak.
-        # V before K: K's layout conversion for the dot follows its load at once and waits
-        # for it; V's round trip then overlaps K's instead of following it.
-        v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        # V with K: its round trip overlaps K's instead of following the softmax.
         k = tl.load(k_base + offs[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, qk_scale)
+        v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)) * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(p, v, acc * alpha[:, None])
+        m_i = m_new
 
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -236,7 +192,7 @@ def _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stri
 @triton.jit
 def decode_attention_partial_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
-    b, kv_head, split, num_splits, sm_scale, max_seq,
+    b, kv_head, split, num_splits, sm_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -251,19 +207,10 @@ def decode_attention_partial_tile(
     ``lse_ptr[b, h, split]`` (natural-log log-sum-exp) for ``h = kv_head*GROUP + g``; nothing
     else. With ``num_splits == 1`` o may point straight at the final output.
     """
-    # Split 0's first block, the length and q in flight together: one wait on memory, not
-    # three. (The compiler converts a loaded q to the dot's layout at once, which waits for
-    # it, so q comes last.)
-    first_k, first_v = _load_first_block(k_cache_ptr, v_cache_ptr, b, kv_head, split, max_seq, stride_kb, stride_kh,
-                                         stride_ks, stride_vb, stride_vh, stride_vs,
-                                         HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
-    seqlen = tl.load(seqlens_ptr + b)
-    q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G,
-                BLOCK_D=BLOCK_D)
     out, lse = _attend_slice(
-        q, first_k, first_v, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits,
-        sm_scale, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+        q_ptr, k_cache_ptr, v_cache_ptr, tl.load(seqlens_ptr + b), b, kv_head, split, num_splits, sm_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_ls, out, lse, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
 
@@ -345,7 +292,7 @@ def decode_attention_merge_tile(
 @triton.jit
 def decode_attention_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-    b, kv_head, split, num_kv_heads, num_splits, sm_scale, max_seq,
+    b, kv_head, split, num_kv_heads, num_splits, sm_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -368,22 +315,14 @@ def decode_attention_tile(
     Splits past the live ones return at once. No split waits for another, so the splits may
     run in any order, or one after another on one program.
     """
-    # Split 0's first block, the length and q in flight together: one wait on memory, not
-    # three. (The compiler converts a loaded q to the dot's layout at once, which waits for
-    # it, so q comes last.)
-    first_k, first_v = _load_first_block(k_cache_ptr, v_cache_ptr, b, kv_head, split, max_seq, stride_kb, stride_kh,
-                                         stride_ks, stride_vb, stride_vh, stride_vs,
-                                         HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
     seqlen = tl.load(seqlens_ptr + b)
-    q = _load_q(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G,
-                BLOCK_D=BLOCK_D)
     # seqlen 0 (never valid) still gives one live split, which writes zeros.
     live = tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
     if split < live:
         out, lse = _attend_slice(
-            q, first_k, first_v, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,
-            stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            q_ptr, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,
+            stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
         if live == 1:
             _store_heads(out_ptr, b, kv_head, stride_outb, stride_outh, out,
                          GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
@@ -409,7 +348,7 @@ def decode_attention_tile(
 @triton.jit
 def decode_attention_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
-    num_kv_heads, num_splits, sm_scale, max_seq,
+    num_kv_heads, num_splits, sm_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -422,7 +361,7 @@ def decode_attention_partial_kernel(
     pid = tl.program_id(0)
     decode_attention_partial_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
-        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_splits, sm_scale, max_seq,
+        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_splits, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
@@ -431,7 +370,7 @@ def decode_attention_partial_kernel(
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-    num_kv_heads, num_splits, sm_scale, max_seq,
+    num_kv_heads, num_splits, sm_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -446,7 +385,7 @@ def decode_attention_kernel(
     pid = tl.program_id(0)
     decode_attention_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_kv_heads, num_splits, sm_scale, max_seq,
+        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_kv_heads, num_splits, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S,
@@ -526,11 +465,10 @@ def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arriva
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if arrivals is None:
         decode_attention_partial_kernel[(batch * hkv, num_splits)](
-            q, k_cache, v_cache, seqlens, o_part, lse, hkv, num_splits, scale, k_cache.shape[2], *strides, **sizes)
+            q, k_cache, v_cache, seqlens, o_part, lse, hkv, num_splits, scale, *strides, **sizes)
     else:
         decode_attention_kernel[(batch * hkv, num_splits)](
-            q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, hkv, num_splits, scale, k_cache.shape[2],
-            *strides,
+            q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, hkv, num_splits, scale, *strides,
             out.stride(0), out.stride(1), BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_GROUP=triton.next_power_of_2(hq // hkv), **sizes)
 
