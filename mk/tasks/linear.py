@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dot import mma
+from ._dot import fold_weight_major, mma, mma_weight_major
 
 from ._cost import TaskCost
 from ._device import (SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype, check_tensor,
@@ -226,14 +226,21 @@ def _linear_acc(
     elif TMA_STAGES > 0:
         # Skinny tl.dot tiles (a few decode rows): the same TMA ring for the weights, so a
         # worker keeps TMA_STAGES - 1 chunks in flight instead of a pipelined load's one or two.
+        # The product is taken weight-major (mk.tasks._dot.mma_weight_major, each x row
+        # twice), rstd applied to its rows after the loop.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
+        x2_rows = x_ptr + tl.minimum(pid_m * BLOCK_M + tl.arange(0, 2 * BLOCK_M) % BLOCK_M, M - 1)[:, None] * stride_xm
+        acc_t = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
         for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
             w = w_desc.load([pid_n * BLOCK_N, k])
-            xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
+            xt = _load_x(x2_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=2 * BLOCK_M)
             if HAS_NORM:
-                xt = xt.to(tl.float32) * rstd[:, None] * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
-            acc = mma(xt, tl.trans(w), acc)
+                xt = xt.to(tl.float32) * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
+            acc_t = mma_weight_major(w, xt, acc_t)
+        acc = fold_weight_major(acc_t)
+        if HAS_NORM:
+            acc = acc * rstd[:, None]
     elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
@@ -390,11 +397,21 @@ def linear_run(
     a pipelined x load would be issued in the prologue, before the wait).
     """
     offs_k = tl.arange(0, BLOCK_K)
+    # Decode tiles (a few x rows) multiply weight-major: mk.tasks._dot.mma_weight_major.
+    WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16)  # SKINNY_MAX_M
+    X_ROWS: tl.constexpr = 2 * BLOCK_M if WEIGHT_MAJOR else BLOCK_M
     if BLOCK_M == 1:
         x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         rstd_pre = tl.full([], 1.0, tl.float32)
+    elif WEIGHT_MAJOR:
+        # Each x row twice: the hi and lo halves of mma_weight_major's one MMA.
+        offs_m = pid_m * BLOCK_M + tl.arange(0, 2 * BLOCK_M) % BLOCK_M
+        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
+        sum_sq = tl.zeros([2 * BLOCK_M, BLOCK_K], dtype=tl.float32)
+        rstd_pre = tl.full([2 * BLOCK_M], 1.0, tl.float32)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
@@ -408,7 +425,7 @@ def linear_run(
         s0, s1, s2, s3 = wait_state
     elif HAS_NORM:
         if not whole_row:
-            rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+            rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=X_ROWS, BLOCK_K=BLOCK_K)
     if TMA_STAGES > 0:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
@@ -435,7 +452,7 @@ def linear_run(
                 s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
                 if HAS_NORM:
                     if not whole_row:
-                        rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+                        rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=X_ROWS, BLOCK_K=BLOCK_K)
                 x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
                 x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
                 x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
@@ -455,22 +472,25 @@ def linear_run(
                 xt = xt * nw[None, :]
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
+        elif WEIGHT_MAJOR:
+            acc = mma_weight_major(w, xt, acc)
         else:
             acc = mma(xt, tl.trans(w), acc)
         if k + BLOCK_K >= k_hi:  # the tile's last chunk
+            # rstd is one number a row, so it factors out of the row's sum.
             if BLOCK_M == 1:
                 y = tl.sum(acc, axis=1)[None, :]
+                if HAS_NORM:
+                    y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
                 y = acc
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            if HAS_NORM:
-                # rstd is one number a row, so it factors out of the row's sum.
-                if BLOCK_M == 1:
-                    rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
-                else:
-                    rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
-                y = y * rstd
+                if HAS_NORM:
+                    rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)
+                    y = y * (rstd[None, :] if WEIGHT_MAJOR else rstd[:, None])
+                if WEIGHT_MAJOR:
+                    y = fold_weight_major(y)
+                acc = tl.zeros(acc.shape, dtype=tl.float32)
             EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     if WAITS_IN_LOOP:
         return s0, s1, s2, s3
