@@ -32,26 +32,30 @@ def mma(a, b, acc):
 
 
 @triton.jit
-def mma_weight_major(w, x2, acc_t):
-    """``acc_t + w @ x2.T`` with the weight chunk as the MMA's left operand: a decode tile's
-    few activation rows are the MMA's narrow side (its N, 8 or 16 wide) and the weight rows
+def mma_weight_major(w, x, acc_t):
+    """``acc_t + w @ [hi; lo].T``, the weight chunk as the MMA's left operand: a decode tile's
+    few activation rows ``x`` ([R, K]) are the MMA's narrow side (its N) and the weight rows
     its tall side, so on Hopper a [64, K] weight chunk feeds wgmma straight from the TMA
-    ring's shared memory, where [rows, K] @ w.T makes rows the M of mma.sync and loads the
-    weights into registers first.
+    ring's shared memory, where ``x @ w.T`` makes R the M of mma.sync (at least 16) and
+    loads the weights into registers first.
 
-    ``x2`` holds each activation row twice (rows r and R + r of its 2R rows alike): the
-    first copy goes in rounded to w's dtype (hi), the second as the remainder (lo), as
-    :func:`mma` splits a float32 ``a``, but in one MMA. :func:`fold_weight_major` adds the
-    two halves of the [N, 2R] product into the [R, N] tile. A float32 ``w`` multiplies
+    ``hi`` is x rounded to w's dtype and ``lo`` the remainder, as :func:`mma` splits a
+    float32 ``a``, but both in one MMA as the 2R columns of ``acc_t`` ([N, 2R]);
+    :func:`fold_weight_major` adds them into the [R, N] tile. A float32 ``w`` multiplies
     IEEE float32 (lo is then 0).
     """
-    R2: tl.constexpr = x2.shape[0]
-    is_lo = (tl.arange(0, R2) >= R2 // 2)[:, None]
     if w.dtype == tl.float32:
-        return tl.dot(w, tl.trans(tl.where(is_lo, 0.0, x2.to(tl.float32))), acc_t, input_precision="ieee")
-    hi = x2.to(w.dtype)
-    lo = (x2.to(tl.float32) - hi.to(tl.float32)).to(w.dtype)
-    return tl.dot(w, tl.trans(tl.where(is_lo, lo, hi)), acc_t)
+        hi = x.to(tl.float32)
+        lo = tl.zeros_like(hi)
+    else:
+        hi = x.to(w.dtype)
+        lo = (x.to(tl.float32) - hi.to(tl.float32)).to(w.dtype)
+    R: tl.constexpr = x.shape[0]
+    K: tl.constexpr = x.shape[1]
+    both = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * R, K))
+    if w.dtype == tl.float32:
+        return tl.dot(w, tl.trans(both), acc_t, input_precision="ieee")
+    return tl.dot(w, tl.trans(both), acc_t)
 
 
 @triton.jit

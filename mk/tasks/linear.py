@@ -7,7 +7,7 @@
 
 Accumulation is in float32 whatever the storage dtype; y is rounded once, at the store.
 The RMSNorm statistics are float32 too. A float32 x (normalised or not) meets 16-bit
-weights in the tl.dot body as two 16-bit halves (:func:`mk.tasks._dot.mma`), so it is not
+weights in the tl.dot body as two 16-bit halves (:mod:`mk.tasks._dot`), so it is not
 rounded to the weight dtype; the GEMV body multiplies in float32.
 
 One tile body serves every shape; ``BLOCK_M`` (a constexpr) picks how it multiplies:
@@ -17,11 +17,14 @@ One tile body serves every shape; ``BLOCK_M`` (a constexpr) picks how it multipl
   so the loads are full-width vectors. It keeps a float32 [BLOCK_N, BLOCK_K]
   accumulator of element-wise products (plain FMAs, no cross-thread traffic in the
   loop) and reduces it across K once, after the loop.
-* ``BLOCK_M >= 16`` — the ``tl.dot`` body, for M = 2..16 (decode batches; BLOCK_M=16)
-  and prefill (BLOCK_M = 64/128). For skinny M each weight tile is loaded once and
-  used by all M rows in one tensor-core MMA; rows beyond M are padding the MMA pays
+* ``BLOCK_M >= 8`` — the ``tl.dot`` body, for M = 2..16 (decode batches; BLOCK_M = 8
+  or 16) and prefill (BLOCK_M = 64/128). For skinny M each weight tile is loaded once
+  and used by all M rows in one tensor-core MMA; rows beyond M are padding the MMA pays
   for in (idle) compute, not in memory traffic. A static loop over rows would re-run
   the FMA stream M times and turn compute-bound near M = 16; the MMA's cost is flat in M.
+  Decode tiles (at most 16 rows) multiply weight-major, ``W_tile @ [hi; lo].T``
+  (:func:`mk.tasks._dot.mma_weight_major`): the weight chunk is the MMA's tall side, so
+  on Hopper it goes to wgmma from the TMA ring's shared memory as it landed.
 
 Split-K (``split_k > 1``): K is cut into contiguous ranges of whole BLOCK_K chunks
 (:func:`linear_k_splits`); each (tile, split) program writes float32 partials into a
@@ -59,6 +62,11 @@ GROUP_M = 8
 
 #: tl.dot needs every tile dim to be at least this.
 DOT_MIN = 16
+
+#: Fewest rows of a tl.dot tile: decode tiles (at most SKINNY_MAX_M rows) multiply
+#: weight-major, each row's hi and lo halves as two of the MMA's N columns
+#: (:func:`mk.tasks._dot.mma_weight_major`), so 8 rows make tl.dot's 16.
+WEIGHT_MAJOR_MIN_ROWS = DOT_MIN // 2
 
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
@@ -127,7 +135,8 @@ def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
                  HAS_NORM: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Add one BLOCK_K chunk (columns ``cols``) of the product to ``acc``."""
+    """Add one BLOCK_K chunk (columns ``cols``) of the product to ``acc`` ([BLOCK_N, 2 BLOCK_M]
+    for decode tiles of 2..16 rows: :func:`mk.tasks._dot.mma_weight_major`)."""
     # GEMV weights are read once per call: evict them first, keep x and partials in L2.
     # Prefill tiles share weight tiles across GROUP_M row tiles, so they keep the default.
     if MASKED:
@@ -149,6 +158,8 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
         # Element-wise products into the [BLOCK_N, BLOCK_K] accumulator: FMAs only, no
         # cross-thread reduction inside the weight stream.
         acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
+    elif BLOCK_M <= 16:  # SKINNY_MAX_M
+        acc = mma_weight_major(w, xt, acc)
     else:
         acc = mma(xt, tl.trans(w), acc)
     return acc
@@ -196,8 +207,12 @@ def _linear_acc(
         rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     else:
         rstd = 1.0  # unused, or applied after the loop
+    # Decode tiles (2..16 rows) multiply weight-major (mk.tasks._dot.mma_weight_major).
+    WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16)  # SKINNY_MAX_M
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif WEIGHT_MAJOR:
+        acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # Whole chunks unmasked, then at most one masked tail chunk.
@@ -226,21 +241,17 @@ def _linear_acc(
     elif TMA_STAGES > 0:
         # Skinny tl.dot tiles (a few decode rows): the same TMA ring for the weights, so a
         # worker keeps TMA_STAGES - 1 chunks in flight instead of a pipelined load's one or two.
-        # The product is taken weight-major (mk.tasks._dot.mma_weight_major, each x row
-        # twice), rstd applied to its rows after the loop.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-        x2_rows = x_ptr + tl.minimum(pid_m * BLOCK_M + tl.arange(0, 2 * BLOCK_M) % BLOCK_M, M - 1)[:, None] * stride_xm
-        acc_t = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
         for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
             w = w_desc.load([pid_n * BLOCK_N, k])
-            xt = _load_x(x2_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=2 * BLOCK_M)
+            xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
             if HAS_NORM:
-                xt = xt.to(tl.float32) * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
-            acc_t = mma_weight_major(w, xt, acc_t)
-        acc = fold_weight_major(acc_t)
-        if HAS_NORM:
-            acc = acc * rstd[:, None]
+                xt = xt.to(tl.float32) * rstd[:, None] * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
+            if WEIGHT_MAJOR:
+                acc = mma_weight_major(w, xt, acc)
+            else:
+                acc = mma(xt, tl.trans(w), acc)
     elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
@@ -268,6 +279,8 @@ def _linear_acc(
     if BLOCK_M == 1:
         # The one cross-thread reduction of the GEMV, after the weight stream.
         acc = tl.sum(acc, axis=1)[None, :]
+    elif WEIGHT_MAJOR:
+        acc = fold_weight_major(acc)
     if LATE_RSTD:
         if (k_lo == 0) & (k_hi == K):
             rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
@@ -338,7 +351,7 @@ def linear_tile(
     it writes out[rows, pid_n*BLOCK_N ..] (or ``.. pid_n*BLOCK_N/2`` with SILU_MUL) and nothing
     else. For the full product pass k_lo=0, k_hi=K. ``K`` is the full row length, used by
     the RMSNorm prologue (HAS_NORM) for its statistics. BLOCK_M == 1 selects the GEMV
-    body (one x row, FMAs); BLOCK_M >= 16 the tl.dot body. SILU_MUL needs an even BLOCK_N
+    body (one x row, FMAs); BLOCK_M >= 8 the tl.dot body. SILU_MUL needs an even BLOCK_N
     and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
     DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead; ``w_first`` is
     the first chunk from :func:`linear_weights_first`, when already loaded. TMA_STAGES > 0 (GEMV
@@ -399,23 +412,18 @@ def linear_run(
     offs_k = tl.arange(0, BLOCK_K)
     # Decode tiles (a few x rows) multiply weight-major: mk.tasks._dot.mma_weight_major.
     WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16)  # SKINNY_MAX_M
-    X_ROWS: tl.constexpr = 2 * BLOCK_M if WEIGHT_MAJOR else BLOCK_M
     if BLOCK_M == 1:
         x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         rstd_pre = tl.full([], 1.0, tl.float32)
-    elif WEIGHT_MAJOR:
-        # Each x row twice: the hi and lo halves of mma_weight_major's one MMA.
-        offs_m = pid_m * BLOCK_M + tl.arange(0, 2 * BLOCK_M) % BLOCK_M
-        x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
-        sum_sq = tl.zeros([2 * BLOCK_M, BLOCK_K], dtype=tl.float32)
-        rstd_pre = tl.full([2 * BLOCK_M], 1.0, tl.float32)
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if WEIGHT_MAJOR:  # [N, 2 rows]: the hi and lo halves of each row's product
+            acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         rstd_pre = tl.full([BLOCK_M], 1.0, tl.float32)
     whole_row = (k_lo == 0) & (k_hi == K)
@@ -425,7 +433,7 @@ def linear_run(
         s0, s1, s2, s3 = wait_state
     elif HAS_NORM:
         if not whole_row:
-            rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=X_ROWS, BLOCK_K=BLOCK_K)
+            rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     if TMA_STAGES > 0:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
@@ -452,7 +460,7 @@ def linear_run(
                 s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
                 if HAS_NORM:
                     if not whole_row:
-                        rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=X_ROWS, BLOCK_K=BLOCK_K)
+                        rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
                 x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
                 x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
                 x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
@@ -484,12 +492,9 @@ def linear_run(
                     y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
-                y = acc
+                y = fold_weight_major(acc) if WEIGHT_MAJOR else acc
                 if HAS_NORM:
-                    rstd = tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)
-                    y = y * (rstd[None, :] if WEIGHT_MAJOR else rstd[:, None])
-                if WEIGHT_MAJOR:
-                    y = fold_weight_major(y)
+                    y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
                 acc = tl.zeros(acc.shape, dtype=tl.float32)
             EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     if WAITS_IN_LOOP:
@@ -843,10 +848,11 @@ def prefetch_lines(config: LinearConfig, K: int, dtype_bytes: int) -> tuple[int,
 
 
 def _tile_rows(config: LinearConfig, M: int) -> int:
-    """Rows per tile as launched: block_m, cut down to what M needs (never below tl.dot's 16)."""
+    """Rows per tile as launched: block_m, cut down to what M needs, but never below
+    :data:`WEIGHT_MAJOR_MIN_ROWS` (a decode tile's rows, twice over, are its MMA's N)."""
     if config.block_m == 1:
         return 1
-    return max(DOT_MIN, min(config.block_m, triton.next_power_of_2(max(M, 1))))
+    return max(WEIGHT_MAJOR_MIN_ROWS, min(config.block_m, triton.next_power_of_2(max(M, 1))))
 
 
 def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int:
@@ -854,9 +860,10 @@ def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int
 
     tl.dot body: the software-pipelined operand ring, num_stages x (x chunk [rows, block_k]
     + weight chunk [block_n, block_k]) x dtype_bytes, where rows is block_m capped by M as
-    the launcher does. Exact for Hopper's wgmma tiles (block_m >= 64) on Triton 3.9; the
-    mma.sync tiles (block_m 16/32) compile to num_stages - 1 buffers, and the RMSNorm
-    prologue moves a few KiB either way, so treat it as an upper bound within ~30%.
+    the launcher does; decode tiles (weight-major, at most 16 rows) also stage x's hi and
+    lo halves ([2 rows, block_k]) as the wgmma's shared-memory operand. Exact for Hopper's
+    prefill tiles (block_m >= 64) on Triton 3.9; the RMSNorm prologue and the pipeliner's
+    choices move a few KiB either way, so treat it as an upper bound within ~30%.
 
     GEMV body (block_m == 1): its loads go straight to registers, not through a ring. What
     remains is the cross-warp reduction (block_n x num_warps float32) and, when block_k is
@@ -873,6 +880,8 @@ def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int
         body = config.block_n * config.num_warps * 4 + shuffle
     else:
         body = config.num_stages * (rows + config.block_n) * config.block_k * dtype_bytes
+        if rows <= SKINNY_MAX_M:
+            body += 2 * rows * config.block_k * dtype_bytes
     partial = rows * config.block_n * 4 if config.split_k > 1 else 0
     return body + partial
 

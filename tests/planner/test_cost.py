@@ -52,15 +52,15 @@ def test_more_tasks_than_workers_balance_and_few_tasks_are_capped():
 
 
 def test_batch_8_costs_little_more_than_batch_1_with_wide_tiles():
-    """Weights dominate and the KV grows 8x; but each 16-row tile re-reads its float32 x rows
-    over its K range, as much as a 16-row bf16 weight tile: narrow tiles double the step,
+    """Weights dominate and the KV grows 8x; but each 8-row tile re-reads its float32 x rows
+    over its K range, as many bytes as 16 bf16 weight rows: narrow tiles cost far more,
     and the search's wide tiles (and their TMA rings) keep it near batch 1."""
     from mk.planner.search import search
 
     m = ModelShape.preset("llama-3-8b")
     g1, g8 = llama_decode_graph(m, 1, 512), llama_decode_graph(m, 8, 512)
     one, eight = estimate_step(g1, naive_plan(g1), H200, 132), estimate_step(g8, naive_plan(g8), H200, 132)
-    assert eight.seconds > 1.5 * one.seconds
+    assert eight.seconds > 1.4 * one.seconds
     best1, best8 = search(g1, H200, top_k=1)[0], search(g8, H200, top_k=1)[0]
     assert best1.predicted_s < best8.predicted_s < 1.2 * best1.predicted_s
     assert min(c.block_n for c in best8.choices.values() if c.block_n) >= 64

@@ -242,13 +242,15 @@ def test_linear_config_prints_and_serialises():
 
 
 def test_linear_smem_bytes():
-    # tl.dot body: stages x (rows + block_n) x block_k x dtype, rows capped by M.
+    # tl.dot body: stages x (rows + block_n) x block_k x dtype, rows capped by M (at least 8);
+    # decode tiles (<= 16 rows) stage [hi; lo] ([2 rows, block_k]) for the MMA as well.
     prefill = LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
     assert linear_smem_bytes(prefill, 4096, 2) == 3 * (128 + 128) * 64 * 2
     assert linear_smem_bytes(prefill, 40, 2) == 3 * (64 + 128) * 64 * 2
-    assert linear_smem_bytes(prefill, 3, 2) == 3 * (16 + 128) * 64 * 2
+    assert linear_smem_bytes(prefill, 3, 2) == 3 * (8 + 128) * 64 * 2 + 2 * 8 * 64 * 2
     split = LinearConfig(16, 32, 256, split_k=4, num_stages=4)
-    assert linear_smem_bytes(split, 8, 2) == 4 * (16 + 32) * 256 * 2 + 16 * 32 * 4
+    assert linear_smem_bytes(split, 8, 2) == 4 * (8 + 32) * 256 * 2 + 2 * 8 * 256 * 2 + 8 * 32 * 4
+    assert linear_smem_bytes(split, 12, 2) == 4 * (16 + 32) * 256 * 2 + 2 * 16 * 256 * 2 + 16 * 32 * 4
     # GEMV body: cross-warp reduction only, plus x's shuffle when warps do not span block_k.
     gemv = LinearConfig(1, 8, 1024, num_warps=4, num_stages=1)
     assert linear_smem_bytes(gemv, 1, 2) == 8 * 4 * 4
