@@ -1,8 +1,10 @@
 """GPU probe: how fast the megakernel streams one wide GEMV (the 1B LM head's shape,
 128256 x 2048 bf16, 525 MB) under each TMA box and ring, with one tile a task or runs of
 adjacent tiles (one run a worker). Aggregate GB/s against the copy bandwidth of the same
-run; each output checked against torch. Env: PROBE_N, PROBE_K, PROBE_NORM=1 (an RMSNorm
-prologue, as the LM head has), PROBE_CASES (indices into CASES, comma list). Writes
+run; each output checked against torch. Env: PROBE_N, PROBE_K, PROBE_M (x rows: 1 the GEMV
+body, 2..16 the decode tl.dot tiles), PROBE_NORM=1 (an RMSNorm prologue, as the LM head
+has), PROBE_CASES (indices into CASES, comma list) or PROBE_SPEC (cases as
+``BNxBKrRING[run]``, comma list, e.g. ``64x128r4,64x128r4run``). Writes
 $OUT/run_stream_probe.json and prints a table last."""
 import json, os, sys, time
 
@@ -17,6 +19,7 @@ from mk.persistent.taskops import linear_tiles  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
 N, K = int(os.environ.get("PROBE_N", 128256)), int(os.environ.get("PROBE_K", 2048))
+M = int(os.environ.get("PROBE_M", 1))
 # (block_n, block_k, ring, runs)
 CASES = [(32, 256, 4, False), (16, 256, 4, False), (8, 256, 4, False),
          (32, 256, 4, True), (16, 256, 4, True), (8, 256, 4, True), (64, 256, 3, True), (64, 128, 4, True),
@@ -26,6 +29,12 @@ CASES = [(32, 256, 4, False), (16, 256, 4, False), (8, 256, 4, False),
 NORM = os.environ.get("PROBE_NORM", "0") == "1"
 if os.environ.get("PROBE_CASES"):
     CASES = [CASES[int(i)] for i in os.environ["PROBE_CASES"].split(",")]
+if os.environ.get("PROBE_SPEC"):
+    CASES = []
+    for spec in os.environ["PROBE_SPEC"].split(","):
+        box, ring = spec.removesuffix("run").split("r")
+        bn, bk = box.split("x")
+        CASES.append((int(bn), int(bk), int(ring), spec.endswith("run")))
 
 
 def main():
@@ -33,10 +42,10 @@ def main():
     workers = 2 * sms
     bw = copy_bandwidth()["copy_Bps"]
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(1, K, device="cuda", dtype=torch.float32)
+    x = torch.randn(M, K, device="cuda", dtype=torch.float32)
     nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
-    h = x[0] * torch.rsqrt(x[0].pow(2).mean() + 1e-5) * nw.float() if NORM else x[0]
-    ref = (w.float() @ h).view(1, N)
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float() if NORM else x
+    ref = h.double() @ w.double().T
     rows = []
     for bn, bk, ring, runs in CASES:
         t0 = time.time()
@@ -44,16 +53,16 @@ def main():
             tiles = -(-N // bn)
             run = -(-tiles // workers) if runs else 1
             g = TaskGraph()
-            g.buffer("x", x), g.buffer("w", w), g.buffer("y", torch.full((1, N), float("nan"), device="cuda"))
+            g.buffer("x", x), g.buffer("w", w), g.buffer("y", torch.full((M, N), float("nan"), device="cuda"))
             g.buffer("nw", nw)
-            op = make_op("linear", M=1, N=N, K=K, block_n=bn, block_k=bk, tma_stages=ring, tiles_per_task=run,
+            op = make_op("linear", M=M, N=N, K=K, block_m=1 if M == 1 else 16, block_n=bn, block_k=bk, tma_stages=ring, tiles_per_task=run,
                          norm=NORM, eps=1e-5, dtype=torch.bfloat16)
             for a in linear_tiles(op):
                 g.add(op, x="x", w="w", out="y", **({"norm_w": "nw"} if NORM else {}), **a)
             k = Megakernel(lower(g, workers))
             k.run()
             torch.cuda.synchronize()
-            err = ((g.buffers["y"] - ref).norm() / ref.norm()).item()
+            err = ((g.buffers["y"].double() - ref).norm() / ref.norm()).item()
             ms = back_to_back_ms(k.launch, reps=20, warmup=3)
             k.check()
             res = k.residency()
@@ -66,9 +75,9 @@ def main():
         rows.append(r)
         print({a: round(b, 4) if isinstance(b, float) else b for a, b in r.items()}, flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MK_COMMIT"),
-               "N": N, "K": K, "norm": NORM, "workers": workers, "copy_Bps": bw, "rows": rows},
+               "M": M, "N": N, "K": K, "norm": NORM, "workers": workers, "copy_Bps": bw, "rows": rows},
               open(os.path.join(os.environ.get("OUT", "."), "run_stream_probe.json"), "w"), indent=1)
-    print(f"\n{N}x{K} bf16 GEMV{' with RMSNorm' if NORM else ''}, {workers} workers, copy {bw / 1e12:.2f} TB/s")
+    print(f"\n{M} x {N}x{K} bf16 linear{' with RMSNorm' if NORM else ''}, {workers} workers, copy {bw / 1e12:.2f} TB/s")
     print("box      ring run  tasks   ms      frac  err")
     for r in rows:
         if "error" in r:

@@ -163,10 +163,12 @@ class _LinearShape:
                 "PREFETCH_BULK": self.bulk, "TILES_PER_TASK": self.run, "TILES_N": self.tiles_n}
 
     def streams_in_run(self, tma: int) -> bool:
-        """Whether a task runs as :func:`mk.tasks.linear.linear_run`: a run of tiles, or a
-        GEMV tile through the TMA ring (which waits for its inputs inside the stream, with
-        the ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`)."""
-        return self.run > 1 or self.waits_in_body(tma)
+        """Whether a task runs as :func:`mk.tasks.linear.linear_run`: a run of tiles, a GEMV
+        tile through the TMA ring (which waits for its inputs inside the stream, with the
+        ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`), or a decode
+        tl.dot tile through the TMA ring (its RMSNorm statistics then come from the chunks
+        it streams, where :func:`mk.tasks.linear.linear_tile` reads x once more first)."""
+        return self.run > 1 or self.waits_in_body(tma) or (self.bm > 1 and tma > 0)
 
     def waits_in_body(self, tma: int) -> bool:
         """Whether the task waits for x inside its stream (:func:`mk.tasks.linear.waits_in_stream`)."""
