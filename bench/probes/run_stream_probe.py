@@ -2,7 +2,7 @@
 128256 x 2048 bf16, 525 MB) under each TMA box and ring, with one tile a task or runs of
 adjacent tiles (one run a worker). Aggregate GB/s against the copy bandwidth of the same
 run; each output checked against torch. Env: PROBE_N, PROBE_K, PROBE_M (x rows: 1 the GEMV
-body, 2..16 the decode tl.dot tiles), PROBE_NORM=1 (an RMSNorm prologue, as the LM head
+body, 2..16 the decode tl.dot tiles), PROBE_WARPS (default: linear_config's), PROBE_NORM=1 (an RMSNorm prologue, as the LM head
 has), PROBE_CASES (indices into CASES, comma list) or PROBE_SPEC (cases as
 ``BNxBKrRING[run]``, comma list, e.g. ``64x128r4,64x128r4run``). Writes
 $OUT/run_stream_probe.json and prints a table last."""
@@ -20,6 +20,7 @@ from mk.timing import copy_bandwidth  # noqa: E402
 
 N, K = int(os.environ.get("PROBE_N", 128256)), int(os.environ.get("PROBE_K", 2048))
 M = int(os.environ.get("PROBE_M", 1))
+WARPS = int(os.environ["PROBE_WARPS"]) if os.environ.get("PROBE_WARPS") else None
 # (block_n, block_k, ring, runs)
 CASES = [(32, 256, 4, False), (16, 256, 4, False), (8, 256, 4, False),
          (32, 256, 4, True), (16, 256, 4, True), (8, 256, 4, True), (64, 256, 3, True), (64, 128, 4, True),
@@ -56,7 +57,7 @@ def main():
             g.buffer("x", x), g.buffer("w", w), g.buffer("y", torch.full((M, N), float("nan"), device="cuda"))
             g.buffer("nw", nw)
             op = make_op("linear", M=M, N=N, K=K, block_m=1 if M == 1 else 16, block_n=bn, block_k=bk, tma_stages=ring, tiles_per_task=run,
-                         norm=NORM, eps=1e-5, dtype=torch.bfloat16)
+                         num_warps=WARPS, norm=NORM, eps=1e-5, dtype=torch.bfloat16)
             for a in linear_tiles(op):
                 g.add(op, x="x", w="w", out="y", **({"norm_w": "nw"} if NORM else {}), **a)
             k = Megakernel(lower(g, workers))

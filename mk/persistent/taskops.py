@@ -168,7 +168,8 @@ class _LinearShape:
         ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`), or a decode
         tl.dot tile through the TMA ring (its RMSNorm statistics then come from the chunks
         it streams, where :func:`mk.tasks.linear.linear_tile` reads x once more first)."""
-        return self.run > 1 or self.waits_in_body(tma) or (self.bm > 1 and tma > 0)
+        import os  # EXPERIMENT (session 15): MK_DOT_TILE_PATH=tile routes them to linear_tile
+        return self.run > 1 or self.waits_in_body(tma) or (self.bm > 1 and tma > 0 and os.environ.get("MK_DOT_TILE_PATH") != "tile")
 
     def waits_in_body(self, tma: int) -> bool:
         """Whether the task waits for x inside its stream (:func:`mk.tasks.linear.waits_in_stream`)."""

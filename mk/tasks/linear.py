@@ -63,10 +63,27 @@ GROUP_M = 8
 #: tl.dot needs every tile dim to be at least this.
 DOT_MIN = 16
 
-#: Fewest rows of a tl.dot tile: decode tiles (at most SKINNY_MAX_M rows) multiply
-#: weight-major, each row's hi and lo halves as two of the MMA's N columns
-#: (:func:`mk.tasks._dot.mma_weight_major`), so 8 rows make tl.dot's 16.
+#: Fewest rows of a weight-major tile (:func:`weight_major`): each row's hi and lo halves
+#: are two of the MMA's N columns, so 8 rows make tl.dot's 16.
 WEIGHT_MAJOR_MIN_ROWS = DOT_MIN // 2
+
+#: Fewest weight rows (block_n) of a weight-major decode tile.
+WEIGHT_MAJOR_MIN_N = 128
+
+
+def weight_major(rows: int, block_n: int) -> bool:
+    """Whether a tl.dot tile of ``rows`` x rows and ``block_n`` weight rows multiplies
+    weight-major, ``W_tile @ [hi; lo].T`` (:func:`mk.tasks._dot.mma_weight_major`): decode
+    tiles (at most SKINNY_MAX_M rows) of at least :data:`WEIGHT_MAJOR_MIN_N` weight rows.
+    (The device functions test the same with literals: a jit function reads no globals.)
+
+    Measured on an H200 (bench/NOTES.md, session 15; a batch-8 65536 x 2048 linear with
+    RMSNorm streamed by 264 workers of 4 warps, fraction of the copy bandwidth, x-major ->
+    weight-major): 128 x 128 boxes 0.77 -> 0.78, 128 x 64 0.77 -> 0.83, 256 x 64 0.84 ->
+    0.87, but 64 x 128 0.57 -> 0.49 (a 64-row wgmma waits on every chunk's MMA). With
+    2 warps a worker 64 x 128 gains too (0.62 -> 0.78), but the megakernel runs 4.
+    """
+    return 1 < rows <= SKINNY_MAX_M and block_n >= WEIGHT_MAJOR_MIN_N
 
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
@@ -134,9 +151,10 @@ def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
-                 HAS_NORM: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+                 HAS_NORM: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 WEIGHT_MAJOR: tl.constexpr = False):
     """Add one BLOCK_K chunk (columns ``cols``) of the product to ``acc`` ([BLOCK_N, 2 BLOCK_M]
-    for decode tiles of 2..16 rows: :func:`mk.tasks._dot.mma_weight_major`)."""
+    with WEIGHT_MAJOR: :func:`mk.tasks._dot.mma_weight_major`)."""
     # GEMV weights are read once per call: evict them first, keep x and partials in L2.
     # Prefill tiles share weight tiles across GROUP_M row tiles, so they keep the default.
     if MASKED:
@@ -158,7 +176,7 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
         # Element-wise products into the [BLOCK_N, BLOCK_K] accumulator: FMAs only, no
         # cross-thread reduction inside the weight stream.
         acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
-    elif BLOCK_M <= 16:  # SKINNY_MAX_M
+    elif WEIGHT_MAJOR:
         acc = mma_weight_major(w, xt, acc)
     else:
         acc = mma(xt, tl.trans(w), acc)
@@ -207,8 +225,8 @@ def _linear_acc(
         rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     else:
         rstd = 1.0  # unused, or applied after the loop
-    # Decode tiles (2..16 rows) multiply weight-major (mk.tasks._dot.mma_weight_major).
-    WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16)  # SKINNY_MAX_M
+    # Decode tiles of wide boxes multiply weight-major (weight_major()).
+    WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16) & (BLOCK_N >= 128)  # weight_major()
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif WEIGHT_MAJOR:
@@ -272,10 +290,10 @@ def _linear_acc(
     else:
         for k in range(k_lo, k_full, BLOCK_K):
             acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k + offs_k, k_hi,
-                               HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M)
+                               HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M, WEIGHT_MAJOR=WEIGHT_MAJOR)
     if k_full < k_hi:
         acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k_full + offs_k, k_hi,
-                           HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M)
+                           HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M, WEIGHT_MAJOR=WEIGHT_MAJOR)
     if BLOCK_M == 1:
         # The one cross-thread reduction of the GEMV, after the weight stream.
         acc = tl.sum(acc, axis=1)[None, :]
@@ -410,8 +428,8 @@ def linear_run(
     a pipelined x load would be issued in the prologue, before the wait).
     """
     offs_k = tl.arange(0, BLOCK_K)
-    # Decode tiles (a few x rows) multiply weight-major: mk.tasks._dot.mma_weight_major.
-    WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16)  # SKINNY_MAX_M
+    # Decode tiles of wide boxes multiply weight-major: weight_major().
+    WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16) & (BLOCK_N >= 128)  # weight_major()
     if BLOCK_M == 1:
         x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -848,11 +866,13 @@ def prefetch_lines(config: LinearConfig, K: int, dtype_bytes: int) -> tuple[int,
 
 
 def _tile_rows(config: LinearConfig, M: int) -> int:
-    """Rows per tile as launched: block_m, cut down to what M needs, but never below
-    :data:`WEIGHT_MAJOR_MIN_ROWS` (a decode tile's rows, twice over, are its MMA's N)."""
+    """Rows per tile as launched: block_m, cut down to what M needs, but never below tl.dot's
+    16, or :data:`WEIGHT_MAJOR_MIN_ROWS` for a weight-major tile (its rows, twice over, are
+    its MMA's N)."""
     if config.block_m == 1:
         return 1
-    return max(WEIGHT_MAJOR_MIN_ROWS, min(config.block_m, triton.next_power_of_2(max(M, 1))))
+    rows = min(config.block_m, triton.next_power_of_2(max(M, 1)))
+    return max(WEIGHT_MAJOR_MIN_ROWS if weight_major(max(rows, DOT_MIN), config.block_n) else DOT_MIN, rows)
 
 
 def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int:
@@ -880,7 +900,7 @@ def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int
         body = config.block_n * config.num_warps * 4 + shuffle
     else:
         body = config.num_stages * (rows + config.block_n) * config.block_k * dtype_bytes
-        if rows <= SKINNY_MAX_M:
+        if weight_major(rows, config.block_n):
             body += 2 * rows * config.block_k * dtype_bytes
     partial = rows * config.block_n * 4 if config.split_k > 1 else 0
     return body + partial

@@ -5,6 +5,7 @@ import triton.language as tl
 
 from mk.tasks.linear import (
     LinearConfig,
+    _tile_rows,
     interleave_gate_up,
     linear,
     linear_config,
@@ -16,6 +17,7 @@ from mk.tasks.linear import (
     linear_split_range,
     linear_splitk_reduce_tile,
     linear_tile,
+    weight_major,
 )
 from tests.conftest import BASE_SEED, DTYPES, assert_close, rel_err
 
@@ -60,6 +62,8 @@ CONFIGS = [
     pytest.param(1, LinearConfig(1, 64, 32, num_warps=1, num_stages=1), id="gemv-64x32"),
     pytest.param(3, LinearConfig(1, 128, 64, num_warps=2, num_stages=1), id="gemv-rows"),
     pytest.param(3, LinearConfig(16, 64, 32, num_warps=4, num_stages=2), id="skinny-16x64x32"),
+    pytest.param(5, LinearConfig(16, 128, 32, num_warps=4, num_stages=2), id="weight-major-8x128x32"),
+    pytest.param(12, LinearConfig(16, 128, 64, num_warps=4, num_stages=2), id="weight-major-16x128x64"),
     pytest.param(40, LinearConfig(16, 128, 64, num_warps=4, num_stages=3, group_m=2), id="prefill-16x128x64"),
     pytest.param(40, LinearConfig(64, 256, 16, num_warps=4, num_stages=3), id="prefill-64x256x16"),
 ]
@@ -242,21 +246,31 @@ def test_linear_config_prints_and_serialises():
 
 
 def test_linear_smem_bytes():
-    # tl.dot body: stages x (rows + block_n) x block_k x dtype, rows capped by M (at least 8);
-    # decode tiles (<= 16 rows) stage [hi; lo] ([2 rows, block_k]) for the MMA as well.
+    # tl.dot body: stages x (rows + block_n) x block_k x dtype, rows capped by M (at least 16;
+    # 8 for weight-major tiles, which stage [hi; lo] ([2 rows, block_k]) for the MMA as well).
     prefill = LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
     assert linear_smem_bytes(prefill, 4096, 2) == 3 * (128 + 128) * 64 * 2
     assert linear_smem_bytes(prefill, 40, 2) == 3 * (64 + 128) * 64 * 2
     assert linear_smem_bytes(prefill, 3, 2) == 3 * (8 + 128) * 64 * 2 + 2 * 8 * 64 * 2
+    assert linear_smem_bytes(prefill, 12, 2) == 3 * (16 + 128) * 64 * 2 + 2 * 16 * 64 * 2
     split = LinearConfig(16, 32, 256, split_k=4, num_stages=4)
-    assert linear_smem_bytes(split, 8, 2) == 4 * (8 + 32) * 256 * 2 + 2 * 8 * 256 * 2 + 8 * 32 * 4
-    assert linear_smem_bytes(split, 12, 2) == 4 * (16 + 32) * 256 * 2 + 2 * 16 * 256 * 2 + 16 * 32 * 4
+    assert linear_smem_bytes(split, 8, 2) == 4 * (16 + 32) * 256 * 2 + 16 * 32 * 4
     # GEMV body: cross-warp reduction only, plus x's shuffle when warps do not span block_k.
     gemv = LinearConfig(1, 8, 1024, num_warps=4, num_stages=1)
     assert linear_smem_bytes(gemv, 1, 2) == 8 * 4 * 4
     assert linear_smem_bytes(LinearConfig(1, 16, 512, num_warps=4), 1, 2) == 16 * 4 * 4 + 512 * 4
     more = LinearConfig(64, 128, 64, num_stages=4)
     assert linear_smem_bytes(more, 64, 2) > linear_smem_bytes(LinearConfig(64, 128, 64, num_stages=3), 64, 2)
+
+
+def test_weight_major_tiles_are_wide_decode_tiles():
+    # Decode tiles (<= 16 rows) of >= 128 weight rows multiply weight-major, down to 8 rows.
+    assert weight_major(8, 128) and weight_major(16, 256)
+    assert not weight_major(16, 64) and not weight_major(32, 128) and not weight_major(1, 128)
+    assert _tile_rows(LinearConfig(16, 128, 64), 3) == 8
+    assert _tile_rows(LinearConfig(16, 64, 128), 3) == 16
+    assert _tile_rows(LinearConfig(16, 128, 64), 12) == 16
+    assert _tile_rows(LinearConfig(1, 128, 64), 1) == 1
 
 
 def test_linear_cost():
@@ -272,13 +286,16 @@ def test_linear_cost():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 5, 64])
+@pytest.mark.parametrize("M, block_n", [(1, None), (5, None), (5, 128), (64, None)])
 @pytest.mark.parametrize("variant", ["residual", "norm", "norm_silu_mul"])
-def test_linear_float32_stream_over_bf16_weights(M, variant, device):
+def test_linear_float32_stream_over_bf16_weights(M, block_n, variant, device):
     """A float32 x (every activation of a Llama step is) with bf16 weights: not rounded to
-    bf16 on the way to the tensor cores (two bf16 halves, mk.tasks._dot.mma), so the result
-    is float32-exact up to summation order: rounding x alone would cost ~1e-3."""
-    x, w, kw = make_inputs(M, 96, 256, variant, torch.bfloat16, device)
+    bf16 on the way to the tensor cores (two bf16 halves, mk.tasks._dot: x-major, or
+    weight-major with 128-row boxes), so the result is float32-exact up to summation order:
+    rounding x alone would cost ~1e-3."""
+    x, w, kw = make_inputs(M, 384, 256, variant, torch.bfloat16, device)
+    if block_n:
+        kw["config"] = LinearConfig(16, block_n, 64, num_warps=4, num_stages=2)
     x = x.float() * 1.5 + 1e-3 * torch.randn_like(x, dtype=torch.float32)  # values bf16 cannot hold
     if "residual" in variant:
         kw["residual"] = kw["residual"].float() + 1e-3
