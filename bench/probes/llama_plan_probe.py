@@ -189,12 +189,9 @@ VARIANTS = {
     "ring8_down": tuned(("down",), tma_stages=8),
     "ring6_gate_up": tuned(("gate_up",), tma_stages=6),
     # Batch 8 (session 15): a smaller LM head box (its 256 x 64 box, ring 3, sets the
-    # megakernel's shared memory), decode tl.dot tiles by linear_tile instead of linear_run.
+    # megakernel's shared memory).
     "lm64": tuned(("lm_head",), block_n=64, block_k=128, tma_stages=3),
     "lm64_ring4": lambda p, g: tuned(tma_stages=4)(tuned(("lm_head",), block_n=64, block_k=128)(p, g), g),
-    "tilepath": lambda p, g: (os.environ.__setitem__("MK_DOT_TILE_PATH", "tile"), p)[1],
-    "tilepath_lm64": lambda p, g: (os.environ.__setitem__("MK_DOT_TILE_PATH", "tile"),
-                                   tuned(("lm_head",), block_n=64, block_k=128, tma_stages=3)(p, g))[1],
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),
     "session10_runs": tiles(True, **SESSION10[KEY]),
@@ -247,7 +244,6 @@ def main():
     names = os.environ.get("PROBE_VARIANTS", ",".join(VARIANTS)).split(",")
     for name in names:
         r = res["variants"][name] = {}
-        os.environ.pop("MK_DOT_TILE_PATH", None)
         try:
             plan = VARIANTS[name](base_plan, graph)
             est = estimate_step(graph, plan.choices, model.device_spec, plan.workers)

@@ -163,13 +163,12 @@ class _LinearShape:
                 "PREFETCH_BULK": self.bulk, "TILES_PER_TASK": self.run, "TILES_N": self.tiles_n}
 
     def streams_in_run(self, tma: int) -> bool:
-        """Whether a task runs as :func:`mk.tasks.linear.linear_run`: a run of tiles, a GEMV
-        tile through the TMA ring (which waits for its inputs inside the stream, with the
-        ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`), or a decode
-        tl.dot tile through the TMA ring (its RMSNorm statistics then come from the chunks
-        it streams, where :func:`mk.tasks.linear.linear_tile` reads x once more first)."""
-        import os  # EXPERIMENT (session 15): MK_DOT_TILE_PATH=tile routes them to linear_tile
-        return self.run > 1 or self.waits_in_body(tma) or (self.bm > 1 and tma > 0 and os.environ.get("MK_DOT_TILE_PATH") != "tile")
+        """Whether a task runs as :func:`mk.tasks.linear.linear_run`: a run of tiles, or a
+        GEMV tile through the TMA ring (which waits for its inputs inside the stream, with
+        the ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`). (Decode
+        tl.dot tiles of one tile a task measured slower as runs of one: 1B batch-8 step
+        1.34 -> 1.62 ms on an H200, bench/NOTES.md session 15.)"""
+        return self.run > 1 or self.waits_in_body(tma)
 
     def waits_in_body(self, tma: int) -> bool:
         """Whether the task waits for x inside its stream (:func:`mk.tasks.linear.waits_in_stream`)."""

@@ -29,7 +29,7 @@ import torch
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
-from mk.tasks.linear import DOT_MIN, _tile_rows, linear_config, linear_cost, waits_in_stream
+from mk.tasks.linear import DOT_MIN, LinearConfig, _tile_rows, linear_config, linear_cost, waits_in_stream, weight_major
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -101,9 +101,11 @@ class StepEstimate:
         return max((o.smem_bytes for o in self.ops), default=0)
 
 
-def _tile_rows_for(M: int) -> int:
-    """Rows of x per tile, by the launcher's own rule (1 for the GEMV body, else tl.dot tiles)."""
-    return _tile_rows(linear_config(M, DOT_MIN, DOT_MIN, torch.bfloat16), M)
+def _tile_rows_for(M: int, block_n: int = DOT_MIN) -> int:
+    """Rows of x per tile of ``block_n`` weight rows, by the launcher's own rule (1 for the
+    GEMV body, else tl.dot tiles: 8 for weight-major ones)."""
+    base = linear_config(M, DOT_MIN, DOT_MIN, torch.bfloat16)
+    return _tile_rows(LinearConfig(base.block_m, max(block_n, DOT_MIN), base.block_k), M)
 
 
 def op_tasks(node: OpNode, choice: OpChoice) -> int:
@@ -163,7 +165,9 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
     * tl.dot tiles (M > 1): :data:`MEGAKERNEL_DOT_BUFFERS` x (x chunk [rows, block_k] + weight
       chunk [block_n, block_k]); a float32 x against 16-bit weights goes to the tensor cores
       as two 16-bit halves (:func:`mk.tasks._dot.mma`), each staged through a [rows, block_k]
-      buffer (+1 KiB of layout padding without the TMA ring).
+      buffer (+1 KiB of layout padding without the TMA ring); through a TMA ring, S - 1 x
+      chunks beside S - 1 weight chunks, and weight-major tiles
+      (:func:`mk.tasks.linear.weight_major`) all S weight chunks (wgmma reads them in place).
 
     Split-K needs nothing more: the partial is stored after the ring is dead and reuses it.
     Decode attention takes :func:`~mk.tasks.decode_attention.decode_attention_smem_bytes`; the
@@ -184,9 +188,16 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
             return (choice.tma_stages - 1) * (chunk + side) + (GEMV_RING_SCRATCH if in_stream else 0)
         if node.dims["M"] == 1:
             return 64 * choice.block_n
-        rows = _tile_rows_for(node.dims["M"])
+        rows = _tile_rows_for(node.dims["M"], choice.block_n)
         # x's two halves, each staged as a [rows, block_k] tensor-core operand (compiled: H200).
         staged = 2 * rows * choice.block_k * dtype_bytes if halves else 0
+        if choice.tma_stages and weight_major(rows, choice.block_n):
+            # wgmma reads the weight chunk where TMA put it: the ring holds all tma_stages
+            # chunks (one is being multiplied), x and the norm chunk tma_stages - 1, and
+            # [hi; lo] is staged once as the MMA's other operand.
+            chunk = choice.block_n * choice.block_k * dtype_bytes + 8
+            side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0)
+            return choice.tma_stages * chunk + (choice.tma_stages - 1) * side + staged
         if choice.tma_stages:
             # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight chunk.
             chunk = choice.block_n * choice.block_k * dtype_bytes
@@ -206,7 +217,8 @@ def _x_task_bytes(node: OpNode, choice: OpChoice) -> int:
     """Bytes of x one task of a linear reads (float32, its rows over its K range, padded to
     the tensor-core tile's rows, once for each tile of its run)."""
     d = node.dims
-    return _tile_rows_for(d["M"]) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES * choice.tiles_per_task
+    return (_tile_rows_for(d["M"], choice.block_n) * math.ceil(d["K"] / choice.split_k) * ACTIVATION_BYTES
+            * choice.tiles_per_task)
 
 
 def ring_seconds_per_byte(node: OpNode, choice: OpChoice, device: DeviceSpec, dtype_bytes: int = 2) -> float:
@@ -236,7 +248,7 @@ def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
         raise ValueError(f"op {node.name}: a linear needs block_n >= 1, got {choice.block_n}")
     if choice.tiles_per_task < 1:
         raise ValueError(f"op {node.name}: tiles_per_task must be >= 1, got {choice.tiles_per_task}")
-    return math.ceil(d["M"] / _tile_rows_for(d["M"])), math.ceil(d["N"] / choice.block_n)
+    return math.ceil(d["M"] / _tile_rows_for(d["M"], choice.block_n)), math.ceil(d["N"] / choice.block_n)
 
 
 def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
