@@ -294,12 +294,11 @@ def test_linear_float32_stream_over_bf16_weights(M, block_n, variant, device):
     weight-major with 128-row boxes), so the result is float32-exact up to summation order:
     rounding x alone would cost ~1e-3."""
     x, w, kw = make_inputs(M, 384, 256, variant, torch.bfloat16, device)
-    if block_n:
-        kw["config"] = LinearConfig(16, block_n, 64, num_warps=4, num_stages=2)
+    config = LinearConfig(16, block_n, 64, num_warps=4, num_stages=2) if block_n else None
     x = x.float() * 1.5 + 1e-3 * torch.randn_like(x, dtype=torch.float32)  # values bf16 cannot hold
     if "residual" in variant:
         kw["residual"] = kw["residual"].float() + 1e-3
-    y = linear(x, w, out_dtype=torch.float32, **kw)
+    y = linear(x, w, out_dtype=torch.float32, config=config, **kw)
     assert y.dtype == torch.float32
     ref = linear_ref(x.double(), w.double(), **{k: v.double() if torch.is_tensor(v) else v for k, v in kw.items()})
     assert rel_err(y, ref) < 1e-4, rel_err(y, ref)
