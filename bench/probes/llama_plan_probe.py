@@ -6,11 +6,13 @@ compile, time 50 launches, read residency (registers, spills, shared memory), th
 traced launch summarised per op. The search plan's trace is saved (JSON + PNG).
 Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all), PROBE_TRACE=0
 (trace only the search's plan), PROBE_SAVE_TRACES (variants whose trace files are
-kept, default search), PROBE_KNOBS
+kept, default search), PROBE_ALT_WARPS (e.g. 2,8: each variant's program also timed at
+those warps a worker; a variant named base@w2n396 runs base's plan on 396 workers of 2
+warps), PROBE_KNOBS
 (comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program).
 Writes $OUT/llama_plan_probe.json.
 """
-import json, os, sys, time, traceback
+import functools, json, os, re, sys, time, traceback
 from collections import defaultdict
 from dataclasses import replace
 
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _harness import back_to_back_ms  # noqa: E402
 from _llama_shapes import SHAPES, random_model  # noqa: E402
 from mk.models import Llama, LlamaConfig  # noqa: E402
+from mk.persistent import runtime  # noqa: E402
 from mk.persistent.runtime import Megakernel  # noqa: E402
 from mk.planner.cost import OpChoice, estimate_step  # noqa: E402
 from mk.planner.search import search  # noqa: E402
@@ -211,6 +214,32 @@ VARIANTS = {
 }
 
 
+def parse_variant(name):
+    """``base[@wW][nN]``: the variant ``base`` with its megakernel at W warps a worker and/or
+    its plan at N workers (e.g. ``search@w2n396``: 3 two-warp workers an SM)."""
+    m = re.fullmatch(r"([^@]+)(?:@(?:w(\d+))?(?:n(\d+))?)?", name)
+    return m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
+
+
+def alt_warps(dec, alt):
+    """Time ``alt`` (the decoder's program at another warp count) and compare the logits of
+    one step from the same state with the decoder's own kernel."""
+    st = dec.state
+    saved = {k: v.clone() for k, v in st.items()}
+    logits = dec.step.graph.buffers[dec.step.logits]
+    outs = []
+    for kernel in (dec.kernel, alt):
+        for k, v in saved.items():
+            st[k].copy_(v)
+        kernel.launch()
+        kernel.check()
+        outs.append(logits.float().clone())
+    res = alt.residency()
+    return {"ms": timed(alt.launch), "logits_max_abs_diff": (outs[0] - outs[1]).abs().max().item(),
+            "n_regs": res.n_regs, "n_spills": res.n_spills, "smem": res.shared_bytes,
+            "blocks_per_sm": res.blocks_per_sm}
+
+
 def summarize(events):
     by_op = defaultdict(lambda: [0, 0.0, 0.0])
     for e in events:
@@ -245,7 +274,11 @@ def main():
     for name in names:
         r = res["variants"][name] = {}
         try:
-            plan = VARIANTS[name](base_plan, graph)
+            base, warps, workers = parse_variant(name)
+            plan = VARIANTS[base](base_plan, graph)
+            if workers:
+                plan = replace(plan, workers=workers)
+            runtime.Megakernel = functools.partial(Megakernel, num_warps=warps) if warps else Megakernel
             est = estimate_step(graph, plan.choices, model.device_spec, plan.workers)
             sim = simulate_step(graph, plan.choices, model.device_spec, plan.workers, plan.schedule)
             r["predicted_ms"] = sim.seconds * 1e3  # the simulated step under the plan's schedule
@@ -266,6 +299,7 @@ def main():
             r["tasks"] = len(dec.step.graph.tasks)
             r["variants"] = len(dec.kernel.program.variants)
             r["ms"] = timed(dec.kernel.launch)
+            r["num_warps"] = dec.kernel.num_warps
             dec.kernel.check()
             # Runtime knobs on the same program: spin-wait backoff (ns) and deferred signals.
             for knob in filter(None, os.environ.get("PROBE_KNOBS", "").split(",")):
@@ -274,6 +308,12 @@ def main():
                 r[f"ms_backoff{knob}"] = timed(alt.launch)
                 alt.check()
                 mark(name, "knob", knob, r[f"ms_backoff{knob}"])
+                del alt
+            # The same program at other warp counts a worker (Megakernel(num_warps=...)).
+            for warps in filter(None, os.environ.get("PROBE_ALT_WARPS", "").split(",")):
+                alt = Megakernel(dec.kernel.program, num_warps=int(warps))
+                r[f"warps{warps}"] = alt_warps(dec, alt)
+                mark(name, "warps", warps, r[f"warps{warps}"])
                 del alt
             if name != "search" and os.environ.get("PROBE_TRACE", "1") == "0":
                 mark(name, {k: v for k, v in r.items() if k not in ("tokens", "plan")})

@@ -95,10 +95,14 @@ class Megakernel:
         backoff_ns: sleep between polls (GPU only).
         defer_signals: a worker's run of same-event tasks signals once, at its end (the
             VM's ``defer_signals`` models it).
+        num_warps: warps a worker; default the most any task asks for. Task bodies compile
+            for any count (Triton picks their layouts), so fewer warps trade each worker's
+            threads for more resident workers.
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
-                 interpret_polls: int = 2000, backoff_ns: int = 0, defer_signals: bool = True):
+                 interpret_polls: int = 2000, backoff_ns: int = 0, defer_signals: bool = True,
+                 num_warps: int | None = None):
         self.program = program
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}
@@ -121,7 +125,9 @@ class Megakernel:
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
         self.trace_enabled = trace
         self.trace_buf = torch.zeros(max(self.desc.shape[0] * 3, 3), dtype=torch.int64, device=dev)
-        self.num_warps = max(spec.num_warps for spec, _ in program.variants) if program.variants else 4
+        if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+            raise MegakernelError(f"num_warps must be a power of two from 1 to 16, got {num_warps}")
+        self.num_warps = num_warps or (max(spec.num_warps for spec, _ in program.variants) if program.variants else 4)
         self.timeout = interpret_polls if INTERPRET else int(timeout_s * 1e9)
         self._residency: Residency | None = None
 

@@ -69,6 +69,16 @@ def test_every_resident_worker_and_weight_prefetch():
         too_many.launch()
 
 
+def test_two_warp_workers_fit_more_an_sm_and_compute_the_same():
+    g, ws = gemv_chain(4, 1024, block_n=2, prefetch_k=512)
+    four = Megakernel(lower(g, num_workers=1)).residency()
+    two = Megakernel(lower(g, num_workers=1), num_warps=2).residency()
+    assert two.num_warps == 2 and two.max_workers >= four.max_workers
+    kernel = Megakernel(lower(g, num_workers=two.max_workers), num_warps=2)
+    kernel.run()
+    assert rel_err(g.buffers["h4"], chain_ref(g.buffers["h0"], ws)) < 2e-2
+
+
 def test_broken_graph_times_out_within_a_second_and_the_next_launch_works():
     g, ws = gemv_chain(3, 512, block_n=8)
     kernel = Megakernel(lower(g, num_workers=2 * sm_count()), timeout_s=0.25)

@@ -59,6 +59,21 @@ def test_megakernel_equals_op_by_op(trial):
     assert int(kernel.state[0]) == 2
 
 
+def test_megakernel_at_other_warp_counts_computes_the_same():
+    g, expected = random_norm_dag(random.Random(7), rows=2, n=200, nodes=4)
+    for warps in (1, 2, 8):
+        for name in expected:
+            if name != "b0":
+                g.buffers[name].fill_(float("nan"))
+        kernel = Megakernel(lower(g, num_workers=1), num_warps=warps)
+        assert kernel.num_warps == warps
+        kernel.run()
+        for name, ref in expected.items():
+            assert_close(g.buffers[name], ref, torch.float32, f"{name} at {warps} warps")
+    with pytest.raises(Exception, match="num_warps"):
+        Megakernel(lower(g, num_workers=1), num_warps=3)
+
+
 @pytest.mark.parametrize("workers", [1, 2, 7, 64])
 @pytest.mark.parametrize("schedule", ["round_robin", "zigzag", "list"])
 def test_vm_runs_many_workers_without_deadlock_or_early_reads(workers, schedule):
