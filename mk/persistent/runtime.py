@@ -54,13 +54,19 @@ class Residency:
 
 
 def blocks_per_sm(n_regs: int, shared_bytes: int, num_warps: int, props) -> int:
-    """Resident blocks per SM allowed by registers, shared memory and threads."""
+    """Resident blocks per SM allowed by registers, shared memory and threads.
+
+    Each block's shared memory is its own plus what the driver reserves a block (the SM's
+    shared memory less the opt-in most a block may use: 1 KiB on Ampere and Hopper), in
+    128-byte units: three 76 KiB workers do not fit an H200 SM's 228 KiB."""
     regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    reserved = smem_per_sm - optin if 0 < optin < smem_per_sm else 1024
     threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
     regs_per_warp = math.ceil(max(n_regs, 1) * 32 / 256) * 256
     by_regs = regs_per_sm // (regs_per_warp * num_warps)
-    by_smem = smem_per_sm // shared_bytes if shared_bytes else 32
+    by_smem = smem_per_sm // (-(-(shared_bytes + reserved) // 128) * 128) if shared_bytes else 32
     by_threads = threads_per_sm // (32 * num_warps)
     return max(0, min(by_regs, by_smem, by_threads, 32))
 

@@ -193,3 +193,17 @@ def test_deferred_signals_are_safe_and_fewer(defer):
         assert_close(g.buffers["h3"], expected, torch.float32, "h3")
         # Layers 0 and 1 signal (layer 2 has no consumer): 16 tasks, or 2 workers x 2 runs.
         assert report.signals == (4 if defer else 16)
+
+
+def test_blocks_per_sm_counts_the_shared_memory_reserved_a_block():
+    from types import SimpleNamespace
+
+    from mk.persistent.runtime import blocks_per_sm
+    h200 = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+                           shared_memory_per_block_optin=232448, max_threads_per_multi_processor=2048)
+    # 76 KiB a worker: 3 x 76 KiB fit 228 KiB, but not with the driver's 1 KiB a block.
+    assert blocks_per_sm(128, 77824, 2, h200) == 2
+    assert blocks_per_sm(128, 57872, 2, h200) == 3  # 4 would need 235584 B
+    assert blocks_per_sm(128, 53912, 2, h200) == 4
+    assert blocks_per_sm(255, 53912, 4, h200) == 2  # 255 registers x 128 threads: 2 by registers
+    assert blocks_per_sm(32, 0, 1, h200) == 32
