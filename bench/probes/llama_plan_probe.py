@@ -207,6 +207,13 @@ VARIANTS = {
     # into registers before the dependency wait (OpSpec.preload), a TMA ring's only after it.
     "reg_o": tuned(("o_proj",), block_n=8, block_k=2048, tma_stages=0, tiles_per_task=1),
     "reg_o_qkv": tuned(("o_proj", "qkv"), block_n=8, block_k=2048, tma_stages=0, tiles_per_task=1),
+    # Split-K partials as runs of adjacent tiles (one split), so every worker streams about
+    # the same weight bytes: the 8B gate_up's 224 tiles of 128 rows left 40 of 264 workers idle.
+    "gu_s8": tuned(("gate_up",), split_k=8),
+    "gu_s8r7": tuned(("gate_up",), split_k=8, tiles_per_task=7),
+    "qkv_s16r3": tuned(("qkv",), split_k=16, tiles_per_task=3),
+    "gu_s8r7_qkv_s16r3": lambda p, g: tuned(("qkv",), split_k=16, tiles_per_task=3)(
+        tuned(("gate_up",), split_k=8, tiles_per_task=7)(p, g), g),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),
