@@ -194,15 +194,14 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
         if choice.tma_stages and weight_major(rows, choice.block_n):
             # wgmma reads the weight chunk where TMA put it: the ring holds all tma_stages
             # chunks (one is being multiplied), x and the norm chunk tma_stages - 1, and
-            # [hi; lo] is staged once as the MMA's other operand. The norm weight's chunk
-            # comes as rows copies of its row (mk.tasks.linear._load_norm_w), beside x's.
+            # [hi; lo] is staged once as the MMA's other operand.
             chunk = choice.block_n * choice.block_k * dtype_bytes + 8
-            side = rows * choice.block_k * (x_bytes + (dtype_bytes if norm else 0))
+            side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0)
             return choice.tma_stages * chunk + (choice.tma_stages - 1) * side + staged
         if choice.tma_stages:
             # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight chunk.
             chunk = choice.block_n * choice.block_k * dtype_bytes
-            side = rows * choice.block_k * (x_bytes + (dtype_bytes if norm else 0)) + 8
+            side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
             return max(choice.tma_stages - 1, 1) * (chunk + side) + staged
         ring = MEGAKERNEL_DOT_BUFFERS * (rows * x_bytes + choice.block_n * dtype_bytes) * choice.block_k
         return ring + (staged + 1024 if halves else 0)

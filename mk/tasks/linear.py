@@ -132,26 +132,6 @@ def _load_x(x_rows, cols, k_hi, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _load_norm_w(norm_w_ptr, cols, k_hi, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The RMSNorm weight's chunk ``cols`` as float32, shaped like :func:`_load_x`'s chunk: a
-    [BLOCK_K] vector for the GEMV body, the same row BLOCK_M times for the dot body. Why the
-    copies: a [BLOCK_K] bf16 vector over a dot tile's threads is 2 bytes a thread, below
-    cp.async's 4, so Triton's pipeliner left it a plain load in the loop, one L2 round trip
-    a chunk; as a [BLOCK_M, BLOCK_K] tile it is pipelined like x (the extra bytes are L2 hits)."""
-    if BLOCK_M == 1:
-        ptrs = norm_w_ptr + cols
-        in_range = cols < k_hi
-    else:
-        ptrs = norm_w_ptr + (tl.zeros([BLOCK_M, 1], dtype=tl.int32) + cols[None, :])
-        in_range = (tl.zeros([BLOCK_M, 1], dtype=tl.int32) + cols[None, :]) < k_hi
-    if MASKED:
-        nw = tl.load(ptrs, mask=in_range, other=0.0)
-    else:
-        nw = tl.load(ptrs)
-    return nw.to(tl.float32)
-
-
-@triton.jit
 def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """1/sqrt(mean(x**2) + eps) of the tile's rows over all of K ([BLOCK_M], a scalar if BLOCK_M == 1)."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -184,11 +164,14 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
         w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first" if BLOCK_M == 1 else "")
     xt = _load_x(x_rows, cols, k_hi, MASKED=MASKED, BLOCK_M=BLOCK_M)
     if HAS_NORM:
-        nw = _load_norm_w(norm_w_ptr, cols, k_hi, MASKED=MASKED, BLOCK_M=BLOCK_M)
+        if MASKED:
+            nw = tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+        else:
+            nw = tl.load(norm_w_ptr + cols).to(tl.float32)
         if BLOCK_M == 1:
             xt = xt.to(tl.float32) * rstd * nw
         else:
-            xt = xt.to(tl.float32) * rstd[:, None] * nw
+            xt = xt.to(tl.float32) * rstd[:, None] * nw[None, :]
     if BLOCK_M == 1:
         # Element-wise products into the [BLOCK_N, BLOCK_K] accumulator: FMAs only, no
         # cross-thread reduction inside the weight stream.
@@ -282,8 +265,7 @@ def _linear_acc(
             w = w_desc.load([pid_n * BLOCK_N, k])
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
             if HAS_NORM:
-                xt = xt.to(tl.float32) * rstd[:, None] * _load_norm_w(norm_w_ptr, k + offs_k, k_hi, MASKED=False,
-                                                                      BLOCK_M=BLOCK_M)
+                xt = xt.to(tl.float32) * rstd[:, None] * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
             if WEIGHT_MAJOR:
                 acc = mma_weight_major(w, xt, acc)
             else:
@@ -509,7 +491,11 @@ def linear_run(
         if HAS_NORM:
             xt = xt.to(tl.float32)
             sum_sq += tl.where(t == 0, xt * xt, 0.0)
-            xt = xt * _load_norm_w(norm_w_ptr, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
+            nw = tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+            if BLOCK_M == 1:
+                xt = xt * nw
+            else:
+                xt = xt * nw[None, :]
         if BLOCK_M == 1:
             acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
         elif WEIGHT_MAJOR:
