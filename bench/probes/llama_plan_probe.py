@@ -214,6 +214,13 @@ VARIANTS = {
     "qkv_s16r3": tuned(("qkv",), split_k=16, tiles_per_task=3),
     "gu_s8r7_qkv_s16r3": lambda p, g: tuned(("qkv",), split_k=16, tiles_per_task=3)(
         tuned(("gate_up",), split_k=8, tiles_per_task=7)(p, g), g),
+    # Weight-major (128-row, wgmma) tiles where the search picks 64-row x-major ones, split
+    # so that the tasks still fill the workers.
+    "gu128": tuned(("gate_up",), block_n=128, block_k=64, split_k=2, tma_stages=3),
+    "down128": tuned(("down",), block_n=128, block_k=64, split_k=16, tma_stages=3),
+    "gu128_down128": lambda p, g: tuned(("down",), block_n=128, block_k=64, split_k=16, tma_stages=3)(
+        tuned(("gate_up",), block_n=128, block_k=64, split_k=2, tma_stages=3)(p, g), g),
+    "down128s8": tuned(("down",), block_n=128, block_k=64, split_k=8, tma_stages=3),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),
