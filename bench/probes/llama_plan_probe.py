@@ -145,6 +145,10 @@ VARIANTS = {
     "top2": ranked(1),
     "top3": ranked(2),
     "budget99": ranked(0, smem="99KiB"),
+    # The search without the decode tl.dot tile rates (DeviceSpec.dot_worker_bandwidth,
+    # xmajor_dot_bandwidth): the plans before session 16.
+    "no_dot_rates": lambda p, g: search(g, replace(MODEL_SPEC[0], dot_worker_bandwidth=0.0,
+                                                   xmajor_dot_bandwidth=0.0))[0],
     "reg8x2048": uniform(REG(8, 2048)),
     "reg8x2048_2perSM": uniform(REG(8, 2048), workers=264),
     "reg16x1024": uniform(REG(16, 1024)),

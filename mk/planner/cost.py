@@ -29,7 +29,8 @@ import torch
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
-from mk.tasks.linear import DOT_MIN, LinearConfig, _tile_rows, linear_config, linear_cost, waits_in_stream, weight_major
+from mk.tasks.linear import (DOT_MIN, SKINNY_MAX_M, LinearConfig, _tile_rows, linear_config, linear_cost,
+                             waits_in_stream, weight_major)
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -241,6 +242,17 @@ def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, ta
     return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s
 
 
+def decode_dot_tile(node: OpNode) -> bool:
+    """Whether a linear runs decode tl.dot tiles: a batch of 2..SKINNY_MAX_M rows."""
+    return node.kind == "linear" and 1 < node.dims["M"] <= SKINNY_MAX_M
+
+
+def xmajor_decode_tile(node: OpNode, choice: OpChoice) -> bool:
+    """Whether a linear's tasks are x-major decode tl.dot tiles (:attr:`DeviceSpec.xmajor_dot_bandwidth`):
+    a decode batch in boxes too narrow for weight-major (else :attr:`DeviceSpec.dot_worker_bandwidth`)."""
+    return decode_dot_tile(node) and not weight_major(_tile_rows_for(node.dims["M"], choice.block_n), choice.block_n)
+
+
 def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     """(row blocks, tiles along N) of a linear under the choice."""
     d = node.dims
@@ -346,6 +358,9 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             reread = _attention_workspace(d, choice.kv_splits) // (d["batch"] * d["kv_heads"])
         stream = max(task_bytes / (device.dram_bandwidth / busy), (task_bytes + reread) / rate,
                      task_bytes * ring_s if i == 0 else 0.0)
+        if i == 0 and decode_dot_tile(node):
+            dot_rate = device.xmajor_dot_bandwidth if xmajor_decode_tile(node, choice) else device.dot_worker_bandwidth
+            stream = max(stream, task_bytes / dot_rate) if dot_rate else stream
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
         streams.append((phase_tasks, waves, stream))

@@ -61,7 +61,7 @@ _RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
 _OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s", "chunk_overhead_s",
                     "chunk_exposed_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
-_WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth")
+_WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth", "dot_worker_bandwidth", "xmajor_dot_bandwidth")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,12 @@ class DeviceSpec:
             GEMV tile's weights at when DRAM is not the limit (few workers busy): through
             the TMA ring, and through registers (every other task). 0 until measured:
             :meth:`worker_rate` then falls back to an even share of ``dram_bandwidth``.
+        dot_worker_bandwidth: bytes/s of weights one worker gets through in a weight-major
+            decode tl.dot tile (:func:`mk.tasks.linear.weight_major`: wgmma reads the TMA
+            ring's chunk in place) however few workers are busy. 0: not a limit.
+        xmajor_dot_bandwidth: the same for x-major decode tiles (batch rows as the MMA's M:
+            boxes of fewer than 128 weight rows), where mma.sync takes each weight chunk from
+            shared memory into registers and x's hi and lo halves are two MMAs.
 
     Cost-model constants (placeholders until calibrated; ``calibrated`` says which):
         task_overhead_s: fixed cost of one task in a persistent worker (fetch descriptor,
@@ -120,6 +126,8 @@ class DeviceSpec:
     reserved_smem_per_block: int = _RESERVED_SMEM_PER_BLOCK
     tma_worker_bandwidth: float = 0.0
     worker_bandwidth: float = 0.0
+    dot_worker_bandwidth: float = 0.0
+    xmajor_dot_bandwidth: float = 0.0
     # Measured in the 1B step on an H200 (bench/NOTES.md, session 4): halving the GEMV
     # tile (twice the tasks) cost ~2.6 µs of worker time per extra task at one worker an
     # SM: the TMA ring fills again at every task. 1.5 µs with two workers an SM, which
@@ -292,6 +300,8 @@ class DeviceSpec:
             reserved_smem_per_block=base.reserved_smem_per_block,
             tma_worker_bandwidth=base.tma_worker_bandwidth,
             worker_bandwidth=base.worker_bandwidth,
+            dot_worker_bandwidth=base.dot_worker_bandwidth,
+            xmajor_dot_bandwidth=base.xmajor_dot_bandwidth,
             task_overhead_s=base.task_overhead_s,
             wait_overhead_s=base.wait_overhead_s,
             launch_overhead_s=base.launch_overhead_s,
@@ -379,10 +389,15 @@ class DeviceSpec:
 # ---- presets ----------------------------------------------------------------------------
 
 def _hopper(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float) -> DeviceSpec:
+    # Decode tl.dot tiles in the H200's batch-8 steps (bench/NOTES.md, session 16): x-major
+    # 64-row boxes took 10.3-14.4 GB/s a worker (RMSNorm prologue the slower), weight-major
+    # 128-row boxes 15.7 GB/s with only 224 of 264 workers busy (the 8B gate_up: an even
+    # share of DRAM would be 19 GB/s). The same SM on an H100.
     return DeviceSpec(name=name, sm_count=sm_count, smem_per_block=227 * KiB,
                       smem_per_sm=228 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,
                       max_blocks_per_sm=32, l2_bytes=l2_bytes, dram_bandwidth=dram_bandwidth,
-                      bf16_flops=989e12, compute_capability=(9, 0))
+                      bf16_flops=989e12, compute_capability=(9, 0), dot_worker_bandwidth=16e9,
+                      xmajor_dot_bandwidth=11e9)
 
 
 def _ada(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float,

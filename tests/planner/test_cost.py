@@ -111,3 +111,29 @@ def test_k_split_cuts_the_whole_range_ring_of_a_down_projection():
     assert whole_range_stages(14336, 256, 1) == 56 and whole_range_stages(14336, 256, 4) == 14
     # With a 99 KiB budget only a split ring fits: 55 chunks in flight x 16 rows x 512 B = 440 KiB unsplit.
     assert smem[1] > 440 * 1024 and smem[4] > 99 * 1024 > smem[8]
+
+
+def test_decode_dot_tiles_stream_at_their_measured_worker_rates():
+    """Batch-8 tl.dot tiles: x-major boxes (< 128 weight rows) at xmajor_dot_bandwidth a
+    worker, weight-major ones at dot_worker_bandwidth however few workers are busy (an even
+    share of DRAM would let 128 busy workers of 264 stream twice as fast each; measured on
+    an H200 they do not). Batch 1's GEMV tiles are neither."""
+    from dataclasses import replace
+
+    from mk.planner.cost import phase_costs
+
+    spec = DeviceSpec.preset("h200")
+    assert spec.dot_worker_bandwidth > spec.xmajor_dot_bandwidth > 0
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=64)
+    gate_up = g.node("l0.gate_up")  # 16384 x 2048 bf16
+    x_major = phase_costs(gate_up, OpChoice(block_n=64, block_k=128, tma_stages=3), spec, 264)[0]
+    assert x_major.tasks == 256
+    assert x_major.task_s == pytest.approx(spec.task_overhead_s + 64 * 2048 * 2 / spec.xmajor_dot_bandwidth, rel=0.02)
+    wide = phase_costs(gate_up, OpChoice(block_n=128, block_k=64, tma_stages=3), spec, 264)[0]
+    assert wide.tasks == 128
+    assert wide.task_s == pytest.approx(spec.task_overhead_s + 128 * 2048 * 2 / spec.dot_worker_bandwidth, rel=0.02)
+    free = replace(spec, dot_worker_bandwidth=0.0, xmajor_dot_bandwidth=0.0)
+    assert phase_costs(gate_up, OpChoice(block_n=128, block_k=64, tma_stages=3), free, 264)[0].task_s < 0.6 * wide.task_s
+    gemv = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64).node("l0.gate_up")
+    choice = OpChoice(block_n=32, block_k=256, tma_stages=4)
+    assert phase_costs(gemv, choice, spec, 264) == phase_costs(gemv, choice, free, 264)
