@@ -39,6 +39,25 @@ def _event_ms(fn, reps=30, warmup=3) -> float:
     return event_time_us(fn, reps=reps, warmup=warmup) / 1e3
 
 
+@pytest.mark.parametrize("batch", [8, 1])
+def test_generation_memory(record, llama, batch):
+    """GPU memory a generation adds to the weights and the KV cache (first in the module:
+    nothing but the model is allocated yet): long prompts, then decode steps."""
+    key, model = llama
+    prompts = [[(7 * b + 13 * t) % model.config.vocab_size for t in range(MAX_SEQ - 100 - b)] for b in range(batch)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model.generate(prompts, max_new_tokens=16)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    fp = model.footprint()
+    record("llama", op="generation_memory", model=key, batch=batch, prompt_tokens=len(prompts[0]), new_tokens=16,
+           extra_mib=extra / 2**20, weights_gib=fp["weights"] / 2**30, kv_cache_gib=fp["kv_cache"] / 2**30,
+           others_before_mib=(before - fp["weights"] - fp["kv_cache"]) / 2**20, prefill_chunk=model.prefill_chunk(batch))
+    assert extra <= 64 * 2**20, f"generation added {extra / 2**20:.1f} MiB to the weights and cache"
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_step(benchmark, record, gpu_env, llama, batch):
     key, model = llama

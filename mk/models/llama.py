@@ -48,6 +48,10 @@ def _check_plan_mode(plan_mode) -> None:
         raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
 
 
+#: Bytes of float32 activations a prefill chunk may hold (:meth:`Llama.prefill_chunk`): with
+#: the decode step's few MiB, generation stays within weights + KV cache + 64 MiB.
+PREFILL_ACTIVATION_BYTES = 32 * 2**20
+
 #: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
 MEASURE_BURST, MEASURE_REPS = 20, 3
 
@@ -177,6 +181,14 @@ class Llama:
 
     # ------------------------------------------------------------------ planning
 
+    def footprint(self) -> dict[str, int]:
+        """Bytes this model holds on its device: ``weights`` (tied tensors once) and
+        ``kv_cache``. Generation adds the decode steps' activations and state and a
+        prefill chunk's activations (:meth:`prefill_chunk`), a few tens of MiB."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
+        return {"weights": sum(storages.values()),
+                "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2}
+
     @property
     def device_spec(self):
         """The :class:`~mk.planner.device.DeviceSpec` plans are made for: the live GPU, or
@@ -289,42 +301,79 @@ class Llama:
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
         return ids.to(self.device), lengths
 
+    def prefill_chunk(self, batch: int) -> int:
+        """Prompt tokens a prefill runs through the layers at once for ``batch`` prompts: as
+        many as keep its float32 activations within :data:`PREFILL_ACTIVATION_BYTES`
+        (a longer prompt goes a chunk at a time, each chunk attending to the cache)."""
+        c = self.config
+        qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        # A chunk's live activations a token: the residual (x3 around the adds), qkv, the
+        # rotated q, the attention output and the MLP's SiLU·mul output, float32.
+        per_token = 4 * (3 * c.hidden_size + qkv + 2 * c.num_attention_heads * c.head_dim + c.intermediate_size)
+        return max(1, PREFILL_ACTIVATION_BYTES // (per_token * batch))
+
     def _prefill(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run the prompts through every layer, filling the cache; float32 logits of each
-        row's last token [B, V] (or of every token [B, T, V])."""
+        """Run the prompts through every layer, filling the cache, a chunk of
+        :meth:`prefill_chunk` tokens at a time; float32 logits of each row's last token
+        [B, V] (or of every token [B, T, V])."""
+        B, T = ids.shape
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        chunk = self.prefill_chunk(B)
+        if all_logits:
+            logits = torch.empty(B, T, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        else:
+            last = torch.empty(B, self.config.hidden_size, dtype=torch.float32, device=self.device)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            x = self._prefill_layers(ids[:, t0:t1].contiguous(), t0, seqlens)
+            if all_logits:
+                logits[:, t0:t1] = self._lm_head(x).view(B, t1 - t0, -1)
+                continue
+            for b, n in enumerate(lengths):  # each row's last prompt token, in the chunk that holds it
+                if t0 < n <= t1:
+                    last[b] = x[b * (t1 - t0) + n - 1 - t0]
+        return logits if all_logits else self._lm_head(last)
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        return linear(rmsnorm(x, w[WEIGHT + "final_norm"], self.config.rms_norm_eps), w[WEIGHT + "lm_head"]).float()
+
+    def _prefill_layers(self, ids: torch.Tensor, t0: int, seqlens: torch.Tensor) -> torch.Tensor:
+        """Tokens [t0, t0 + C) of every prompt (``ids`` [B, C]) through every layer, their
+        K/V appended to the cache (tokens before t0 are there already); the final
+        residual, float32 [B * C, H]."""
         c, w = self.config, self.weights
 
         def W(name):
             return w[WEIGHT + name]
 
-        B, T = ids.shape
+        B, C = ids.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
-        positions = torch.arange(T, device=self.device, dtype=torch.int32).expand(B, T).contiguous()
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
+        positions = torch.arange(t0, t0 + C, device=self.device, dtype=torch.int32).expand(B, C).contiguous()
         f32 = torch.float32
         # Every activation is float32, as in the decode step (mk.planner.lower): only the
         # weights and the KV cache are rounded.
         x = embedding(ids.reshape(-1), W("embed")).float()
         for L in range(c.num_hidden_layers):
             qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
-            q, k, v = qkv.view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            q, k, v = qkv.view(B, C, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             kc, vc = self.k_cache[L, :B], self.v_cache[L, :B]
             # Positions (an arange) and lengths were checked against the cache with the prompts:
             # no per-layer read-back (each waited for the GPU: a third of a 1B prefill's time).
             q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True, check_values=False)
+            del qkv, k, v
             # Attention reads the rotated keys back from the cache ([B, Hkv, T, D] -> [B, T, Hkv, D] views).
-            attn = prefill_attention(q, kc[:, :, :T].transpose(1, 2), vc[:, :, :T].transpose(1, 2), seqlens,
-                                     check_values=False)
-            x = linear(attn.reshape(B * T, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
+            attn = prefill_attention(q, kc[:, :, :t0 + C].transpose(1, 2), vc[:, :, :t0 + C].transpose(1, 2),
+                                     seqlens, check_values=False, q_start=t0)
+            del q
+            x = linear(attn.reshape(B * C, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
+            del attn
             act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
                          out_dtype=f32)
             x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=f32)
-        if not all_logits:
-            last = torch.tensor([b * T + n - 1 for b, n in enumerate(lengths)], device=self.device)
-            x = x[last]
-        logits = linear(rmsnorm(x, W("final_norm"), eps), W("lm_head")).float()
-        return logits.view(B, T, -1) if all_logits else logits
+            del act
+        return x
 
     @torch.no_grad()
     def logits(self, input_ids) -> torch.Tensor:

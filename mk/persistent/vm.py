@@ -63,11 +63,13 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
     signals = 0
     buffers = graph.buffers
 
-    # Data-flow check, independent of the events: per element, how many tasks (in program
+    # Data-flow check, independent of the events: per element of memory (buffers that are
+    # the same tensor, as layers' activations are, count as one), how many tasks (in program
     # order) write it and read it. A task's read of an element needs every earlier writer
     # of it done; its write needs every earlier reader done (else it clobbers data they
     # still need: a step's inputs, such as the token ids, are overwritten by the step).
-    written_by_someone = {r.buffer for t in tasks for r in t.writes()}
+    memory = _same_memory(buffers)
+    written_by_someone = {memory[r.buffer] for t in tasks for r in t.writes()}
     writes_done = {n: torch.zeros(_view2d(buffers[n]).shape, dtype=torch.int32) for n in written_by_someone}
     reads_done = {n: torch.zeros_like(c) for n, c in writes_done.items()}
     need_writes: dict = {}  # (task, region index) -> writes each element needs first
@@ -81,16 +83,16 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
             if t.team_start == i:
                 for reads, writes in team:
                     for r in reads:
-                        reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+                        reads_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
                     for r in writes:
-                        writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+                        writes_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
                 team = []
-            reads = [r for r in t.reads() if r.buffer in writes_done]
+            reads = [r for r in t.reads() if memory[r.buffer] in writes_done]
             writes = t.writes()
             for k, r in enumerate(reads):
-                need_writes[i, k] = writes_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1].clone()
+                need_writes[i, k] = writes_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1].clone()
             for k, r in enumerate(writes):
-                need_reads[i, k] = reads_so_far[r.buffer][r.r0:r.r1, r.c0:r.c1].clone()
+                need_reads[i, k] = reads_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1].clone()
             team.append((reads, writes))
     order: list[int] = []
     max_conc = 0
@@ -121,23 +123,23 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
             turn += 1
         i = program.queues[w][heads[w]]
         task = tasks[i]
-        reads = [r for r in task.reads() if r.buffer in writes_done]
+        reads = [r for r in task.reads() if memory[r.buffer] in writes_done]
         if check_reads:
             for k, r in enumerate(reads):
-                if bool((writes_done[r.buffer][r.r0:r.r1, r.c0:r.c1] < need_writes[i, k]).any()):
+                if bool((writes_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] < need_writes[i, k]).any()):
                     raise EarlyRead(f"task {i} ({task.name}) on worker {w} reads {r} before its producers "
                                     f"signalled")
             for k, r in enumerate(task.writes()):
-                if bool((reads_done[r.buffer][r.r0:r.r1, r.c0:r.c1] < need_reads[i, k]).any()):
+                if bool((reads_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] < need_reads[i, k]).any()):
                     raise EarlyRead(f"task {i} ({task.name}) on worker {w} writes {r} before every earlier "
                                     f"task that reads it has run")
         if execute:
             roles = {role: buffers[name] for role, name in task.bind.items()}
             task.op.run(roles, dict(task.args))
         for r in reads:
-            reads_done[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+            reads_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
         for r in task.writes():
-            writes_done[r.buffer][r.r0:r.r1, r.c0:r.c1] += 1
+            writes_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
         ev = program.task_signal[i]
         heads[w] += 1
         if ev >= 0:
@@ -151,6 +153,17 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
         order.append(i)
         steps += 1
     return VMReport(steps=steps, order=order, max_concurrency=max_conc, signals=signals)
+
+
+def _same_memory(buffers: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Buffer name -> the first name of the same memory: buffers that are the same tensor
+    (storage, offset, shape, strides, dtype) are checked as one."""
+    first: dict[tuple, str] = {}
+    memory = {}
+    for name, t in buffers.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        memory[name] = first.setdefault(key, name)
+    return memory
 
 
 def _deadlock_message(program: Program, heads, counters, live) -> str:

@@ -41,6 +41,7 @@ rounding q/k/v, the attention output and SiLU·mul's output still cost ~1%
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -134,11 +135,13 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     fused_into = {f: host for host, c in plan.choices.items() for f in c.fuse}
     step = DecodeStep(g, plan, B, S, next_token)
 
+    shared: dict[tuple, torch.Tensor] = {}  # (role, shape, dtype) -> the one tensor every layer uses
+
     def activation(name: str, *shape: int, dt: torch.dtype = torch.float32) -> str:
         if name in buffers:
             raise ValueError(f"lower_decode_step: activation {name} would overwrite the caller's buffer of that name")
         if name not in g.buffers:
-            g.buffer(name, torch.zeros(*shape, dtype=dt, device=device))
+            g.buffer(name, _layer_shared(shared, name, shape, dt, device))
         return name
 
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
@@ -203,6 +206,29 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             raise ValueError(f"lower_decode_step: op {node.name} of kind {kind} has no task "
                              f"(it must be fused into {node.fuse_into})")
     return step
+
+
+_LAYER_PREFIX = re.compile(r"^l\d+\.")
+
+
+def _layer_shared(shared: dict, name: str, shape: tuple, dt: torch.dtype, device) -> torch.Tensor:
+    """Zeros for activation ``name``; a layer's activation (``l{L}.role``) is the same memory
+    as every other layer's of that role, shape and dtype, so a step holds one layer's
+    activations and workspaces, not all of them (8B batch 8: 138 MiB -> a few).
+
+    Safe because every layer begins with an RMSNorm over whole rows of the residual: each
+    task of layer L+1 that writes an activation depends, through that row, on every task of
+    layer L that reads one (split-K reduces, attention merges and the residual adds all
+    feed the next layer's normed input); the attention arrivals counters are left at zero
+    by their last user. :func:`mk.persistent.vm.run_vm` checks this on the memory, not the
+    names."""
+    m = _LAYER_PREFIX.match(name)
+    if m is None:
+        return torch.zeros(*shape, dtype=dt, device=device)
+    key = (name[m.end():], tuple(shape), dt)
+    if key not in shared:
+        shared[key] = torch.zeros(*shape, dtype=dt, device=device)
+    return shared[key]
 
 
 def step_queues(step: DecodeStep, graph: OpGraph, device: DeviceSpec, workers: int) -> list[list[int]]:

@@ -6,7 +6,10 @@ For batch row b, query head h (its key/value head is h // (Hq / Hkv)) and query 
     out[t]  = sum_j softmax(s)_j * v[b, j, h_kv]
 
 L_b = seqlens[b] is the valid length of row b (prompts are right-padded to T); padded
-query rows come out as zeros and padded keys are never attended.
+query rows come out as zeros and padded keys are never attended. The queries may be a
+chunk of the prompt: with ``q_start`` they are tokens [q_start, q_start + Tq) and attend
+to keys [0, q_start + Tq), so a long prompt can be prefilled a chunk at a time, each
+chunk's keys written to the cache before its attention (bounded activation memory).
 
 The tile walks key blocks left to right keeping a running max and running sum per query
 row (online softmax), so no [T, T] score matrix exists; scores, sums and the output
@@ -89,7 +92,7 @@ def _online_softmax_update(acc, m_i, l_i, qk, v):
 @triton.jit
 def prefill_attention_tile(
     q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
-    b, q_head, tile_m, T,
+    b, q_head, tile_m, Tq, q_start,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -98,25 +101,28 @@ def prefill_attention_tile(
     GROUP: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Attention output for queries [tile_m*BLOCK_M, (tile_m+1)*BLOCK_M) of batch row b, head q_head.
+    """Attention output for query rows [tile_m*BLOCK_M, (tile_m+1)*BLOCK_M) of batch row b,
+    head q_head: of the ``Tq`` rows of q, which are tokens ``q_start + row``.
 
     ``b``, ``q_head``, ``tile_m`` are int32 scalars (tensors); the key/value head is
     ``q_head // GROUP``. All tensors have unit stride in their last (head) dim. With
-    HAS_SEQLENS the row's valid length is ``seqlens_ptr[b]`` (clamped to T), else T.
-    Writes exactly this tile's rows of out (zeros for rows at or past the valid length).
+    HAS_SEQLENS the row's valid length is ``seqlens_ptr[b]``; keys at or past it, or past
+    ``q_start + Tq`` (no query of this call sees them), are never read. Writes exactly this
+    tile's rows of out (zeros for tokens at or past the valid length).
     """
     kv_head = q_head // GROUP
+    seqlen = q_start + Tq
     if HAS_SEQLENS:
-        seqlen = tl.minimum(tl.load(seqlens_ptr + b).to(tl.int32), T)
-    else:
-        seqlen = T
+        seqlen = tl.minimum(tl.load(seqlens_ptr + b).to(tl.int32), seqlen)
     m_start = tile_m * BLOCK_M
-    # Keys this tile may see: [0, hi). Keys [0, lo_full) lie below every query row of
+    first = q_start + m_start  # the tile's first token
+    # Keys this tile may see: [0, hi). Keys [0, lo_full) lie below every query token of
     # the tile and inside the valid length, so those blocks need no mask at all.
-    hi = tl.where(m_start < seqlen, tl.minimum(seqlen, m_start + BLOCK_M), 0)
-    lo_full = tl.minimum((tl.minimum(m_start, seqlen) // BLOCK_N) * BLOCK_N, hi)
+    hi = tl.where(first < seqlen, tl.minimum(seqlen, first + BLOCK_M), 0)
+    lo_full = tl.minimum((tl.minimum(first, seqlen) // BLOCK_N) * BLOCK_N, hi)
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
+    tokens = q_start + offs_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     # 64-bit batch offsets: b * stride_b passes 2**31 elements for long batched prompts.
@@ -126,7 +132,7 @@ def prefill_attention_tile(
     v_base = v_ptr + b64 * stride_vb + kv_head * stride_vh
     o_base = out_ptr + b64 * stride_ob + q_head * stride_oh
 
-    row_valid = offs_m < seqlen
+    row_valid = (tokens < seqlen) & (offs_m < Tq)
     # Padded query rows load as 0 so whatever the caller left there (even NaN) cannot
     # reach the softmax; their output is overwritten with zeros below anyway.
     q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -154,7 +160,7 @@ def prefill_attention_tile(
         kt = tl.load(kt_ptrs + start_n * stride_kt, mask=key_valid[None, :], other=0.0)
         v = tl.load(v_ptrs + start_n * stride_vt, mask=key_valid[:, None], other=0.0)
         qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)) * qk_scale
-        visible = (cols[None, :] <= offs_m[:, None]) & key_valid[None, :]
+        visible = (cols[None, :] <= tokens[:, None]) & key_valid[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v)
 
@@ -162,13 +168,13 @@ def prefill_attention_tile(
     out = acc / l_safe[:, None]
     out = tl.where(row_valid[:, None], out, 0.0)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=(offs_m < T)[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=(offs_m < Tq)[:, None])
 
 
 @triton.jit
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
-    T, num_q_heads,
+    Tq, q_start, num_q_heads,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -183,7 +189,7 @@ def prefill_attention_kernel(
     bh = tl.program_id(1)
     prefill_attention_tile(
         q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
-        bh // num_q_heads, bh % num_q_heads, tile_m, T,
+        bh // num_q_heads, bh % num_q_heads, tile_m, Tq, q_start,
         stride_qb, stride_qt, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
@@ -215,13 +221,15 @@ def prefill_attention(
     scale: float | None = None,
     config: PrefillAttentionConfig | None = None,
     check_values: bool = True,
+    q_start: int = 0,
 ) -> torch.Tensor:
     """Causal grouped-query attention over right-padded prompts.
 
     Args:
-        q: ``[B, T, Hq, D]``, unit stride in the last dim (other dims may be strided,
-            e.g. a slice of a fused QKV projection).
-        k, v: ``[B, T, Hkv, D]``, in one dtype (q's or another: a float32 q meets bf16 keys
+        q: ``[B, Tq, Hq, D]``, unit stride in the last dim (other dims may be strided,
+            e.g. a slice of a fused QKV projection): tokens ``[q_start, q_start + Tq)``.
+        k, v: ``[B, T, Hkv, D]`` with ``T >= q_start + Tq`` (keys past ``q_start + Tq``
+            are never read), in one dtype (q's or another: a float32 q meets bf16 keys
             without being rounded); Hq must be a multiple of Hkv.
         seqlens: optional ``[B]`` int32 (or int64) valid length of each row, in
             ``[0, T]``; None means every row is T long. Checked on the host, which
@@ -230,15 +238,23 @@ def prefill_attention(
         config: tile settings (default :func:`prefill_attention_config`).
         check_values: False skips the seqlens range check (no wait for the device), for a
             caller that built them; out-of-range lengths are then undefined behaviour.
+        q_start: the first query's token index (a chunk of a longer prompt), >= 0.
 
     D must be a power of two in [16, 256].
 
     Returns:
-        ``[B, T, Hq, D]`` contiguous, dtype of q; rows at or past ``seqlens[b]`` are 0.
+        ``[B, Tq, Hq, D]`` contiguous, dtype of q; rows of tokens at or past
+        ``seqlens[b]`` are 0.
     """
     check_tensor("q", q, ndim=4, contiguous=False, last_dim_contiguous=True)
-    batch, seq_len, num_q_heads, head_dim = q.shape
-    check_tensor("k", k, ndim=4, shape=(batch, seq_len, None, head_dim), contiguous=False, last_dim_contiguous=True)
+    batch, q_len, num_q_heads, head_dim = q.shape
+    if isinstance(q_start, bool) or not isinstance(q_start, int) or q_start < 0:
+        raise ValueError(f"q_start must be an int >= 0, got {q_start!r}")
+    check_tensor("k", k, ndim=4, contiguous=False, last_dim_contiguous=True)
+    seq_len = k.shape[1]
+    if k.shape[0] != batch or k.shape[3] != head_dim or seq_len < q_start + q_len:
+        raise ValueError(f"k has shape {tuple(k.shape)}; expected [{batch}, >= q_start + Tq = {q_start + q_len}, "
+                         f"Hkv, {head_dim}]")
     check_tensor("v", v, shape=tuple(k.shape), contiguous=False, last_dim_contiguous=True)
     check_same_dtype(k=k, v=v)  # q may differ: see mk.tasks._dot.mma
     check_same_device(q=q, k=k, v=v)
@@ -257,15 +273,15 @@ def prefill_attention(
         scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
-    config = _check_config(prefill_attention_config(seq_len, head_dim) if config is None else config, head_dim)
+    config = _check_config(prefill_attention_config(q_len, head_dim) if config is None else config, head_dim)
 
-    out = torch.empty((batch, seq_len, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, q_len, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    grid = (triton.cdiv(seq_len, config.block_m), batch * num_q_heads)
+    grid = (triton.cdiv(q_len, config.block_m), batch * num_q_heads)
     prefill_attention_kernel[grid](
         q, k, v, out, seqlens if seqlens is not None else out,
-        seq_len, num_q_heads,
+        q_len, q_start, num_q_heads,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -285,27 +301,30 @@ def prefill_attention_ref(
     seqlens: torch.Tensor | None = None,
     *,
     scale: float | None = None,
+    q_start: int = 0,
 ) -> torch.Tensor:
     """Plain float32 torch reference: explicit scores, causal and length masks, softmax.
 
-    Returns float32 ``[B, T, Hq, D]`` with padded query rows set to 0. Padded keys are
+    Returns float32 ``[B, Tq, Hq, D]`` with padded query rows set to 0. Padded keys are
     removed with ``where`` before and after the softmax, so NaN padding does not leak.
     """
-    batch, seq_len, num_q_heads, head_dim = q.shape
-    group = num_q_heads // k.shape[2]
+    batch, q_len, num_q_heads, head_dim = q.shape
+    seq_len, group = k.shape[1], num_q_heads // k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     lens = (torch.full((batch,), seq_len, device=q.device) if seqlens is None else seqlens).long()
-    pos = torch.arange(seq_len, device=q.device)
-    valid = pos[None, :] < lens[:, None]                                   # [B, T]
-    qf = torch.where(valid[:, :, None, None], q.float(), 0.0)
-    kf = torch.where(valid[:, :, None, None], k.float(), 0.0).repeat_interleave(group, dim=2)
-    vf = torch.where(valid[:, :, None, None], v.float(), 0.0).repeat_interleave(group, dim=2)
-    scores = torch.einsum("bthd,bshd->bhts", qf, kf) * scale               # [B, Hq, T, T]
-    visible = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]
+    key_pos = torch.arange(seq_len, device=q.device)
+    q_pos = q_start + torch.arange(q_len, device=q.device)
+    key_valid = key_pos[None, :] < lens[:, None]                           # [B, T]
+    q_valid = q_pos[None, :] < lens[:, None]                               # [B, Tq]
+    qf = torch.where(q_valid[:, :, None, None], q.float(), 0.0)
+    kf = torch.where(key_valid[:, :, None, None], k.float(), 0.0).repeat_interleave(group, dim=2)
+    vf = torch.where(key_valid[:, :, None, None], v.float(), 0.0).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", qf, kf) * scale               # [B, Hq, Tq, T]
+    visible = (key_pos[None, :] <= q_pos[:, None])[None, None] & key_valid[:, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # fully masked rows: NaN -> 0
     out = torch.einsum("bhts,bshd->bthd", probs, vf)
-    return torch.where(valid[:, :, None, None], out, 0.0)
+    return torch.where(q_valid[:, :, None, None], out, 0.0)
 
 
 def prefill_attention_cost(

@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 
+import mk.models.llama
 import mk.persistent.runtime
 from mk.models import Llama, LlamaConfig, ReferenceLlama, random_weights, save_weights
 from mk.models.reference import prefill_logits
@@ -51,6 +52,28 @@ def test_prefill_logits_match_reference(pair):
     want, _ = prefill_logits(ref, PROMPTS)
     for b, p in enumerate(PROMPTS):
         assert rel_err(got[b, :len(p)], want[b, :len(p)]) < (1e-4 if not HAS_CUDA else tolerance(torch.float32)), b
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_a_prompt_prefilled_a_chunk_at_a_time_is_the_same_prompt(pair, monkeypatch, chunk):
+    # Activation memory caps the tokens a prefill runs at once: a few tokens a chunk, each
+    # chunk's attention reading the cache the earlier chunks filled, must give the same
+    # logits (every token's, and the last token's that starts decoding) and cache.
+    model, ref = pair
+    per_token = 4 * (3 * 64 + (4 + 2 * 2) * 16 + 2 * 4 * 16 + 96)
+    monkeypatch.setattr(mk.models.llama, "PREFILL_ACTIVATION_BYTES", chunk * per_token * len(PROMPTS))
+    assert model.prefill_chunk(len(PROMPTS)) == chunk
+    got = model.logits(PROMPTS)
+    want, _ = prefill_logits(ref, PROMPTS)
+    for b, p in enumerate(PROMPTS):
+        assert rel_err(got[b, :len(p)], want[b, :len(p)]) < (1e-4 if not HAS_CUDA else tolerance(torch.float32)), b
+    ids, lengths = model._check_prompts(PROMPTS, 0)
+    last = model._prefill(ids, lengths)
+    assert rel_err(last, torch.stack([want[b, n - 1] for b, n in enumerate(lengths)])) < 1e-4
+    for b, p in enumerate(PROMPTS):
+        cache = ref.new_cache(1, len(p))
+        ref.forward(torch.tensor([p], device=ref.device), 0, cache)
+        assert rel_err(model.k_cache[:, b, :, :len(p)], cache.k[:, 0]) < 1e-4, b
 
 
 def test_greedy_generate_matches_reference(pair):
@@ -231,3 +254,27 @@ def test_bf16_weights_with_a_float32_cache_decode_as_the_float32_reference():
     got16 = rounded.logits(prompts)
     err16 = max(rel_err(got16[b, :len(p)], want[b, :len(p)]) for b, p in enumerate(prompts))
     assert 1e-4 < err16 < 2e-2, err16
+
+
+@pytest.mark.gpu
+def test_generation_holds_at_most_64_mib_beyond_weights_and_cache():
+    """GPU memory while generating: the weights, the KV cache, and at most 64 MiB more
+    (the decode step's activations, shared by its layers, and one prefill chunk's). Long
+    prompts at batch 8: prefilled at once, their activations alone would be ~1 GiB."""
+    cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, eos_token_id=None)
+    model = Llama.from_config(cfg, seed=1, max_batch_size=8, max_seq_len=2048)
+    prompts = [[(7 * b + 13 * t) % 32000 for t in range(1500 + 50 * b)] for b in range(8)]
+    assert model.prefill_chunk(8) < 1500
+    fp = model.footprint()
+    assert fp["kv_cache"] == 2 * 4 * 8 * 8 * 2048 * 64 * 2
+    for batch in (8, 1):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        assert before >= fp["weights"] + fp["kv_cache"]
+        torch.cuda.reset_peak_memory_stats()
+        out = model.generate(prompts[:batch], max_new_tokens=8)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+        assert all(len(o) == len(p) + 8 for o, p in zip(out, prompts)), batch
+        assert extra <= 64 * 2**20, f"batch {batch}: {extra / 2**20:.1f} MiB beyond the weights and cache"

@@ -519,3 +519,26 @@ def test_short_tma_gemv_streams_wait_for_their_input_inside_the_stream():
     long_k = 16 * (WAIT_IN_STREAM_MAX_CHUNKS + 1)
     long = make_op("linear", M=1, N=16, K=long_k, block_n=16, block_k=16, tma_stages=3, dtype=F32)
     assert not long.waits_in_body and "task_wait" not in long.body
+
+
+def test_vm_checks_buffers_that_are_the_same_memory():
+    # "y" and "y_again" are one tensor under two names: the dependencies (derived from
+    # names) order nothing between y's reader and y_again's writer, so running the writer
+    # first clobbers data the reader still needs, and the VM must say so.
+    M, N, K = 1, 32, 24
+    g = TaskGraph()
+    y = torch.full((M, N), float("nan"))
+    g.buffer("x", torch.randn(M, K)), g.buffer("w", torch.randn(N, K)), g.buffer("w2", torch.randn(N, N))
+    g.buffer("y", y), g.buffer("y_again", y), g.buffer("z", torch.full((M, N), float("nan")))
+    op = make_op("linear", M=M, N=N, K=K, block_n=32, dtype=F32)
+    square = make_op("linear", M=M, N=N, K=N, block_n=32, dtype=F32)
+    g.add(op, x="x", w="w", out="y", pid_m=0, pid_n=0)
+    reader = g.add(square, x="y", w="w2", out="z", pid_m=0, pid_n=0)
+    writer = g.add(op, x="x", w="w", out="y_again", pid_m=0, pid_n=0)
+    program = lower(g, num_workers=2)
+    assert program.task_waits[writer] == []  # nothing orders it after the reader
+    program.queues = [[writer], [0, reader]]
+    with pytest.raises(EarlyRead, match=rf"task {writer} .* writes Region\(buffer='y_again'.*before every earlier"):
+        run_vm(program, interleave="round_robin")
+    program.queues = [[0, reader, writer], []]  # in order, the same memory is fine
+    run_vm(program, interleave="round_robin")

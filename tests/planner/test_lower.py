@@ -121,6 +121,25 @@ def test_vm_proves_the_lowered_dependencies(setup, workers):
         check(step, state, setup, model, f"plan {i} on the VM, {workers} workers")
 
 
+def test_layers_share_their_activation_memory(setup):
+    # A step holds one layer's activations, not every layer's: each l1 activation is the
+    # same tensor as l0's of that role. The VM tests above run these steps and check the
+    # sharing on the memory (a layer-1 write before a layer-0 read of it would fail them).
+    model = setup[0]
+    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    plan = variants(graph)[2]  # split-K workspaces and split-KV attention in both layers' ops
+    step, _ = run_step(model, plan, graph, setup, workers=3)
+    bufs = step.graph.buffers
+    layer1 = [n for n in bufs if n.startswith("l1.") and not n.endswith("_cache")]
+    assert {"l1.o_part", "l1.lse", "l1.arrivals", "l1.qkv.ws"} <= set(layer1)
+    for name in layer1:
+        twin = "l0." + name[3:]
+        if twin in bufs and bufs[twin].shape == bufs[name].shape:
+            assert bufs[name] is bufs[twin], name
+    assert bufs["l1.k_cache"].data_ptr() != bufs["l0.k_cache"].data_ptr()  # the caches stay the caller's
+    assert bufs["x0"].data_ptr() not in {bufs[n].data_ptr() for n in layer1}
+
+
 def test_missing_or_misshapen_buffers_are_named(setup):
     model = setup[0]
     graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)

@@ -80,6 +80,27 @@ def test_prefill_attention_poisoned_padding_does_not_leak(device):
     assert_close(got, ref, torch.float32)
 
 
+@pytest.mark.parametrize("chunk, blocks", [(16, (16, 16)), (23, (16, 32)), (32, (32, 16))])
+def test_prefill_attention_a_chunk_at_a_time(chunk, blocks, device):
+    # Queries [q_start, q_start + chunk) against the keys [0, q_start + chunk) of the cache:
+    # chunk by chunk, the whole prompt's attention (chunks and blocks need not align).
+    # Keys past the chunk hold NaN: a chunk must not read them.
+    q, k, v = _qkv(3, 61, 4, 2, 32, device)
+    lens = [61, 40, 9]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    want = prefill_attention_ref(q, k, v, seqlens)
+    config = PrefillAttentionConfig(32, *blocks)
+    for q_start in range(0, 61, chunk):
+        end = min(q_start + chunk, 61)
+        k_seen, v_seen = k.clone(), v.clone()
+        k_seen[:, end:], v_seen[:, end:] = float("nan"), float("nan")
+        got = prefill_attention(q[:, q_start:end], k_seen, v_seen, seqlens, config=config, q_start=q_start)
+        assert got.shape == (3, end - q_start, 4, 32)
+        assert_close(got, want[:, q_start:end], torch.float32)
+        assert_close(prefill_attention_ref(q[:, q_start:end], k, v, seqlens, q_start=q_start),
+                     want[:, q_start:end], torch.float32)
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # later tiles do see the NaN keys
 def test_prefill_attention_never_loads_blocks_above_the_diagonal(device):
     # With 32-row query tiles, tile 0 must not even load keys 32..: NaN there would
@@ -110,7 +131,7 @@ def _one_worker_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr, B, T, HQ, NUM_
     # A persistent-style caller: one program walks every (row, head, tile) itself.
     for i in range(0, B * HQ * NUM_TILES):
         prefill_attention_tile(q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
-                               i // (HQ * NUM_TILES), (i // NUM_TILES) % HQ, i % NUM_TILES, T,
+                               i // (HQ * NUM_TILES), (i // NUM_TILES) % HQ, i % NUM_TILES, T, 0,
                                s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
                                scale, GROUP=GROUP, HAS_SEQLENS=True, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN)
 
@@ -137,6 +158,10 @@ def test_prefill_attention_rejects_bad_input(device):
         prefill_attention(q.to(torch.int32), k, v)
     with pytest.raises(ValueError, match="k"):
         prefill_attention(q, k[:, :7], v[:, :7])
+    with pytest.raises(ValueError, match=r"k has shape \(2, 8, 2, 16\); expected \[2, >= q_start \+ Tq = 9"):
+        prefill_attention(q[:, 4:], k, v, q_start=5)
+    with pytest.raises(ValueError, match="q_start"):
+        prefill_attention(q, k, v, q_start=-1)
     with pytest.raises(ValueError, match="v"):
         prefill_attention(q, k, v[:, :, :1])
     with pytest.raises(ValueError, match="k"):
