@@ -167,7 +167,7 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
       chunk [block_n, block_k]); a float32 x against 16-bit weights goes to the tensor cores
       as two 16-bit halves (:func:`mk.tasks._dot.mma`), each staged through a [rows, block_k]
       buffer (+1 KiB of layout padding without the TMA ring); through a TMA ring, S - 1 x
-      chunks beside S - 1 weight chunks, and weight-major tiles
+      chunks beside S - 1 weight chunks (the halves staged only for a normed x), and weight-major tiles
       (:func:`mk.tasks.linear.weight_major`) all S weight chunks (wgmma reads them in place).
 
     Split-K needs nothing more: the partial is stored after the ring is dead and reuses it.
@@ -201,9 +201,12 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
             return choice.tma_stages * chunk + (choice.tma_stages - 1) * side + staged
         if choice.tma_stages:
             # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight chunk.
+            # mma.sync takes x's halves to registers straight from the ring's x chunk; only a
+            # normed x (scaled in registers) is staged again (H200, Triton 3.6: 1B down 64 x
+            # 128, ring 3: 49168 B; the same with the norm 57872).
             chunk = choice.block_n * choice.block_k * dtype_bytes
             side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
-            return max(choice.tma_stages - 1, 1) * (chunk + side) + staged
+            return max(choice.tma_stages - 1, 1) * (chunk + side) + (staged if norm else 0)
         ring = MEGAKERNEL_DOT_BUFFERS * (rows * x_bytes + choice.block_n * dtype_bytes) * choice.block_k
         return ring + (staged + 1024 if halves else 0)
     if node.kind == "attention":

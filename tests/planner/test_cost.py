@@ -1,5 +1,7 @@
 """The cost model on Llama decode graphs: floors, monotonicity, fusion, split-K, errors."""
 
+from dataclasses import replace
+
 import pytest
 
 from mk.planner.cost import OpChoice, estimate_op, estimate_step, naive_plan, op_tasks
@@ -96,6 +98,12 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     wide = op_smem_bytes(g.node("l0.gate_up"), OpChoice(block_n=256, block_k=64, tma_stages=3,
                                                         fuse=("l0.mlp_norm",)))
     assert wide == 3 * (256 * 64 * 2 + 8) + 2 * (8 * 64 * 4 + 64 * 2) + 2 * 8 * 64 * 2 == 104728
+    # x-major TMA tiles (fewer weight rows, 16 x rows): S - 1 weight and x chunks; x's halves
+    # are staged again only when normed in registers (compiled on an H200, Triton 3.6).
+    g1b = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=64)
+    xmajor = OpChoice(block_n=64, block_k=128, tma_stages=3, split_k=8)
+    assert op_smem_bytes(g1b.node("l0.down"), xmajor) == 2 * (64 * 128 * 2 + 16 * 128 * 4 + 8) == 49168
+    assert op_smem_bytes(g1b.node("l0.gate_up"), replace(xmajor, split_k=2, fuse=("l0.mlp_norm",))) == 57872
 
 
 def test_k_split_cuts_the_whole_range_ring_of_a_down_projection():
