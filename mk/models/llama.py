@@ -306,10 +306,12 @@ class Llama:
         many as keep its float32 activations within :data:`PREFILL_ACTIVATION_BYTES`
         (a longer prompt goes a chunk at a time, each chunk attending to the cache)."""
         c = self.config
-        qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        # A chunk's live activations a token: the residual (x3 around the adds), qkv, the
-        # rotated q, the attention output and the MLP's SiLU·mul output, float32.
-        per_token = 4 * (3 * c.hidden_size + qkv + 2 * c.num_attention_heads * c.head_dim + c.intermediate_size)
+        h, q = c.hidden_size, c.num_attention_heads * c.head_dim
+        qkv = q + 2 * c.num_key_value_heads * c.head_dim
+        # Float32 activations live at once a token, at each step of _prefill_layers: the
+        # residual with qkv and the rotated q; with q and the attention output; old and new
+        # residual with the attention output (O-proj), or with SiLU·mul's output (down).
+        per_token = 4 * max(h + qkv + q, h + 2 * q, 2 * h + q, 2 * h + c.intermediate_size)
         return max(1, PREFILL_ACTIVATION_BYTES // (per_token * batch))
 
     def _prefill(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:

@@ -265,11 +265,13 @@ def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, bea
         return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress)
     # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
     # NOTES.md, session 4), 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit in
-    # the SM's shared memory, so each gets at most half of it (on a 100 KiB Ada SM the 8B
-    # shape's attention tile does not: one worker an SM there).
+    # the SM's shared memory, so each gets at most half of it, less what is left to L1
+    # (DeviceSpec.l1_reserve_per_sm; on a 100 KiB Ada SM the 8B shape's attention tile
+    # does not fit: one worker an SM there).
+    shared = device.smem_per_sm - device.l1_reserve_per_sm
     try:
         return _search(graph, device, device.sm_count * WORKERS_PER_SM,
-                       min(device.smem_per_block, device.smem_per_sm // WORKERS_PER_SM - device.reserved_smem_per_block),
+                       min(device.smem_per_block, shared // WORKERS_PER_SM - device.reserved_smem_per_block),
                        beam_width, top_k, progress)
     except ValueError:
         return _search(graph, device, device.sm_count, device.smem_per_block, beam_width, top_k, progress)

@@ -64,6 +64,28 @@ def test_default_plans_put_two_workers_on_each_sm_within_half_its_shared_memory(
     assert fixed.workers == spec.sm_count
 
 
+def test_two_workers_an_sm_leave_l1_its_reserve():
+    # At batch 8 the 1B LM head's fastest tiles alone (256 x 64 boxes, 104 KiB) would leave
+    # each SM 47 KiB of L1, and on an H200 the rest of the step ran slower for it: the
+    # Hopper presets keep 64 KiB of the SM for L1, so the search takes 128-row boxes.
+    import dataclasses
+
+    from mk.planner.cost import op_smem_bytes
+
+    spec = DeviceSpec.preset("h200")
+    assert spec.l1_reserve_per_sm == 64 * 1024
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 1024)
+    plan = search(g, spec, beam_width=2, top_k=1)[0]
+    assert plan.workers == 2 * spec.sm_count
+    assert 2 * (plan.peak_smem_bytes + spec.reserved_smem_per_block) <= spec.smem_per_sm - spec.l1_reserve_per_sm
+    no_reserve = search(g, dataclasses.replace(spec, l1_reserve_per_sm=0), beam_width=2, top_k=1)[0]
+    head = no_reserve.choices["lm_head"]
+    assert op_smem_bytes(g.node("lm_head"), head) > (spec.smem_per_sm - spec.l1_reserve_per_sm) // 2
+    assert plan.choices["lm_head"].block_n < head.block_n
+    with pytest.raises(ValueError, match="l1_reserve_per_sm"):
+        dataclasses.replace(spec, l1_reserve_per_sm=spec.smem_per_sm)
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_rope_fuses_into_qkv_with_or_without_split_k(batch):
     # RoPE + KV append rides in the QKV tiles' epilogue, or with split-K (batch 8's QKV) in
