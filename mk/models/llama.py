@@ -49,8 +49,9 @@ def _check_plan_mode(plan_mode) -> None:
 
 
 #: Bytes of float32 activations a prefill chunk may hold (:meth:`Llama.prefill_chunk`): with
-#: the decode step's few MiB, generation stays within weights + KV cache + 64 MiB.
-PREFILL_ACTIVATION_BYTES = 32 * 2**20
+#: the decode steps' activations (8B batch 8: 12 MiB), generation stays within weights + KV
+#: cache + 64 MiB (H200, 32 MiB chunks: 8B batch 8 added 55 MiB; bench/NOTES.md session 17).
+PREFILL_ACTIVATION_BYTES = 24 * 2**20
 
 #: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
 MEASURE_BURST, MEASURE_REPS = 20, 3
