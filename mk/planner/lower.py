@@ -31,7 +31,9 @@ Buffers the caller provides (by name), all on one device:
   ``temperature`` float32 [1] and ``seed`` int64 [1].
 
 Activations and workspaces are allocated here, named after the op graph's tensors, all
-float32: only the weights and the KV cache are stored in a 16-bit dtype. A float32 activation
+float32: only the weights and the KV cache are stored in a 16-bit dtype. The layers'
+activations of one role are one tensor (``l0.qkv`` is ``l1.qkv``: :func:`_layer_shared`), so
+after a step each holds the last layer's values. A float32 activation
 meets a bf16 weight or cache in two bf16 halves on the tensor cores (:func:`mk.tasks._dot.mma`)
 or in float32 FMAs (the GEMV), so nothing between them is rounded: on a random-weight
 Llama-3-8B, a bf16 residual stream put the logits 3.5-4.5% off the float32 reference, and
