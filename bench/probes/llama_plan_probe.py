@@ -9,7 +9,9 @@ Env: PROBE_SHAPE (1b|8b), PROBE_BATCH, PROBE_VARIANTS (comma list, default all),
 kept, default search), PROBE_ALT_WARPS (e.g. 2,8: each variant's program also timed at
 those warps a worker; a variant named base@w2n396 runs base's plan on 396 workers of 2
 warps), PROBE_KNOBS
-(comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program).
+(comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program),
+PROBE_ATTN_BLOCK_N (decode attention's K/V block rows, for every variant: the default
+config's, patched where the lowering and the shared-memory model read it).
 Writes $OUT/llama_plan_probe.json.
 """
 import functools, json, os, re, sys, time, traceback
@@ -30,6 +32,16 @@ from mk.planner.simulate import simulate_step  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
+if os.environ.get("PROBE_ATTN_BLOCK_N"):
+    import importlib
+
+    _attn_config = importlib.import_module("mk.tasks.decode_attention").decode_attention_config
+
+    def _attn_config_patched(*a, **k):
+        return replace(_attn_config(*a, **k), block_n=int(os.environ["PROBE_ATTN_BLOCK_N"]))
+
+    for _m in ("mk.tasks.decode_attention", "mk.persistent.taskops", "mk.planner.cost"):
+        importlib.import_module(_m).decode_attention_config = _attn_config_patched
 KEY, B = os.environ.get("PROBE_SHAPE", "1b"), int(os.environ.get("PROBE_BATCH", "1"))
 T0 = time.time()
 
