@@ -240,13 +240,14 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
     planned = template if template is not None else graph
     out = []
     for choices, n_workers in _search_workers(planned, device, workers, beam_width, top_k, progress):
+        # Zig-zag deals each layer from a different place in its pass over the workers, so
+        # one layer does not stand for the others (8B batch 8: 6.5 ms from the template,
+        # 9.0 simulated whole): it is simulated over the whole step.
         times = _schedule_times(planned, choices, device, n_workers,
-                                graph.model.layers - 1 if template is not None else 0)
+                                graph.model.layers - 1 if template is not None else 0,
+                                [s for s in SCHEDULES if template is None or s != "zigzag"])
         if template is not None:
             choices = _expand(choices, graph)
-            # Zig-zag deals each layer from a different place in its pass over the workers,
-            # so one layer does not stand for the others (8B batch 8: 6.5 ms from the
-            # template, 9.0 simulated whole): simulate the whole step.
             times["zigzag"] = simulate_step(graph, choices, device, n_workers, "zigzag").seconds
         best = SCHEDULES[0]  # ties go to the first schedule
         for sched in SCHEDULES[1:]:
@@ -278,8 +279,8 @@ def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, bea
 
 
 def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: DeviceSpec, workers: int,
-                    more_layers: int) -> dict[str, float]:
-    """The simulated step under each schedule (:mod:`mk.planner.simulate`).
+                    more_layers: int, schedules=SCHEDULES) -> dict[str, float]:
+    """The simulated step under each of ``schedules`` (:mod:`mk.planner.simulate`).
 
     ``more_layers`` > 0: ``graph`` is a one-layer template of a model with that many more
     layers, each of which takes the template layer's simulated time (layers meet at a
@@ -287,7 +288,7 @@ def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: Device
     """
     times = {}
     layer_of = {n.name: n.layer for n in graph.nodes}
-    for sched in SCHEDULES:
+    for sched in schedules:
         sim = simulate_step(graph, choices, device, workers, sched)
         times[sched] = sim.seconds
         if more_layers:
