@@ -10,11 +10,12 @@ kept, default search), PROBE_ALT_WARPS (e.g. 2,8: each variant's program also ti
 those warps a worker; a variant named base@w2n396 runs base's plan on 396 workers of 2
 warps), PROBE_KNOBS
 (comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program),
+variant names with knobs (``ring4#g1``: :func:`parse_variant`),
 PROBE_ATTN_BLOCK_N (decode attention's K/V block rows, for every variant: the default
 config's, patched where the lowering and the shared-memory model read it).
 Writes $OUT/llama_plan_probe.json.
 """
-import functools, json, os, re, sys, time, traceback
+import functools, importlib, json, os, re, sys, time, traceback
 from collections import defaultdict
 from dataclasses import replace
 
@@ -237,6 +238,12 @@ VARIANTS = {
     "gu128_down128": lambda p, g: tuned(("down",), block_n=128, block_k=64, split_k=16, tma_stages=3)(
         tuned(("gate_up",), block_n=128, block_k=64, split_k=2, tma_stages=3)(p, g), g),
     "down128s8": tuned(("down",), block_n=128, block_k=64, split_k=8, tma_stages=3),
+    # Grouped GEMV streams (session 18, mk.tasks.linear.gemv_stream): rings of 9 stream two
+    # groups of 4 chunks in flight; ring4 is the plans before them.
+    "ring4": tuned(tma_stages=4),
+    "qkv9": tuned(("qkv",), tma_stages=9),
+    "o9": tuned(("o_proj",), tma_stages=9),
+    "qkv9_o9": tuned(("qkv", "o_proj"), tma_stages=9),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),
@@ -245,10 +252,19 @@ VARIANTS = {
 
 
 def parse_variant(name):
-    """``base[@wW][nN]``: the variant ``base`` with its megakernel at W warps a worker and/or
-    its plan at N workers (e.g. ``search@w2n396``: 3 two-warp workers an SM)."""
-    m = re.fullmatch(r"([^@]+)(?:@(?:w(\d+))?(?:n(\d+))?)?", name)
-    return m.group(1), int(m.group(2) or 0), int(m.group(3) or 0)
+    """``base[@wW][nN][#knobs]``: the variant ``base`` with its megakernel at W warps a worker
+    and/or its plan at N workers (e.g. ``search@w2n396``: 3 two-warp workers an SM); knobs
+    set mk.tasks.linear's stream constants for the variant's ops: ``gG`` X_GROUP (1: no
+    grouped streams), ``mM`` WAIT_IN_STREAM_MAX_CHUNKS, ``cC`` X_GROUP_MAX_CHUNK_BYTES (e.g.
+    ``ring4#g1``)."""
+    m = re.fullmatch(r"([^@#]+)(?:@(?:w(\d+))?(?:n(\d+))?)?(?:#(.*))?", name)
+    knobs = {KNOBS[k]: int(v) for k, v in re.findall(r"([gmc])(\d+)", m.group(4) or "")}
+    return m.group(1), int(m.group(2) or 0), int(m.group(3) or 0), knobs
+
+
+KNOBS = {"g": "X_GROUP", "m": "WAIT_IN_STREAM_MAX_CHUNKS", "c": "X_GROUP_MAX_CHUNK_BYTES"}
+_LINEAR = importlib.import_module("mk.tasks.linear")
+LINEAR_DEFAULTS = {v: getattr(_LINEAR, v) for v in KNOBS.values()}
 
 
 def alt_warps(dec, alt):
@@ -304,7 +320,9 @@ def main():
     for name in names:
         r = res["variants"][name] = {}
         try:
-            base, warps, workers = parse_variant(name)
+            base, warps, workers, knobs = parse_variant(name)
+            for k, v in {**LINEAR_DEFAULTS, **knobs}.items():
+                setattr(_LINEAR, k, v)
             plan = VARIANTS[base](base_plan, graph)
             if workers:
                 plan = replace(plan, workers=workers)

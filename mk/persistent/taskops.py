@@ -26,7 +26,7 @@ from mk.tasks.linear import (
     linear_config,
     linear_k_splits,
     prefetch_lines,
-    waits_in_stream,
+    gemv_stream,
 )
 from mk.tasks.rmsnorm import rmsnorm_block_n, rmsnorm_num_warps, rmsnorm_ref
 from mk.tasks.rope import rope_blocks, rope_num_warps, rope_ref
@@ -153,7 +153,7 @@ class _LinearShape:
         self.prefetch_lines, self.line = (0 if INTERPRET or self.run > 1 else lines), line
         # TMA bulk prefetch of whole row segments when rows (and so split starts) are 16-byte
         # aligned; TaskGraph.buffer refuses buffers that are not.
-        eb = torch.empty((), dtype=dtype).element_size()
+        eb = self.eb = torch.empty((), dtype=dtype).element_size()
         self.bulk = int((K * eb) % 16 == 0 and (self.bk * eb) % 16 == 0)
         self.op = op
 
@@ -170,9 +170,19 @@ class _LinearShape:
         1.34 -> 1.62 ms on an H200, bench/NOTES.md session 15.)"""
         return self.run > 1 or self.waits_in_body(tma)
 
+    def stream(self, tma: int):
+        """How the task streams through a ring of ``tma`` (:func:`mk.tasks.linear.gemv_stream`)."""
+        return gemv_stream(self.bm, tma, self.K, self.bk, self.bn, self.eb, self.split_k, self.run)
+
     def waits_in_body(self, tma: int) -> bool:
-        """Whether the task waits for x inside its stream (:func:`mk.tasks.linear.waits_in_stream`)."""
-        return waits_in_stream(self.bm, tma, self.K, self.bk, self.split_k, self.run)
+        """Whether the task waits for x inside its stream."""
+        return self.stream(tma).waits
+
+    def stream_constexprs(self, tma: int) -> dict:
+        """The ring's constexprs: TMA_STAGES, and the chunks an iteration and loop stages of a
+        task that waits in its stream (X_GROUP, X_STAGES)."""
+        st = self.stream(tma)
+        return {"TMA_STAGES": tma, "X_GROUP": st.group, "X_STAGES": st.stages}
 
     def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "",
                  wait: bool = False) -> str:
@@ -187,7 +197,7 @@ class _LinearShape:
                 f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES")
         if wait:
             call = ("ok, last_ev, last_need, t_ready = " + call + ", WAIT=task_wait, wait_args=task_wait_args, "
-                    "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS")
+                    "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS, X_GROUP=X_GROUP, X_STAGES=X_STAGES")
         return f"EPILOGUE_FLAGS: tl.constexpr = {f'({flags},)' if flags else None}\n{call})"
 
     def tile(self, a) -> tuple[int, int, int, int, int, int]:
@@ -321,7 +331,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                           "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
-                  "TMA_STAGES": tma,
+                  **s.stream_constexprs(tma),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
     if norm:
         constexprs["EPS"] = float(eps)
@@ -387,7 +397,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
         body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N",
                              wait=s.waits_in_body(tma)))
-    constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm), "TMA_STAGES": tma,
+    constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm), **s.stream_constexprs(tma),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1 and not tma)}
     if norm:
         constexprs["EPS"] = float(eps)
@@ -573,7 +583,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                           f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX",
                           "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
-                  "SEQLENS": int(write_seqlens), "TMA_STAGES": tma, "PRELOAD": int(preload),
+                  "SEQLENS": int(write_seqlens), **s.stream_constexprs(tma), "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
     if norm:
         constexprs["EPS"] = float(eps)

@@ -30,7 +30,7 @@ from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
 from mk.tasks.linear import (DOT_MIN, SKINNY_MAX_M, LinearConfig, _tile_rows, linear_config, linear_cost,
-                             waits_in_stream, weight_major)
+                             gemv_stream, weight_major)
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -160,7 +160,8 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
       [block_n, block_k] weight chunk and an 8-byte barrier, plus, pipelined beside it
       (S > 1), the RMSNorm weight's chunk when fused, and x's chunk, or instead of it
       :data:`GEMV_RING_SCRATCH` when the task waits for x inside its stream
-      (:func:`mk.tasks.linear.waits_in_stream`: x then comes to registers, not pipelined);
+      (:func:`mk.tasks.linear.gemv_stream`: x then comes to registers, not pipelined), and
+      a grouped stream's ring holds its groups in flight instead of S - 1 chunks;
     * register GEMV (M = 1): the weights go to registers; what remains is the cross-warp
       reduction (64 B a weight row bounds it);
     * tl.dot tiles (M > 1): :data:`MEGAKERNEL_DOT_BUFFERS` x (x chunk [rows, block_k] + weight
@@ -183,10 +184,9 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
             chunk = choice.block_n * choice.block_k * dtype_bytes
             if choice.tma_stages == 1:
                 return chunk + 8
-            in_stream = waits_in_stream(1, choice.tma_stages, node.dims["K"], choice.block_k, choice.split_k,
-                                        choice.tiles_per_task)  # then x comes to registers
-            side = (0 if in_stream else choice.block_k * x_bytes) + (choice.block_k * dtype_bytes if norm else 0) + 8
-            return (choice.tma_stages - 1) * (chunk + side) + (GEMV_RING_SCRATCH if in_stream else 0)
+            stream = _gemv_stream(node, choice, dtype_bytes)  # waiting in it, x comes to registers
+            side = (0 if stream.waits else choice.block_k * x_bytes) + (choice.block_k * dtype_bytes if norm else 0) + 8
+            return stream.chunks_in_flight * (chunk + side) + (GEMV_RING_SCRATCH if stream.waits else 0)
         if node.dims["M"] == 1:
             return 64 * choice.block_n
         rows = _tile_rows_for(node.dims["M"], choice.block_n)
@@ -232,17 +232,29 @@ def ring_seconds_per_byte(node: OpNode, choice: OpChoice, device: DeviceSpec, dt
     if node.kind != "linear" or not choice.tma_stages:
         return 0.0
     chunk = choice.block_n * choice.block_k * dtype_bytes
-    return device.ring_seconds_per_byte(max(choice.tma_stages - 1, 1) * chunk, chunk)
+    in_flight = _gemv_stream(node, choice, dtype_bytes).chunks_in_flight if node.dims["M"] == 1 else \
+        max(choice.tma_stages - 1, 1)
+    return device.ring_seconds_per_byte(in_flight * chunk, chunk)
+
+
+def _gemv_stream(node: OpNode, choice: OpChoice, dtype_bytes: int = 2):
+    """How a GEMV linear's tasks stream under the choice (:func:`mk.tasks.linear.gemv_stream`)."""
+    return gemv_stream(1, choice.tma_stages, node.dims["K"], choice.block_k, choice.block_n, dtype_bytes,
+                       choice.split_k, choice.tiles_per_task)
 
 
 def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, task_bytes: float,
                           dtype_bytes: int = 2) -> float:
-    """What a GEMV task of ``task_bytes`` weight bytes spends on its TMA ring's chunks beyond
-    its stream (:attr:`DeviceSpec.chunk_exposed_s` a chunk): 0 for other tiles (measured on
-    GEMV rings; tl.dot tiles' rates carry their work a chunk)."""
+    """What a GEMV task of ``task_bytes`` weight bytes spends on its TMA ring beyond its
+    stream: :attr:`DeviceSpec.chunk_exposed_s` a chunk, and where the task waits for its
+    inputs before its stream (not inside it: :func:`mk.tasks.linear.gemv_stream`), the
+    first chunk's :attr:`DeviceSpec.load_latency_s`, which a wait inside the stream
+    overlaps. 0 for other tiles (measured on GEMV rings; tl.dot tiles' rates carry their
+    work a chunk)."""
     if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1:
         return 0.0
-    return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s
+    ramp = 0.0 if _gemv_stream(node, choice, dtype_bytes).waits else device.load_latency_s
+    return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s + ramp
 
 
 def decode_dot_tile(node: OpNode) -> bool:

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mk.tasks.linear import X_GROUP, gemv_stream
+
 from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -195,6 +197,10 @@ def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> li
                 # tiles, sessions 9 and 11, though a lone 128256 x 2048 GEMV of 8-row boxes
                 # streamed at 0.96 of the copy bandwidth with 8 against 0.81 with 4.)
                 rings = (3, 4, 6) if skinny else (4,)
+                # Grouped GEMV streams (mk.tasks.linear.gemv_stream): two groups in flight.
+                grouped = 1 + 2 * X_GROUP
+                if not skinny and gemv_stream(1, grouped, d["K"], block_k, block_n, dtype_bytes, split_k).group > 1:
+                    rings = (4, grouped)
                 whole = whole_range_stages(d["K"], block_k, split_k)  # saves shared memory on short ranges
                 for ring in sorted({*rings, whole} if skinny or whole < max(rings) else set(rings)):
                     out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,

@@ -93,18 +93,58 @@ VEC_BYTES = 16
 #: volatile loads converted through shared memory every chunk (:func:`linear_run`'s WAIT).
 #: Measured on an H200 (bench/NOTES.md, session 12): 8- to 32-chunk tasks gained 0.7-1.5 us
 #: each (1B step 0.947 -> 0.893 ms); the 8B down projection's 56-chunk tasks lost 4.5 us and
-#: the 1B LM head's 128-chunk runs ~1.7 us.
+#: the 1B LM head's 128-chunk runs ~1.7 us. (A grouped stream, :func:`gemv_stream`, has no limit.)
 WAIT_IN_STREAM_MAX_CHUNKS = 32
 
 
-def waits_in_stream(block_m: int, tma_stages: int, K: int, block_k: int, split_k: int = 1,
-                    tiles_per_task: int = 1) -> bool:
-    """Whether a persistent task of this tile waits for x inside its weight stream
-    (:func:`linear_run`'s WAIT): GEMV tiles (``block_m`` 1) through a TMA ring whose task
-    streams at most :data:`WAIT_IN_STREAM_MAX_CHUNKS` chunks (its run of tiles over its
-    K split's range, cut as :func:`linear_k_splits` cuts it)."""
-    chunks = tiles_per_task * -(-(-(-K // block_k)) // split_k)
-    return block_m == 1 and tma_stages > 0 and chunks <= WAIT_IN_STREAM_MAX_CHUNKS
+#: Chunks an iteration of a grouped GEMV stream (:func:`linear_run`'s X_GROUP) and the
+#: largest chunk (bytes) grouped. A task that waits for x inside its stream reads x by
+#: volatile loads, which the compiler converts to the weight chunk's layout by the next
+#: iteration: one chunk a loop iteration leaves an x chunk one chunk's streaming time to
+#: arrive, X_GROUP chunks an iteration a group's. Measured on an H100 (bench/NOTES.md,
+#: session 18): 8 chunks in flight as two groups of 4, the 1B down projection's tasks
+#: 12.3 -> 10.2 us, the 8B down 40 -> 36 us and gate_up 77 -> 73 us.
+X_GROUP = 4
+X_GROUP_MAX_CHUNK_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class GemvStream:
+    """How a TMA GEMV task streams its weights: ``waits`` for x inside the stream (the
+    ring's prologue in flight while it waits), ``group`` chunks a loop iteration, ``stages``
+    the loop's pipeline stages (``stages - 1`` iterations in flight)."""
+
+    waits: bool
+    group: int
+    stages: int
+
+    @property
+    def chunks_in_flight(self) -> int:
+        return max((self.stages - 1) * self.group, 1)
+
+
+def gemv_stream(block_m: int, tma_stages: int, K: int, block_k: int, block_n: int, dtype_bytes: int = 2,
+                split_k: int = 1, tiles_per_task: int = 1) -> GemvStream:
+    """How a persistent task of this tile streams (:class:`GemvStream`), for GEMV tiles
+    (``block_m`` 1) through a TMA ring of ``tma_stages`` (chunks counted over its run of
+    tiles and its K split's range, cut as :func:`linear_k_splits` cuts it):
+
+    * grouped: a ring of ``1 + n * X_GROUP`` (n >= 1) whose chunks are at most
+      X_GROUP_MAX_CHUNK_BYTES and whose every K split holds a multiple of X_GROUP chunks
+      waits in its stream however long, X_GROUP chunks an iteration, n groups in flight;
+    * else a stream of at most :data:`WAIT_IN_STREAM_MAX_CHUNKS` chunks waits in it, one
+      chunk an iteration, ``tma_stages - 1`` in flight; a longer one waits before it.
+    """
+    if block_m != 1 or tma_stages <= 0:
+        return GemvStream(False, 1, tma_stages)
+    n_chunks = -(-K // block_k)
+    split_chunks = [(s + 1) * n_chunks // split_k - s * n_chunks // split_k for s in range(split_k)]
+    if (X_GROUP > 1 and tma_stages > X_GROUP and (tma_stages - 1) % X_GROUP == 0
+            and block_n * block_k * dtype_bytes <= X_GROUP_MAX_CHUNK_BYTES
+            and all(c % X_GROUP == 0 for c in split_chunks)):
+        return GemvStream(True, X_GROUP, (tma_stages - 1) // X_GROUP + 1)
+    chunks = tiles_per_task * -(-n_chunks // split_k)
+    return GemvStream(chunks <= WAIT_IN_STREAM_MAX_CHUNKS, 1, tma_stages)
 
 
 # ---------------------------------------------------------------------------------------
@@ -396,7 +436,7 @@ def linear_run(
     EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
-    WAIT_FLAGS: tl.constexpr = None,
+    WAIT_FLAGS: tl.constexpr = None, X_GROUP: tl.constexpr = 1, X_STAGES: tl.constexpr = 2,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -426,6 +466,12 @@ def linear_run(
     pipeliner issues a loop's prologue where the loop starts. x is then read after the
     wait only, by volatile loads a few chunks ahead (which the pipeliner leaves in place:
     a pipelined x load would be issued in the prologue, before the wait).
+
+    ``X_GROUP`` > 1 (with WAIT; the K range must hold a multiple of X_GROUP chunks): the
+    loop streams X_GROUP chunks an iteration through a ring of X_STAGES - 1 groups
+    (:func:`_gemv_grouped_run`; TMA_STAGES is then unused), so x's look-ahead
+    is a whole group where the chunk-a-iteration loop's is one chunk (the compiler converts
+    a carried x chunk to the weight chunk's layout at the start of the next iteration).
     """
     offs_k = tl.arange(0, BLOCK_K)
     # Decode tiles of wide boxes multiply weight-major: weight_major().
@@ -448,6 +494,10 @@ def linear_run(
     WAITS_IN_LOOP: tl.constexpr = WAIT is not None
     if WAITS_IN_LOOP:
         tl.static_assert((BLOCK_M == 1) & (TMA_STAGES > 0), "linear_run waits in its loop for TMA GEMV tiles only")
+        if X_GROUP > 1:
+            return _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_lo, k_hi, stride_wn,
+                                     eps, EPILOGUE, epilogue_args, EPILOGUE_FLAGS, HAS_NORM, BLOCK_N, BLOCK_K,
+                                     X_STAGES, WAIT, wait_args, wait_state, WAIT_FLAGS, X_GROUP)
         s0, s1, s2, s3 = wait_state
     elif HAS_NORM:
         if not whole_row:
@@ -519,6 +569,87 @@ def linear_run(
         return s0, s1, s2, s3
     else:
         return 0
+
+
+@triton.jit
+def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM: tl.constexpr):
+    """One weight chunk of a GEMV run into its [BLOCK_N, BLOCK_K] accumulator (x RMSNorm-scaled
+    by the norm weights; squares summed while the run streams its first tile)."""
+    xt = xt.to(tl.float32)
+    if HAS_NORM:
+        sum_sq += tl.where(first_tile, xt * xt, 0.0)
+        xt = xt * tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * xt[None, :], sum_sq
+
+
+@triton.jit
+def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_lo, k_hi, stride_wn, eps,
+                      EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr, HAS_NORM: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_STAGES: tl.constexpr,
+                      WAIT: tl.constexpr, wait_args, wait_state, WAIT_FLAGS: tl.constexpr,
+                      X_GROUP: tl.constexpr):
+    """:func:`linear_run` of GEMV tiles that wait for x in their stream, X_GROUP (2 or 4)
+    weight chunks an iteration. Each iteration asks for the next group's x chunks (volatile
+    loads) before it multiplies its own, so an x chunk has a group's streaming time to
+    arrive; the ring (X_STAGES - 1 groups in flight) is issued before the wait."""
+    tl.static_assert((X_GROUP == 2) | (X_GROUP == 4), "X_GROUP is 2 or 4")
+    s0, s1, s2, s3 = wait_state
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    rstd_pre = tl.full([], 1.0, tl.float32)
+    whole_row = (k_lo == 0) & (k_hi == K)
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    n_chunks = n_tiles * n_k
+    offs_k = tl.arange(0, BLOCK_K)
+    xa = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    xb = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    xc = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    xd = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    for g in tl.range(0, n_chunks // X_GROUP, num_stages=X_STAGES):
+        i0 = g * X_GROUP
+        t = i0 // n_k  # a group never straddles two tiles: n_k is a multiple of X_GROUP
+        k0 = k_lo + (i0 - t * n_k) * BLOCK_K
+        n0 = (pid_n + t) * BLOCK_N
+        wa = w_desc.load([n0, k0])
+        wb = w_desc.load([n0, k0 + BLOCK_K])
+        if X_GROUP == 4:
+            wc = w_desc.load([n0, k0 + 2 * BLOCK_K])
+            wd = w_desc.load([n0, k0 + 3 * BLOCK_K])
+        if g == 0:
+            s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
+            if HAS_NORM:
+                if not whole_row:
+                    rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=1, BLOCK_K=BLOCK_K)
+            xa = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
+            xb = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
+            if X_GROUP == 4:
+                xc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
+                xd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 3, n_chunks, BLOCK_K=BLOCK_K)
+        na = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + X_GROUP, n_chunks, BLOCK_K=BLOCK_K)
+        nb = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + X_GROUP + 1, n_chunks, BLOCK_K=BLOCK_K)
+        if X_GROUP == 4:
+            nc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 6, n_chunks, BLOCK_K=BLOCK_K)
+            nd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 7, n_chunks, BLOCK_K=BLOCK_K)
+        first = t == 0
+        acc, sum_sq = _gemv_chunk(acc, sum_sq, wa, xa, norm_w_ptr, k0 + offs_k, k_hi, first, HAS_NORM)
+        acc, sum_sq = _gemv_chunk(acc, sum_sq, wb, xb, norm_w_ptr, k0 + BLOCK_K + offs_k, k_hi, first, HAS_NORM)
+        if X_GROUP == 4:
+            acc, sum_sq = _gemv_chunk(acc, sum_sq, wc, xc, norm_w_ptr, k0 + 2 * BLOCK_K + offs_k, k_hi, first,
+                                      HAS_NORM)
+            acc, sum_sq = _gemv_chunk(acc, sum_sq, wd, xd, norm_w_ptr, k0 + 3 * BLOCK_K + offs_k, k_hi, first,
+                                      HAS_NORM)
+            xc = nc
+            xd = nd
+        xa = na
+        xb = nb
+        if k0 + X_GROUP * BLOCK_K >= k_hi:  # the tile's last group
+            y = tl.sum(acc, axis=1)[None, :]
+            if HAS_NORM:
+                y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+    return s0, s1, s2, s3
 
 
 @triton.jit

@@ -68,6 +68,17 @@ def main() -> None:
     assert streamed.waits_in_body
     ptx = compile_for_target(lower(chain, num_workers=2)).asm["ptx"]
     assert ptx.index("cp.async.bulk.tensor") < ptx.index("ld.global.acquire.gpu"), "ring prologue after the wait"
+    # A grouped stream (ring 9: two groups of 4 chunks in flight) issues both groups first.
+    grouped = make_op("linear", M=1, N=256, K=2048, dtype=BF16, block_n=16, block_k=256, tma_stages=9)
+    assert grouped.waits_in_body and grouped.constexprs["X_GROUP"] == 4
+    chain = TaskGraph()
+    for name, t in (("x", torch.zeros(1, 2048)), ("w", torch.zeros(256, 2048, dtype=BF16)), ("y", torch.zeros(1, 256))):
+        chain.buffer(name, t)
+    for a in linear_tiles(grouped):
+        chain.add(grouped, x="x", w="w", out="y", **a)
+    ptx = compile_for_target(lower(chain, num_workers=2)).asm["ptx"]
+    before = ptx[:ptx.index("ld.global.acquire.gpu")].count("cp.async.bulk.tensor")
+    assert before == 8, f"{before} chunks requested before the wait, not 8"
     # The standalone GEMV launch: PDL (gdc wait/launch) and the TMA bulk prefetch before it.
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",

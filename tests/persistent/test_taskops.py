@@ -521,6 +521,45 @@ def test_short_tma_gemv_streams_wait_for_their_input_inside_the_stream():
     assert not long.waits_in_body and "task_wait" not in long.body
 
 
+def test_grouped_gemv_streams_wait_inside_and_equal_torch():
+    """GEMV tasks on a ring of 1 + 2 * X_GROUP stream X_GROUP chunks an iteration and wait
+    for x inside their stream (mk.tasks.linear.gemv_stream): a normed run of tiles, a
+    split-K partial reading that run's output, and a residual tile reading the reduce's
+    output all equal the torch chain, and the partial's edge tile (rows past N) stays exact."""
+    from mk.tasks.linear import X_GROUP
+
+    dev, ring = default_device(), 1 + 2 * X_GROUP
+    g = TaskGraph()
+    K1, N1, N2, N3 = 16 * X_GROUP, 64, 48, 24
+    for name, t in (("x", torch.randn(1, K1)), ("g", 1 + 0.1 * torch.randn(K1)), ("w1", torch.randn(N1, K1)),
+                    ("h", torch.full((1, N1), float("nan"))), ("w2", torch.randn(N2, N1)),
+                    ("ws", torch.zeros(2, 1, N2)), ("z", torch.full((1, N2), float("nan"))),
+                    ("w3", torch.randn(N3, N2)), ("r", torch.randn(1, N3)), ("y", torch.full((1, N3), float("nan")))):
+        g.buffer(name, t.to(dev))
+    normed = make_op("linear", M=1, N=N1, K=K1, block_n=16, block_k=4, tma_stages=ring, tiles_per_task=3,
+                     norm=True, eps=EPS, dtype=F32)
+    part = make_op("linear_partial", M=1, N=N2, K=N1, split_k=2, block_n=32, block_k=8, tma_stages=ring, dtype=F32)
+    red = make_op("linear_reduce", M=1, N=N2, K=N1, split_k=2, block_n=32, block_k=8, dtype=F32)
+    res = make_op("linear", M=1, N=N3, K=N2, block_n=8, block_k=4, tma_stages=ring, residual=True, dtype=F32)
+    for op in (normed, part, res):
+        assert op.waits_in_body and op.constexprs["X_GROUP"] == X_GROUP and op.constexprs["X_STAGES"] == 3
+    for a in linear_tiles(normed):
+        g.add(normed, x="x", w="w1", norm_w="g", out="h", **a)
+    for a in linear_tiles(part):
+        g.add(part, x="h", w="w2", ws="ws", **a)
+    for a in linear_tiles(red):
+        g.add(red, ws="ws", out="z", **a)
+    for a in linear_tiles(res):
+        g.add(res, x="z", w="w3", res="r", out="y", **a)
+    Megakernel(lower(g, 1)).run()
+    b = g.buffers
+    h = linear_ref(b["x"], b["w1"], norm_weight=b["g"], norm_eps=EPS)
+    z = linear_ref(h, b["w2"])
+    assert_close(b["h"], h, F32)
+    assert_close(b["z"], z, F32)
+    assert_close(b["y"], linear_ref(z, b["w3"]) + b["r"], F32)
+
+
 def test_vm_checks_buffers_that_are_the_same_memory():
     # "y" and "y_again" are one tensor under two names: the dependencies (derived from
     # names) order nothing between y's reader and y_again's writer, so running the writer

@@ -93,6 +93,11 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     assert (op_smem_bytes(g1.node("l0.o_proj"), OpChoice(block_n=32, block_k=256, tma_stages=4))
             == 3 * (32 * 512 + 8) + GEMV_RING_SCRATCH)
     assert op_smem_bytes(g1.node("l0.down"), OpChoice(block_n=32, block_k=256, tma_stages=4)) == 3 * (32 * 512 + 1024 + 8)
+    # A grouped stream (ring 9: two groups of 4 chunks in flight) waits in its stream however
+    # long, x to registers: eight chunks and their norm chunks.
+    grouped = OpChoice(block_n=16, block_k=256, tma_stages=9, fuse=("l0.mlp_norm",))
+    assert (op_smem_bytes(g1.node("l0.gate_up"), grouped)
+            == 8 * (16 * 256 * 2 + 256 * 2 + 8) + GEMV_RING_SCRATCH == 70208)
     # Weight-major decode tiles (>= 128 weight rows, 8 x rows): all tma_stages weight chunks
     # stay in the ring, S - 1 x and norm chunks beside them, [hi; lo] staged once.
     wide = op_smem_bytes(g.node("l0.gate_up"), OpChoice(block_n=256, block_k=64, tma_stages=3,
@@ -145,3 +150,19 @@ def test_decode_dot_tiles_stream_at_their_measured_worker_rates():
     gemv = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64).node("l0.gate_up")
     choice = OpChoice(block_n=32, block_k=256, tma_stages=4)
     assert phase_costs(gemv, choice, spec, 264) == phase_costs(gemv, choice, free, 264)
+
+
+def test_a_task_that_waits_before_its_stream_pays_the_first_chunk_latency():
+    """A GEMV task that waits for its inputs inside its stream has its ring's first chunks in
+    flight during the wait; one that waits before it pays a chunk's load latency once more.
+    The 8B down projection's 56-chunk tasks wait before a 4-deep ring, inside a grouped one."""
+    from mk.planner.cost import exposed_chunk_seconds
+
+    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
+    down, dev = g.node("l0.down"), DeviceSpec.preset("h200")
+    task_bytes = 16 * 14336 * 2
+    chunks = task_bytes / (16 * 256 * 2)
+    ring4 = exposed_chunk_seconds(down, OpChoice(block_n=16, block_k=256, tma_stages=4), dev, task_bytes)
+    ring9 = exposed_chunk_seconds(down, OpChoice(block_n=16, block_k=256, tma_stages=9), dev, task_bytes)
+    assert ring9 == pytest.approx(chunks * dev.chunk_exposed_s)
+    assert ring4 == pytest.approx(ring9 + dev.load_latency_s)

@@ -4,6 +4,11 @@ import triton
 import triton.language as tl
 
 from mk.tasks.linear import (
+    WAIT_IN_STREAM_MAX_CHUNKS,
+    X_GROUP,
+    X_GROUP_MAX_CHUNK_BYTES,
+    GemvStream,
+    gemv_stream,
     LinearConfig,
     _tile_rows,
     interleave_gate_up,
@@ -271,6 +276,27 @@ def test_weight_major_tiles_are_wide_decode_tiles():
     assert _tile_rows(LinearConfig(16, 64, 128), 3) == 16
     assert _tile_rows(LinearConfig(16, 128, 64), 12) == 16
     assert _tile_rows(LinearConfig(1, 128, 64), 1) == 1
+
+
+def test_gemv_streams_group_their_chunks_where_a_ring_holds_whole_groups():
+    # A ring of 1 + 2 * X_GROUP with groupable chunks: two groups in flight, waiting in the
+    # stream however long the task (8B down: 56 chunks of 16 x 256 bf16).
+    ring = 1 + 2 * X_GROUP
+    st = gemv_stream(1, ring, 14336, 256, 16, 2)
+    assert st == GemvStream(waits=True, group=X_GROUP, stages=3) and st.chunks_in_flight == 2 * X_GROUP
+    assert gemv_stream(1, ring, 14336, 256, 16, 2, tiles_per_task=7).waits
+    # Chunks too big, a K split that is not whole groups, or a ring of other depth: one
+    # chunk an iteration, waiting in the stream only while it is short.
+    too_big = X_GROUP_MAX_CHUNK_BYTES // (256 * 2) * 2
+    assert gemv_stream(1, ring, 4096, 256, too_big, 2).group == 1
+    assert gemv_stream(1, ring, 4096, 256, 16, 2, split_k=3).group == 1  # 16 chunks cut 5/5/6
+    assert gemv_stream(1, ring, 4096, 256, 16, 2, split_k=2).group == X_GROUP
+    short, long_k = WAIT_IN_STREAM_MAX_CHUNKS * 256, (WAIT_IN_STREAM_MAX_CHUNKS + 1) * 256
+    assert gemv_stream(1, 4, short, 256, 16, 2) == GemvStream(waits=True, group=1, stages=4)
+    assert gemv_stream(1, 4, long_k, 256, 16, 2) == GemvStream(waits=False, group=1, stages=4)
+    assert gemv_stream(1, 4, short, 256, 16, 2).chunks_in_flight == 3
+    # Not a GEMV ring: no wait in the stream.
+    assert not gemv_stream(8, ring, 4096, 256, 16, 2).waits and not gemv_stream(1, 0, 4096, 256, 16, 2).waits
 
 
 def test_linear_cost():
