@@ -244,6 +244,8 @@ VARIANTS = {
     "qkv9": tuned(("qkv",), tma_stages=9),
     "o9": tuned(("o_proj",), tma_stages=9),
     "qkv9_o9": tuned(("qkv", "o_proj"), tma_stages=9),
+    "down9": tuned(("down",), tma_stages=9),
+    "qkv9_o9_down9": tuned(("qkv", "o_proj", "down"), tma_stages=9),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
     "zigzag": lambda p, g: replace(p, schedule="zigzag"),
