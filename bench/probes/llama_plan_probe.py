@@ -245,6 +245,16 @@ VARIANTS = {
     "o9": tuned(("o_proj",), tma_stages=9),
     "qkv9_o9": tuned(("qkv", "o_proj"), tma_stages=9),
     "down9": tuned(("down",), tma_stages=9),
+    # Back from the grouped choices one op at a time (session 18, the search pricing a
+    # grouped stream's x chunks once a group).
+    "gu32": tuned(("gate_up",), block_n=32, tiles_per_task=2, tma_stages=4),
+    "gu32_qkv4": lambda p, g: tuned(("qkv",), tma_stages=4)(tuned(("gate_up",), block_n=32, tiles_per_task=2,
+                                                                  tma_stages=4)(p, g), g),
+    "gu32_qkv4_o4": lambda p, g: tuned(("qkv", "o_proj"), tma_stages=4)(
+        tuned(("gate_up",), block_n=32, tiles_per_task=2, tma_stages=4)(p, g), g),
+    "qkv32": tuned(("qkv",), block_n=32, tiles_per_task=1, tma_stages=4),
+    "qkv32_o4": lambda p, g: tuned(("o_proj",), tma_stages=4)(
+        tuned(("qkv",), block_n=32, tiles_per_task=1, tma_stages=4)(p, g), g),
     "qkv9_o9_down9": tuned(("qkv", "o_proj", "down"), tma_stages=9),
     # The search's plan under each queue schedule (mk.planner.simulate).
     "round_robin": lambda p, g: replace(p, schedule="round_robin"),
