@@ -32,9 +32,16 @@ def plan_dir() -> Path:
     return root
 
 
+def _planner_sources() -> list[Path]:
+    """The planner's source and the task modules its cost model reads (tile rules, stream
+    rules, shared-memory sizes: mk/tasks), so that a change to either re-plans."""
+    package = Path(__file__).parent.parent
+    return sorted([*(package / "planner").glob("*.py"), *(package / "tasks").glob("*.py")])
+
+
 def _planner_source_hash() -> str:
     h = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")):
+    for f in _planner_sources():
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -246,19 +246,15 @@ def _gemv_stream(node: OpNode, choice: OpChoice, dtype_bytes: int = 2):
 def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, task_bytes: float,
                           dtype_bytes: int = 2) -> float:
     """What a GEMV task of ``task_bytes`` weight bytes spends on its TMA ring beyond its
-    stream: :attr:`DeviceSpec.chunk_exposed_s` a chunk (a group of a grouped stream), and where the task waits for its
+    stream: :attr:`DeviceSpec.chunk_exposed_s` a chunk, and where the task waits for its
     inputs before its stream (not inside it: :func:`mk.tasks.linear.gemv_stream`), the
     first chunk's :attr:`DeviceSpec.load_latency_s`, which a wait inside the stream
     overlaps. 0 for other tiles (measured on GEMV rings; tl.dot tiles' rates carry their
     work a chunk)."""
     if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1:
         return 0.0
-    stream = _gemv_stream(node, choice, dtype_bytes)
-    ramp = 0.0 if stream.waits else device.load_latency_s
-    # A grouped stream's x chunks arrive a group ahead, once a group (H100, session 18: the
-    # 1B down's 32-chunk tasks 12.3 -> 10.2 us, ~1.3 chunk_exposed_s a chunk).
-    per_chunk = device.chunk_exposed_s / stream.group
-    return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * per_chunk + ramp
+    ramp = 0.0 if _gemv_stream(node, choice, dtype_bytes).waits else device.load_latency_s
+    return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s + ramp
 
 
 def decode_dot_tile(node: OpNode) -> bool:

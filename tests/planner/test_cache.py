@@ -101,3 +101,21 @@ def test_pick_measured_refuses_a_bad_timing():
         pick_measured(plans, lambda p: 0.0)
     with pytest.raises(ValueError, match="at least one"):
         pick_measured([], lambda p: 1.0)
+
+
+def test_the_key_covers_the_task_rules_the_cost_model_reads(tmp_path, monkeypatch):
+    """A plan is priced with the tasks' own rules (mk.tasks.linear.gemv_stream, shared-memory
+    sizes): editing a task module must give a new key, as editing the planner does."""
+    import mk.planner.cache as cache
+
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
+    spec = DeviceSpec.preset("h200")
+    names = {p.relative_to(p.parent.parent).as_posix() for p in cache._planner_sources()}
+    assert {"planner/cost.py", "tasks/linear.py", "tasks/decode_attention.py"} <= names
+    before = cache.plan_key(g, spec, 264, 6)
+    linear = next(p for p in cache._planner_sources() if p.name == "linear.py" and p.parent.name == "tasks")
+    edited = tmp_path / "linear.py"
+    edited.write_bytes(linear.read_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(cache, "_planner_sources",
+                        lambda real=cache._planner_sources: [edited if p == linear else p for p in real()])
+    assert cache.plan_key(g, spec, 264, 6) != before
