@@ -244,6 +244,9 @@ VARIANTS = {
     "qkv9": tuned(("qkv",), tma_stages=9),
     "o9": tuned(("o_proj",), tma_stages=9),
     "qkv9_o9": tuned(("qkv", "o_proj"), tma_stages=9),
+    "o9_down9": tuned(("o_proj", "down"), tma_stages=9),
+    "qkv4": tuned(("qkv",), tma_stages=4),
+    "qkv4_o9": lambda p, g: tuned(("o_proj",), tma_stages=9)(tuned(("qkv",), tma_stages=4)(p, g), g),
     "down9": tuned(("down",), tma_stages=9),
     # Back from the grouped choices one op at a time (session 18, the search pricing a
     # grouped stream's x chunks once a group).

@@ -308,15 +308,55 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int
 @dataclass(frozen=True)
 class PhaseCost:
     """One dependency phase of an op: ``tasks`` tasks of ``task_s`` seconds each (overhead
-    included), which start after one wait of ``wait_s`` once their inputs are ready."""
+    included), which start after one wait of ``wait_s`` once their inputs are ready.
+    ``early_s`` of a task's time does not need its inputs: a worker that reaches the task
+    before they are ready does that part while it waits (the TMA ring's prologue, issued
+    before the dependency wait: :func:`prologue_seconds`)."""
 
     tasks: int
     task_s: float
     wait_s: float
+    early_s: float = 0.0
 
     def seconds(self, workers: int) -> float:
-        """The phase alone on ``workers`` workers: one wait, then its busiest worker's tasks."""
-        return self.wait_s + math.ceil(self.tasks / workers) * self.task_s
+        """The phase alone on ``workers`` workers: one wait, in which the first tasks do their
+        early part, then its busiest worker's tasks."""
+        return self.wait_s + math.ceil(self.tasks / workers) * self.task_s - min(self.early_s, self.wait_s)
+
+
+def idle_wait_ops(graph) -> set[str]:
+    """Ops that read the output of an op streaming no weights (decode attention): their tasks
+    wait on a latency-bound chain while DRAM idles, so what they ask for before their wait
+    arrives during it (:func:`prologue_seconds`). After a weight-streaming op the wait
+    overlaps that op's tail, which still has DRAM busy: a 56 KiB QKV prologue after the
+    down projection measured no faster than 24 KiB (1B, H100, bench/NOTES.md session 19)."""
+    producers = graph.producers()
+    kinds = {n.name: n.kind for n in graph.nodes}
+    return {n.name for n in graph.nodes
+            if any(kinds.get(producers.get(t, ""), "") == "attention" for t in n.inputs)}
+
+
+def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_s: float, task_bytes: float,
+                     dtype_bytes: int = 2) -> float:
+    """The part of a task's weight stream (``stream_s`` for ``task_bytes``) that arrives
+    while it waits for its inputs, where DRAM idles then (:func:`idle_wait_ops`): a GEMV
+    task that waits inside its TMA stream has the ring's first chunks in flight before the
+    wait (:func:`mk.tasks.linear.gemv_stream`), a whole-range ring all of them. Where chunks
+    are left to ask for, the next is asked for only after the wait (when the first frees its
+    slot), so at least one :attr:`DeviceSpec.load_latency_s` stays after the wait. 0 for
+    other tasks. Measured (1B on an H100, bench/NOTES.md session 19): the O projection's
+    tasks after attention took 4.2 us with 3 of their 8 chunks in flight before the wait,
+    3.9 with 7, 3.1 with all 8."""
+    if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1 or task_bytes <= 0:
+        return 0.0
+    stream = _gemv_stream(node, choice, dtype_bytes)
+    if not stream.waits:
+        return 0.0
+    in_flight = stream.chunks_in_flight * choice.block_n * choice.block_k * dtype_bytes
+    weights = choice.block_n * choice.tiles_per_task * -(-node.dims["K"] // choice.split_k) * dtype_bytes
+    if in_flight >= weights:
+        return stream_s
+    return max(0.0, min(stream_s * in_flight / weights, stream_s - device.load_latency_s))
 
 
 def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[int, int]:
@@ -338,14 +378,15 @@ def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[in
 
 
 def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
-                fused: list[OpNode] = (), dtype_bytes: int = 2) -> list[PhaseCost]:
+                fused: list[OpNode] = (), dtype_bytes: int = 2, idle_wait: bool = False) -> list[PhaseCost]:
     """The op's phases (:func:`op_phases`) with the time of one task of each.
 
     A task streams its share of the phase's bytes at the lesser of what one worker streams
     alone (:meth:`DeviceSpec.worker_rate`, x re-read included), an even share of DRAM among
     the phase's busy workers, and what a TMA ring delivers of weights
     (:func:`ring_seconds_per_byte`), plus the task overhead; where the op's flops outweigh its bytes (prefill-sized
-    M) the streaming part stretches to the compute time. An attention split is priced as
+    M) the streaming part stretches to the compute time. ``idle_wait`` (the op is in
+    :func:`idle_wait_ops`): the ring's prologue counts as the tasks' early part. An attention split is priced as
     the last of its KV group, which then reads the group's partials back to merge them: exact
     when the splits run in one wave, as they do in decode.
     """
@@ -376,23 +417,25 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         if i == 0 and decode_dot_tile(node):
             dot_rate = device.xmajor_dot_bandwidth if xmajor_decode_tile(node, choice) else device.dot_worker_bandwidth
             stream = max(stream, task_bytes / dot_rate) if dot_rate else stream
+        early = prologue_seconds(node, choice, device, stream, task_bytes, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
-        streams.append((phase_tasks, waves, stream))
-    memory_s = sum(waves * s for _, waves, s in streams)
+        streams.append((phase_tasks, waves, stream, early))
+    memory_s = sum(waves * s for _, waves, s, _ in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0
-    return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s) for tasks, _, s in streams]
+    return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s, early)
+            for tasks, _, s, early in streams]
 
 
 def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,
-                fused: list[OpNode] = (), dtype_bytes: int = 2) -> OpEstimate:
+                fused: list[OpNode] = (), dtype_bytes: int = 2, idle_wait: bool = False) -> OpEstimate:
     """Predicted time of ``node`` (with ``fused`` folded into it) on ``workers`` workers.
 
     Each phase (:func:`phase_costs`) costs one dependency wait plus, on its busiest worker,
-    ``waves`` tasks; the op is the sum of its phases.
+    ``waves`` tasks; the op is the sum of its phases. ``idle_wait``: as :func:`phase_costs`.
     """
     nbytes, flops = _op_traffic(node, choice, fused)
-    phases = phase_costs(node, choice, device, workers, fused, dtype_bytes)
+    phases = phase_costs(node, choice, device, workers, fused, dtype_bytes, idle_wait)
     overhead_s = sum(p.wait_s + math.ceil(p.tasks / workers) * device.task_overhead_s for p in phases)
     seconds = sum(p.seconds(workers) for p in phases)
     return OpEstimate(node.name, node.kind, sum(p.tasks for p in phases), nbytes, flops,
@@ -411,6 +454,7 @@ def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec,
             fused_into[name] = host
     nodes = {n.name: n for n in graph.nodes}
     step = StepEstimate(launch_s=device.launch_overhead_s)
+    idle = idle_wait_ops(graph)
     for node in graph.nodes:
         if node.name in fused_into:
             continue
@@ -418,7 +462,7 @@ def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec,
             raise ValueError(f"op {node.name} ({node.kind}) has no choice in the plan")
         choice = plan[node.name]
         step.ops.append(estimate_op(node, choice, device, workers, [nodes[f] for f in choice.fuse],
-                                    graph.model.dtype_bytes))
+                                    graph.model.dtype_bytes, node.name in idle))
     return step
 
 

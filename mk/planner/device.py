@@ -430,7 +430,12 @@ _COPY_FRACTION = 0.88
 #: measured copy figure (read + written) where this project has one, else 0.88 × peak.
 PRESETS: dict[str, DeviceSpec] = {
     # Peak HBM3 3.35 TB/s; not measured here.
-    "h100-sxm": _hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, _COPY_FRACTION * 3.35e12),
+    # Copy 3.01-3.03e12 measured in bench/results/llama-nvidia-h100-2026-11-25-s18*.json.
+    # A weight chunk arrives later than on the H200 while every worker streams: the 1B down
+    # projection's GEMV tasks (8 x 256 boxes, 12 KiB in flight a worker) streamed at 10.6 GB/s
+    # a worker where 32 KiB in flight gave 12.5 (bench/NOTES.md, sessions 18-19): Little's
+    # law says 1.15 us.
+    "h100-sxm": replace(_hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, 3.02e12), load_latency_s=1.15e-6),
     # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured in bench/results
     # (tasks-nvidia-h200-2026-11-22.json, copy_Bps). L2: torch reports 60 MiB on this
     # project's H200 (spec sheets often say 50 MB, the H100's figure).

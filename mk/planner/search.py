@@ -18,7 +18,7 @@ from typing import Callable
 
 from mk.tasks.linear import X_GROUP, gemv_stream
 
-from .cost import OpChoice, estimate_op, estimate_step, whole_range_stages
+from .cost import OpChoice, estimate_op, estimate_step, idle_wait_ops, whole_range_stages
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
@@ -355,18 +355,21 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
     def shape(node):
         return (node.kind, tuple(sorted(node.dims.items())), node.bytes_read, node.bytes_written, node.flops)
 
+    idle = idle_wait_ops(graph)
+
     def cost_of(node, choice, fused_names):
         # Keyed by shapes, not names: the layers of a model repeat, so most lookups hit.
-        key = (shape(node), choice, tuple(shape(nodes[f]) for f in fused_names))
+        key = (shape(node), node.name in idle, choice, tuple(shape(nodes[f]) for f in fused_names))
         if key not in cache:
             cache[key] = estimate_op(node, replace(choice, fuse=fused_names), device, workers,
-                                     [nodes[f] for f in fused_names], graph.model.dtype_bytes)
+                                     [nodes[f] for f in fused_names], graph.model.dtype_bytes, node.name in idle)
         return cache[key]
 
     ranked_of: dict = {}
 
     for node in iterator:
-        if shape(node) not in ranked_of:
+        rank_key = (shape(node), node.name in idle)
+        if rank_key not in ranked_of:
             options = [c for c in candidates(node, device, graph.model.dtype_bytes, workers)
                        if cost_of(node, c, ()).smem_bytes <= budget]
             if not options:
@@ -380,8 +383,8 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
                                                     repr(c))):
                 if not any(cost_of(node, k, ()).smem_bytes <= cost_of(node, c, ()).smem_bytes for k in kept):
                     kept.append(c)
-            ranked_of[shape(node)] = kept[:beam_width]
-        ranked = ranked_of[shape(node)]
+            ranked_of[rank_key] = kept[:beam_width]
+        ranked = ranked_of[rank_key]
         new_beam: list[_State] = []
         host = node.fuse_into
         for state in beam:

@@ -4,7 +4,8 @@ The cost model prices each dependency phase of an op as if its tasks were spread
 (:func:`~mk.planner.cost.estimate_op`). Here the same tasks, with the same predicted
 times (:func:`~mk.planner.cost.phase_costs`), are dealt to the workers' static queues by
 a schedule and run in order: each worker takes its next task when it is free, after its
-inputs are ready and one dependency wait. The step is the launch plus the last finish.
+inputs are ready and one dependency wait (a task's early part, its TMA ring's prologue,
+runs from when the worker reaches it). The step is the launch plus the last finish.
 What this adds to the sum over phases is load imbalance across phases: a schedule that
 leaves one worker with more tasks than ``ceil(tasks / workers)``, and phases whose tasks
 wait only for *their* producers (a split-K reduce for its tile's partials, the argmax
@@ -45,7 +46,7 @@ from mk.persistent.graph import SCHEDULES  # the planner chooses between them (t
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import linear_k_splits
 
-from .cost import PhaseCost, linear_tiles_n, phase_costs
+from .cost import PhaseCost, idle_wait_ops, linear_tiles_n, phase_costs
 from .device import DeviceSpec
 from .graph import OpGraph
 
@@ -100,13 +101,14 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
     lowering does."""
     nodes = {n.name: n for n in graph.nodes}
     fused = {f for c in plan.values() for f in c.fuse}
+    idle = idle_wait_ops(graph)
     phases: list[SimPhase] = []
     for node in graph.nodes:
         if node.name in fused or (node.kind == "argmax" and next_token == "logits"):
             continue
         choice = plan[node.name]
         costs = phase_costs(node, choice, device, workers, [nodes[f] for f in choice.fuse],
-                            graph.model.dtype_bytes)
+                            graph.model.dtype_bytes, node.name in idle)
         d = node.dims
         if node.kind == "linear":
             silu = any(nodes[f].kind == "silu_mul" for f in choice.fuse)
@@ -205,7 +207,9 @@ def simulate(phases: list[SimPhase], workers: int, schedule: str, launch_s: floa
                 lap, pos = divmod(index, workers)
                 w = pos if schedule == "round_robin" or lap % 2 == 0 else workers - 1 - pos
                 at = free[w]
-            done = max(at, ready[j] + wait_s) + p.cost.task_s
+            # What does not need the inputs (the ring's prologue) runs from when the worker
+            # reaches the task: PhaseCost.early_s.
+            done = max(at + p.cost.task_s, ready[j] + wait_s + p.cost.task_s - p.cost.early_s)
             free[w] = done
             if schedule == "list":
                 heapq.heappush(idle, (done, w))

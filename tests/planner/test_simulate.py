@@ -44,16 +44,20 @@ def meta_buffers(graph, max_seq):
     return bufs
 
 
-def run_exact(step_graph, queues, cost, wait_s):
+def run_exact(step_graph, queues, cost, wait_s, early=None):
     """Each worker runs its queue in order; a task starts when its worker is free and, one
-    wait after, every task it depends on (from the lowered regions) has finished."""
+    wait after, every task it depends on (from the lowered regions) has finished; its
+    ``early`` part runs from when its worker is free, inputs or not."""
     deps = drop_implied(step_graph.dependency_intervals())
     worker = {i: w for w, q in enumerate(queues) for i in q}
     free = [0.0] * len(queues)
+    early = early or [0.0] * len(cost)
     finish = []
     for i in range(len(step_graph.tasks)):  # program order: dependencies and queue order both respected
         ready = max((finish[t] + wait_s for a, b in deps[i] for t in range(a, b)), default=0.0)
-        finish.append(max(free[worker[i]], ready) + cost[i])
+        at = free[worker[i]]
+        pre = min(early[i], max(0.0, ready - at))  # done while waiting for the inputs
+        finish.append(max(at, ready) + cost[i] - pre)
         free[worker[i]] = finish[-1]
     return finish
 
@@ -97,10 +101,11 @@ def test_simulation_matches_a_run_over_the_exact_dependencies(case):
     workers = rng.choice([1, 3, 7, 40])
     phases = step_phases(graph, plan.choices, spec, workers, next_token)
     cost = [p.cost.task_s for p in phases for _ in range(p.cost.tasks)]
+    early = [p.cost.early_s for p in phases for _ in range(p.cost.tasks)]
     assert len(cost) == len(step.graph.tasks)
     for schedule in SCHEDULES:
         sim = simulate(phases, workers, schedule)
-        finish = run_exact(step.graph, sim.queues(), cost, spec.wait_overhead_s)
+        finish = run_exact(step.graph, sim.queues(), cost, spec.wait_overhead_s, early)
         assert sim.seconds == pytest.approx(max(finish), rel=1e-12), (schedule, workers)
         ends, i = [], 0
         for p in phases:
@@ -165,3 +170,21 @@ def test_bad_queues_and_schedules_are_refused():
     with pytest.raises(ValueError, match="unknown schedule"):
         bad = search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"))[0]
         Plan.from_json(replace(bad, schedule="spiral").to_json())
+
+
+def test_a_task_does_its_early_part_while_it_waits():
+    # Phase a: one 5 s task on worker 0. Phase b: two tasks of 2 s, 1.5 s of which (the TMA
+    # ring's prologue) need no inputs, one wait of 1 s after a. Worker 1, idle since 0, is
+    # done 0.5 s after its inputs arrive (at 6); worker 0 reaches its b task only at 5, so
+    # only the wait's second overlaps: done at 7. Without the early part both end at 8.
+    from mk.planner.cost import PhaseCost
+    from mk.planner.simulate import SimPhase
+
+    phases = [SimPhase("a", PhaseCost(1, 5.0, 0.0)), SimPhase("b", PhaseCost(2, 2.0, 1.0, early_s=1.5))]
+    sim = simulate(phases, 2, "round_robin")
+    assert sim.worker_of == [0, 1, 0] or sim.worker_of == [0, 1, 1]
+    assert sim.seconds == pytest.approx(7.0) and sim.phase_end == pytest.approx([5.0, 7.0])
+    plain = [phases[0], SimPhase("b", PhaseCost(2, 2.0, 1.0))]
+    assert simulate(plain, 2, "round_robin").seconds == pytest.approx(8.0)
+    # The phase alone: one wait, of which the early part takes what it can, then a task.
+    assert phases[1].cost.seconds(2) == pytest.approx(1.0 + 2.0 - 1.0)
