@@ -538,28 +538,23 @@ def linear_run(
             x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
-        if HAS_NORM:
-            xt = xt.to(tl.float32)
-            sum_sq += tl.where(t == 0, xt * xt, 0.0)
-            nw = tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
-            if BLOCK_M == 1:
-                xt = xt * nw
-            else:
-                xt = xt * nw[None, :]
         if BLOCK_M == 1:
-            acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
-        elif WEIGHT_MAJOR:
-            acc = mma_weight_major(w, xt, acc)
+            acc, sum_sq = _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, t == 0, HAS_NORM)
         else:
-            acc = mma(xt, tl.trans(w), acc)
+            if HAS_NORM:
+                xt = xt.to(tl.float32)
+                sum_sq += tl.where(t == 0, xt * xt, 0.0)
+                xt = xt * tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)[None, :]
+            if WEIGHT_MAJOR:
+                acc = mma_weight_major(w, xt, acc)
+            else:
+                acc = mma(xt, tl.trans(w), acc)
         if k + BLOCK_K >= k_hi:  # the tile's last chunk
-            # rstd is one number a row, so it factors out of the row's sum.
             if BLOCK_M == 1:
-                y = tl.sum(acc, axis=1)[None, :]
-                if HAS_NORM:
-                    y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
+                y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
+                # rstd is one number a row, so it factors out of the row's sum.
                 y = fold_weight_major(acc) if WEIGHT_MAJOR else acc
                 if HAS_NORM:
                     y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
@@ -580,6 +575,17 @@ def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM
         sum_sq += tl.where(first_tile, xt * xt, 0.0)
         xt = xt * tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
     return acc + w.to(tl.float32) * xt[None, :], sum_sq
+
+
+@triton.jit
+def _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM: tl.constexpr):
+    """A GEMV tile's [1, BLOCK_N] result from its accumulator: the row sums, scaled by the
+    RMSNorm's rstd (one number a row, so it factors out of the sum): from the squares summed
+    over the whole row, or ``rstd_pre`` for a K split."""
+    y = tl.sum(acc, axis=1)[None, :]
+    if HAS_NORM:
+        y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
+    return y
 
 
 @triton.jit
@@ -644,9 +650,7 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
         xa = na
         xb = nb
         if k0 + X_GROUP * BLOCK_K >= k_hi:  # the tile's last group
-            y = tl.sum(acc, axis=1)[None, :]
-            if HAS_NORM:
-                y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps), rstd_pre)
+            y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     return s0, s1, s2, s3
