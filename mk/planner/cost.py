@@ -336,10 +336,10 @@ def idle_wait_ops(graph) -> set[str]:
             if any(kinds.get(producers.get(t, ""), "") == "attention" for t in n.inputs)}
 
 
-def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_s: float, task_bytes: float,
+def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_s: float,
                      dtype_bytes: int = 2) -> float:
-    """The part of a task's weight stream (``stream_s`` for ``task_bytes``) that arrives
-    while it waits for its inputs, where DRAM idles then (:func:`idle_wait_ops`): a GEMV
+    """The part of a task's weight stream (``stream_s`` seconds) that arrives while it
+    waits for its inputs, where DRAM idles then (:func:`idle_wait_ops`): a GEMV
     task that waits inside its TMA stream has the ring's first chunks in flight before the
     wait (:func:`mk.tasks.linear.gemv_stream`), a whole-range ring all of them. Where chunks
     are left to ask for, the next is asked for only after the wait (when the first frees its
@@ -347,7 +347,7 @@ def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_
     other tasks. Measured (1B on an H100, bench/NOTES.md session 19): the O projection's
     tasks after attention took 4.2 us with 3 of their 8 chunks in flight before the wait,
     3.9 with 7, 3.1 with all 8."""
-    if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1 or task_bytes <= 0:
+    if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1:
         return 0.0
     stream = _gemv_stream(node, choice, dtype_bytes)
     if not stream.waits:
@@ -417,7 +417,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         if i == 0 and decode_dot_tile(node):
             dot_rate = device.xmajor_dot_bandwidth if xmajor_decode_tile(node, choice) else device.dot_worker_bandwidth
             stream = max(stream, task_bytes / dot_rate) if dot_rate else stream
-        early = prologue_seconds(node, choice, device, stream, task_bytes, dtype_bytes) if i == 0 and idle_wait else 0.0
+        early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
         streams.append((phase_tasks, waves, stream, early))
