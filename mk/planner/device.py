@@ -291,7 +291,10 @@ class DeviceSpec:
             return default
 
         smem_per_sm = prop("shared_memory_per_multiprocessor", default=base.smem_per_sm)
-        spec = cls(
+        # What the device reports replaces the preset's hardware facts; every rate and
+        # cost-model constant stays the preset's (a preset's own measured constants included).
+        spec = replace(
+            base,
             name=props.name,
             sm_count=int(props.multi_processor_count),
             # Without the opt-in figure, the default 48 KiB per block is a safe lower bound.
@@ -305,19 +308,7 @@ class DeviceSpec:
                                     default=base.max_threads_per_sm),
             max_blocks_per_sm=_MAX_BLOCKS_PER_SM.get(cc, base.max_blocks_per_sm),
             l2_bytes=prop("L2_cache_size", "l2_cache_size", default=base.l2_bytes),
-            dram_bandwidth=base.dram_bandwidth,
-            bf16_flops=base.bf16_flops,
             compute_capability=cc,
-            max_threads_per_block=base.max_threads_per_block,
-            reserved_smem_per_block=base.reserved_smem_per_block,
-            l1_reserve_per_sm=base.l1_reserve_per_sm,
-            tma_worker_bandwidth=base.tma_worker_bandwidth,
-            worker_bandwidth=base.worker_bandwidth,
-            dot_worker_bandwidth=base.dot_worker_bandwidth,
-            xmajor_dot_bandwidth=base.xmajor_dot_bandwidth,
-            task_overhead_s=base.task_overhead_s,
-            wait_overhead_s=base.wait_overhead_s,
-            launch_overhead_s=base.launch_overhead_s,
         )
         if load_calibration:
             constants = load_calibration_file(spec.name)

@@ -299,6 +299,29 @@ def test_from_gpu_without_cuda_is_a_clear_error():
         DeviceSpec.from_gpu()
 
 
+def test_from_gpu_keeps_every_constant_of_its_preset(tmp_path, monkeypatch):
+    # A fake H100 as torch reports one: the spec takes the hardware facts from torch and
+    # every rate and cost-model constant from the H100 preset (the planner picks the same
+    # plan on the GPU as with --device h100). Session 19 found from_gpu dropping the
+    # preset's load_latency_s for the class default.
+    import types
+
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132,
+                                  shared_memory_per_block_optin=227 * 1024, shared_memory_per_multiprocessor=228 * 1024,
+                                  regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  L2_cache_size=50 * 1024 * 1024)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    spec, preset = DeviceSpec.from_gpu(), DeviceSpec.preset("h100")
+    hardware = {"smem_per_block", "smem_per_sm", "l2_bytes"}
+    for f in dataclasses.fields(DeviceSpec):
+        if f.name not in hardware:
+            assert getattr(spec, f.name) == getattr(preset, f.name), f.name
+    assert spec.load_latency_s == 1.15e-6 and spec.smem_per_block == 227 * 1024
+
+
 @pytest.mark.gpu
 def test_from_gpu_matches_torch(tmp_path, monkeypatch):
     monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
