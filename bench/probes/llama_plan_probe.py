@@ -248,6 +248,22 @@ VARIANTS = {
     "qkv4": tuned(("qkv",), tma_stages=4),
     "qkv4_o9": lambda p, g: tuned(("o_proj",), tma_stages=9)(tuned(("qkv",), tma_stages=4)(p, g), g),
     "down9": tuned(("down",), tma_stages=9),
+    # Fewer, wider O projection tasks (session 20): the workers without one go on to their
+    # gate_up task and put its ring's prologue in flight while attention runs.
+    "o16r9": tuned(("o_proj",), block_n=16, tma_stages=9),
+    "o16r4": tuned(("o_proj",), block_n=16, tma_stages=4),
+    # Less in flight (session 20): DRAM queues as deep as the rings' bytes, so every L2 access
+    # on the critical chain (x chunks, norms, attention, polls) waits behind them.
+    "gu3": tuned(("gate_up",), tma_stages=3),
+    "gu2": tuned(("gate_up",), tma_stages=2),
+    "gu2_down4": lambda p, g: tuned(("down",), tma_stages=4)(tuned(("gate_up",), tma_stages=2)(p, g), g),
+    "o2": tuned(("o_proj",), tma_stages=2),
+    "gu3_again": tuned(("gate_up",), tma_stages=3),
+    "qkv3": tuned(("qkv",), tma_stages=3),
+    "gu3_qkv3": lambda p, g: tuned(("qkv",), tma_stages=3)(tuned(("gate_up",), tma_stages=3)(p, g), g),
+    "gu3_down6": lambda p, g: tuned(("down",), tma_stages=6)(tuned(("gate_up",), tma_stages=3)(p, g), g),
+    "search_again": lambda p, g: p,
+    "o16r9_gu6": lambda p, g: tuned(("gate_up",), tma_stages=6)(tuned(("o_proj",), block_n=16, tma_stages=9)(p, g), g),
     # Back from the grouped choices one op at a time (session 18, the search pricing a
     # grouped stream's x chunks once a group).
     "gu32": tuned(("gate_up",), block_n=32, tiles_per_task=2, tma_stages=4),

@@ -865,12 +865,15 @@ def _attention_live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
 
 
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
-                         max_seq: int, splits: int, block_n: int, scale: float, direct: bool = False) -> None:
+                         max_seq: int, splits: int, block_n: int, scale: float, direct: bool = False,
+                         seqlen: int | None = None) -> None:
     """KV split s of (b, kv) for its group's query heads, with torch (the VM's partial);
-    ``direct``: the split is the sequence's only live one and writes out instead."""
+    ``direct``: the split is the sequence's only live one and writes out instead.
+    ``seqlen``: the length (default seqlens[b])."""
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
-    seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+    if seqlen is None:
+        seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions=False)
     start, end = _attention_split(seqlen, splits, block_n, s)
     q = _view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
     o_part = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
@@ -913,14 +916,23 @@ def _run_attention_merge(op: str, bufs: dict, b: int, h: int, *, batch: int, hq:
     out[b, h * d:(h + 1) * d] = y.to(out.dtype)
 
 
-def _attention_split_reads(bind: dict, b: int, kv: int, *, hq: int, hkv: int, d: int, max_seq: int) -> list:
+def _attention_split_reads(bind: dict, b: int, kv: int, *, hq: int, hkv: int, d: int, max_seq: int,
+                           lengths: str = "seqlens") -> list:
     """What a split of (b, kv) reads: its heads' q, all max_seq cache rows of (b, kv) (the
-    slice it reads depends on the runtime length) and b's length."""
+    slice it reads depends on the runtime length) and b's length (or position: ``lengths``)."""
     group = hq // hkv
     rows = ((b * hkv + kv) * max_seq, (b * hkv + kv + 1) * max_seq)
     return [Region(bind["q"], b, b + 1, kv * group * d, (kv + 1) * group * d),
             Region(bind["k_cache"], *rows, 0, d), Region(bind["v_cache"], *rows, 0, d),
-            Region(bind["seqlens"], 0, 1, b, b + 1)]
+            Region(bind[lengths], 0, 1, b, b + 1)]
+
+
+def _attention_length(op: str, bufs: dict, b: int, batch: int, max_seq: int, from_positions: bool) -> int:
+    """Sequence b's KV length as the device reads it: seqlens[b], or pos[b] + 1 clipped to
+    [0, max_seq] (:func:`mk.tasks.decode_attention.decode_length`)."""
+    if from_positions:
+        return min(max(int(_view(op, "pos", bufs["pos"], 1, batch)[0, b]) + 1, 0), max_seq)
+    return int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
 
 
 #: Strides of q, the caches, o_part and lse, as the attention tiles take them (constexprs).
@@ -998,7 +1010,7 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
 @register("decode_attention")
 def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                         num_splits: int, *, scale: float | None = None, block_n: int | None = None,
-                        num_warps: int | None = None) -> OpSpec:
+                        num_warps: int | None = None, from_positions: bool = False) -> OpSpec:
     """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
     of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
     split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
@@ -1014,6 +1026,12 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     one that writes out): reads of the group's partials, writes of its own partial, the
     group's counter and the group's heads of out. A consumer of out therefore waits for all
     of the group's splits, and the one that writes out signals after it.
+
+    ``from_positions``: the operand seqlens is replaced by the step's positions pos int32
+    ``[batch]`` and the length is pos[b] + 1 (:func:`mk.tasks.decode_attention.decode_length`,
+    what the step's QKV tiles write to seqlens), read before the task's wait: positions
+    change only between steps, so one memory round trip leaves the chain from the QKV tiles
+    to the O projection.
     """
     op = "decode_attention"
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
@@ -1021,12 +1039,18 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
     group = hq // hkv
     c = part.constexprs
-    # The K/V lines of the slice into L2 while the task waits (inline PTX: not under the interpreter).
-    preload = "" if INTERPRET else (
-        "decode_attention_prefetch(k_cache, v_cache, seqlens, b.to(tl.int64), kv_head, split, NUM_SPLITS, S_MAX, "
-        "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
-        "HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
-    body = ("decode_attention_tile(q, k_cache, v_cache, seqlens, o_part, lse, arrivals, out, b.to(tl.int64), "
+    lengths = "pos" if from_positions else "seqlens"
+    # The length before the wait: exact from the positions; from seqlens maybe the last step's
+    # (good enough for the prefetch's hint, read again after the wait).
+    preload = ("attn_len = decode_length(pos, b.to(tl.int64), S_MAX)\n" if from_positions else
+               "" if INTERPRET else "attn_len = tl.load(seqlens + b.to(tl.int64), volatile=True)\n")
+    if not INTERPRET:  # the K/V lines of the slice into L2 while the task waits (inline PTX)
+        preload += ("decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
+                    "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
+                    "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
+    body = (("decode_attention_split(q, k_cache, v_cache, attn_len, " if from_positions else
+             "decode_attention_tile(q, k_cache, v_cache, seqlens, ") +
+            "o_part, lse, arrivals, out, b.to(tl.int64), "
             "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
             "BLOCK_GROUP=BLOCK_GROUP)")
@@ -1035,12 +1059,12 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
 
     def run(bufs, a):
         b, kv, s = tile(a)
-        seqlen = int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+        seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions)
         live = _attention_live_splits(seqlen, S, c["BLOCK_N"])
         if s >= live:  # past the sequence: nothing to do
             return
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
-                             block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1)
+                             block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen)
         if live == 1:  # split 0 wrote out itself
             return
         arrivals = _view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
@@ -1053,7 +1077,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     def reads(a, bind):
         b, kv, _ = tile(a)
         r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
-        return (_attention_split_reads(bind, b, kv, hq=hq, hkv=hkv, d=d, max_seq=max_seq)
+        return (_attention_split_reads(bind, b, kv, hq=hq, hkv=hkv, d=d, max_seq=max_seq, lengths=lengths)
                 + [Region(bind["o_part"], r0, r1, 0, S * d), Region(bind["lse"], r0, r1, 0, S)])
 
     def writes(a, bind):
@@ -1063,8 +1087,10 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                 Region(bind["arrivals"], 0, 1, b * hkv + kv, b * hkv + kv + 1),
                 Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)]
 
-    return OpSpec(name=op, operands=part.operands + ("arrivals", "out"), args=part.args, body=body, preload=preload,
-                  imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile",),
+    operands = tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
+    return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
+                  imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_split, "
+                           "decode_attention_tile, decode_length",),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length()},
                   num_warps=part.num_warps, run=run,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))

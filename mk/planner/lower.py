@@ -179,11 +179,12 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         elif kind == "attention":
             layer = node.name.rsplit(".", 1)[0]
             splits = choice.kv_splits
-            # One phase: each KV group's last split merges it (with one split too: a copy).
+            # One phase: each KV group's last split merges it (with one split too: a copy). The
+            # length from the positions: known before the wait (the step's QKV writes seqlens).
             spec = make_op("decode_attention", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads,
-                           head_dim=m.head_dim, max_seq=S, num_splits=splits)
+                           head_dim=m.head_dim, max_seq=S, num_splits=splits, from_positions=True)
             add_op(node.name, spec, q=node.inputs[0], k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache",
-                   seqlens="seqlens", o_part=activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim),
+                   pos="pos", o_part=activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim),
                    lse=activation(f"{layer}.lse", B, m.heads, splits),
                    arrivals=activation(f"{layer}.arrivals", B * m.kv_heads, dt=torch.int32),
                    out=activation(node.outputs[0], B, m.heads * m.head_dim))

@@ -126,9 +126,9 @@ def _attend_slice(
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
 
-    # Padded group rows load as zeros: their scores are 0 (finite) and they are never stored.
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_mask = mask_g[:, None] & mask_d[None, :]
+    q = tl.zeros([BLOCK_G, BLOCK_D], dtype=q_ptr.dtype.element_ty)
 
     split_len = _split_len(seqlen, num_splits, BLOCK_N)
     start = split * split_len
@@ -143,6 +143,11 @@ def _attend_slice(
     # Every block this loop visits holds at least one valid position, so m_i turns finite
     # on the first step; an empty slice skips the loop and keeps l_i = 0.
     for n0 in range(start, end, BLOCK_N):
+        if n0 == start:
+            # q in the first step, after the pipelined K/V loads are issued: the two round
+            # trips overlap. Padded group rows load as zeros: their scores are 0 (finite)
+            # and they are never stored.
+            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         offs = n0 + offs_n
         mask_n = offs < end
         kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -217,20 +222,18 @@ def decode_attention_partial_tile(
 
 @triton.jit
 def decode_attention_prefetch(
-    k_cache_ptr, v_cache_ptr, seqlens_ptr, b, kv_head, split, num_splits, max_seq,
+    k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, max_seq,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr = 2,
 ):
-    """Ask L2 for the first BLOCKS blocks of K and V rows of split ``split``'s slice, cut at
-    the length seqlens[b] holds *now*; issued before the task waits for its inputs.
+    """Ask L2 for the first BLOCKS blocks of K and V rows of split ``split``'s slice of a
+    sequence of ``seqlen`` keys; issued before the task waits for its inputs.
 
-    The cached positions before this step's never depend on the step, but the slice bounds
-    do (this step's QKV tiles write the length): read early, the length may be the last
-    step's, one short. A prefetch is only a hint (no register, no fault, no stale value:
-    L2 is where the QKV tiles' stores land), so a slightly wrong slice costs nothing but
-    the lines. The split's loads then meet L2 instead of DRAM. Compiled GPU code only
-    (inline PTX)."""
-    seqlen = tl.load(seqlens_ptr + b, volatile=True)
+    The cached positions before this step's never depend on the step, but a length read from
+    the seqlens buffer before the wait may be the last step's, one short (this step's QKV
+    tiles write it). A prefetch is only a hint (no register, no fault, no stale value: L2 is
+    where the QKV tiles' stores land), so a slightly wrong slice costs nothing but the lines.
+    The split's loads then meet L2 instead of DRAM. Compiled GPU code only (inline PTX)."""
     split_len = _split_len(seqlen, num_splits, BLOCK_N)
     start = split * split_len
     # (+1: the position this step appends, if the length is the last step's)
@@ -290,8 +293,8 @@ def decode_attention_merge_tile(
 
 
 @triton.jit
-def decode_attention_tile(
-    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+def decode_attention_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlen, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
     b, kv_head, split, num_kv_heads, num_splits, sm_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
@@ -303,8 +306,9 @@ def decode_attention_tile(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_GROUP: tl.constexpr,
 ):
-    """Split ``split`` of (b, kv_head), as :func:`decode_attention_partial_tile`; then the
-    group's output, by one of the *live* splits (those that hold a key):
+    """Split ``split`` of (b, kv_head) for a sequence of ``seqlen`` keys, as
+    :func:`decode_attention_partial_tile`; then the group's output, by one of the *live*
+    splits (those that hold a key):
 
     * one live split (the sequence fits in split 0's slice): split 0 writes the group's heads
       of ``out_ptr`` directly; no workspace, no count, no merge;
@@ -315,7 +319,6 @@ def decode_attention_tile(
     Splits past the live ones return at once. No split waits for another, so the splits may
     run in any order, or one after another on one program.
     """
-    seqlen = tl.load(seqlens_ptr + b)
     # seqlen 0 (never valid) still gives one live split, which writes zeros.
     live = tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
     if split < live:
@@ -343,6 +346,39 @@ def decode_attention_tile(
                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
                     HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, HEADS=GROUP, BLOCK_HEADS=BLOCK_GROUP,
                     CACHE=".cg")
+
+
+@triton.jit
+def decode_attention_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+    b, kv_head, split, num_kv_heads, num_splits, sm_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls,
+    stride_outb, stride_outh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr,
+):
+    """:func:`decode_attention_split` with the length read from ``seqlens_ptr[b]``."""
+    decode_attention_split(
+        q_ptr, k_cache_ptr, v_cache_ptr, tl.load(seqlens_ptr + b), o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+        b, kv_head, split, num_kv_heads, num_splits, sm_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S,
+        BLOCK_GROUP=BLOCK_GROUP)
+
+
+@triton.jit
+def decode_length(pos_ptr, b, max_seq):
+    """Sequence b's KV length in a decode step that appends its token at position pos[b]:
+    pos[b] + 1, clipped to ``[0, max_seq]`` as :func:`mk.tasks.rope.rope_kv_seqlen_tile`
+    writes it. Positions change only between steps, so a persistent kernel may read this
+    before the step's QKV tiles have written the seqlens buffer (and before any wait)."""
+    return tl.minimum(tl.maximum(tl.load(pos_ptr + b) + 1, 0), max_seq)
 
 
 @triton.jit

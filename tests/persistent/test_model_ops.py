@@ -205,10 +205,14 @@ def test_rope_kv_position_past_the_cache_writes_no_row(_seed):
                           "seqlens": torch.zeros(batch, dtype=torch.int32)}, check, _seed)
 
 
-@pytest.mark.parametrize("one_phase", [True, False], ids=["last_split_merges", "merge_tasks"])
+@pytest.mark.parametrize("one_phase", [True, False, "from_positions"],
+                         ids=["last_split_merges", "merge_tasks", "last_split_merges_from_positions"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)], ids=["g1", "g4"])
 @pytest.mark.parametrize("num_splits,block_n", [(3, None), (3, 16), (1, 16)])
 def test_decode_attention_ops(hq, hkv, num_splits, block_n, one_phase, _seed):
+    """Split-KV attention ops against the reference. ``from_positions``: the one-phase op
+    reads each length as the step's position + 1 (before its wait), never seqlens."""
+    from_positions = one_phase == "from_positions"
     batch, d, max_seq = 3, 12, 40
     seqlens = [37, 1, 20]  # a partial block, one key, and (block 16, 3 splits) an empty last split
     g = TaskGraph()
@@ -223,7 +227,12 @@ def test_decode_attention_ops(hq, hkv, num_splits, block_n, one_phase, _seed):
     sizes = dict(batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_seq=max_seq, num_splits=num_splits,
                  block_n=block_n)
     ws = dict(q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse")
-    if one_phase:  # the last split of each KV group merges it; the counts must end at 0
+    if from_positions:  # seqlens holds nonsense: only the positions may be read
+        g.buffer("pos", torch.tensor(seqlens, dtype=torch.int32, device=DEV) - 1)
+        g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32, device=DEV))
+        ws = {**{k: v for k, v in ws.items() if k != "seqlens"}, "pos": "pos"}
+        add_all(g, make_op("decode_attention", **sizes, from_positions=True), **ws, arrivals="arrivals", out="out")
+    elif one_phase:  # the last split of each KV group merges it; the counts must end at 0
         g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32, device=DEV))
         add_all(g, make_op("decode_attention", **sizes), **ws, arrivals="arrivals", out="out")
     else:
@@ -235,6 +244,8 @@ def test_decode_attention_ops(hq, hkv, num_splits, block_n, one_phase, _seed):
     ws_ref = None
     if block_n is None:  # the op's default tiles are the launcher's: same workspace
         ws_ref = decode_attention_partials(q3, kc, vc, g.buffers["seqlens"], num_splits=num_splits)
+    if from_positions:
+        g.buffers["seqlens"].copy_(torch.tensor([max_seq, 0, 7]))
 
     bn = make_op("decode_attention_partial", **sizes).constexprs["BLOCK_N"]
     slice_len = [math.ceil(math.ceil(n / num_splits) / bn) * bn for n in seqlens]
