@@ -159,3 +159,28 @@ def test_missing_or_misshapen_buffers_are_named(setup):
     unfused["l0.down"] = replace(unfused["l0.down"], fuse=())
     with pytest.raises(ValueError, match="l0.mlp_residual"):
         lower_decode_step(replace(plan, choices=unfused), graph, bufs, eps=1e-5)
+
+
+def test_attention_reads_positions_no_task_writes_before_it(setup):
+    # The step's attention reads its length from pos before its wait (decode_length), so no
+    # task may write pos until every attention task is done: its only writers must come
+    # after all of them in the dependency order (append_token, at the step's end).
+    model = setup[0]
+    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    step, _ = run_step(model, variants(graph)[2], graph, setup, workers=3)
+    g = step.graph
+    attention = [t.index for t in g.tasks if t.op.name == "decode_attention"]
+    assert attention and all(t.bind["pos"] == "pos" for t in g.tasks if t.op.name == "decode_attention")
+    writers = [t.index for t in g.tasks if any(r.buffer == "pos" for r in t.writes())]
+    assert writers and {g.tasks[i].op.name for i in writers} == {"append_token"}
+    deps = g.dependencies()
+    for w in writers:
+        before = set(deps[w])
+        frontier = list(before)
+        while frontier:  # everything the writer waits for, transitively
+            for d in deps[frontier.pop()]:
+                if d not in before:
+                    before.add(d)
+                    frontier.append(d)
+        assert set(attention) <= before, g.tasks[w].name
+
