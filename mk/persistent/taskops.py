@@ -1048,8 +1048,8 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
         preload += ("decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
                     "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
                     "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
-    body = (("decode_attention_split(q, k_cache, v_cache, attn_len, " if from_positions else
-             "decode_attention_tile(q, k_cache, v_cache, seqlens, ") +
+    body = ("decode_attention_tile(q, k_cache, v_cache, "
+            + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
             "o_part, lse, arrivals, out, b.to(tl.int64), "
             "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
@@ -1089,8 +1089,8 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
 
     operands = tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
     return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
-                  imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_split, "
-                           "decode_attention_tile, decode_length",),
+                  imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
+                           "decode_length",),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length()},
                   num_warps=part.num_warps, run=run,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))

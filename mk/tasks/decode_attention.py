@@ -293,7 +293,7 @@ def decode_attention_merge_tile(
 
 
 @triton.jit
-def decode_attention_split(
+def decode_attention_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlen, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
     b, kv_head, split, num_kv_heads, num_splits, sm_scale,
     stride_qb, stride_qh,
@@ -349,30 +349,6 @@ def decode_attention_split(
 
 
 @triton.jit
-def decode_attention_tile(
-    q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-    b, kv_head, split, num_kv_heads, num_splits, sm_scale,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh, stride_ls,
-    stride_outb, stride_outh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_GROUP: tl.constexpr,
-):
-    """:func:`decode_attention_split` with the length read from ``seqlens_ptr[b]``."""
-    decode_attention_split(
-        q_ptr, k_cache_ptr, v_cache_ptr, tl.load(seqlens_ptr + b), o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-        b, kv_head, split, num_kv_heads, num_splits, sm_scale,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
-        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S,
-        BLOCK_GROUP=BLOCK_GROUP)
-
-
-@triton.jit
 def decode_length(pos_ptr, b, max_seq):
     """Sequence b's KV length in a decode step that appends its token at position pos[b]:
     pos[b] + 1, clipped to ``[0, max_seq]`` as :func:`mk.tasks.rope.rope_kv_seqlen_tile`
@@ -419,9 +395,10 @@ def decode_attention_kernel(
 ):
     # Grid (B * Hkv, num_splits): partials and merges in one launch.
     pid = tl.program_id(0)
+    b = pid // num_kv_heads
     decode_attention_tile(
-        q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
-        pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_kv_heads, num_splits, sm_scale,
+        q_ptr, k_cache_ptr, v_cache_ptr, tl.load(seqlens_ptr + b), o_ptr, lse_ptr, arrivals_ptr, out_ptr,
+        b, pid % num_kv_heads, tl.program_id(1), num_kv_heads, num_splits, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S,
