@@ -1091,7 +1091,8 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
                   imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
                            "decode_length",),
-                  constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length()},
+                  constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
+                              "FROM_POSITIONS": int(from_positions)},
                   num_warps=part.num_warps, run=run,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))
 
