@@ -826,7 +826,7 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
             kc[b, :, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
             vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
         if write_seqlens:
-            _view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = min(max(pos + 1, 0), max_seq)
+            _view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = _length_at(pos, max_seq)
 
     def reads(a, bind):
         b = seq(a)
@@ -865,15 +865,13 @@ def _attention_live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
 
 
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
-                         max_seq: int, splits: int, block_n: int, scale: float, direct: bool = False,
-                         seqlen: int | None = None) -> None:
-    """KV split s of (b, kv) for its group's query heads, with torch (the VM's partial);
-    ``direct``: the split is the sequence's only live one and writes out instead.
-    ``seqlen``: the length (default seqlens[b])."""
+                         max_seq: int, splits: int, block_n: int, scale: float, seqlen: int,
+                         direct: bool = False) -> None:
+    """KV split s of (b, kv) of a sequence of ``seqlen`` keys for its group's query heads, with
+    torch (the VM's partial); ``direct``: the split is the sequence's only live one and writes
+    out instead."""
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
-    if seqlen is None:
-        seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions=False)
     start, end = _attention_split(seqlen, splits, block_n, s)
     q = _view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
     o_part = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
@@ -931,8 +929,14 @@ def _attention_length(op: str, bufs: dict, b: int, batch: int, max_seq: int, fro
     """Sequence b's KV length as the device reads it: seqlens[b], or pos[b] + 1 clipped to
     [0, max_seq] (:func:`mk.tasks.decode_attention.decode_length`)."""
     if from_positions:
-        return min(max(int(_view(op, "pos", bufs["pos"], 1, batch)[0, b]) + 1, 0), max_seq)
+        return _length_at(int(_view(op, "pos", bufs["pos"], 1, batch)[0, b]), max_seq)
     return int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+
+
+def _length_at(pos: int, max_seq: int) -> int:
+    """The KV length once the token at position ``pos`` is cached: pos + 1, clipped to
+    [0, max_seq] (what rope_kv writes to seqlens and decode_length computes)."""
+    return min(max(pos + 1, 0), max_seq)
 
 
 #: Strides of q, the caches, o_part and lse, as the attention tiles take them (constexprs).
@@ -987,7 +991,9 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
     tile = _attention_tile(op, batch, hkv, S)
 
     def run(bufs, a):
-        _run_attention_split(op, bufs, *tile(a), batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
+        b, kv, s = tile(a)
+        _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
+                             seqlen=_attention_length(op, bufs, b, batch, max_seq, from_positions=False),
                              block_n=block_n, scale=scale)
 
     def reads(a, bind):
