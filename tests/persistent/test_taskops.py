@@ -581,3 +581,53 @@ def test_vm_checks_buffers_that_are_the_same_memory():
         run_vm(program, interleave="round_robin")
     program.queues = [[0, reader, writer], []]  # in order, the same memory is fine
     run_vm(program, interleave="round_robin")
+
+
+def test_early_prefetch_is_issued_by_the_task_before_and_changes_no_result():
+    """A TMA GEMV that asks for an early prefetch (OpSpec.early_prefetch) is handed to the task
+    before it on its worker, which issues it right after its own wait, only where that task
+    waits in its body and mostly precedes such a task (codegen._early_issuers); the prefetch is
+    a hint (none under the interpreter), so the chain still equals the torch product."""
+    from mk.persistent.codegen import _early_issuers, generate_source
+
+    dev = default_device()
+    g = TaskGraph()
+    g.buffer("x", torch.randn(1, 128, device=dev)), g.buffer("w1", torch.randn(64, 128, device=dev))
+    g.buffer("r", torch.randn(1, 64, device=dev)), g.buffer("h", torch.full((1, 64), float("nan"), device=dev))
+    g.buffer("w2", torch.randn(48, 64, device=dev)), g.buffer("y", torch.full((1, 48), float("nan"), device=dev))
+    first = make_op("linear", M=1, N=64, K=128, block_n=16, block_k=32, tma_stages=3, residual=True, dtype=F32)
+    second = make_op("linear", M=1, N=48, K=64, block_n=8, block_k=16, tma_stages=3, tiles_per_task=2,
+                     early_prefetch_k=32, dtype=F32)
+    assert not first.early_prefetch and second.constexprs["EARLY_COLS"] == 32 and "COLS=EARLY_COLS" in second.early_prefetch
+    for a in linear_tiles(first):
+        g.add(first, x="x", w="w1", res="r", out="h", **a)
+    for a in linear_tiles(second):
+        g.add(second, x="h", w="w2", out="y", **a)
+    # One worker: first x 4, then second x 3: only the second's tasks come
+    # mostly before a task that asks, so only they carry the next descriptor into their wait.
+    program = lower(g, 1)
+    opcode = {spec.constexprs["N"]: i for i, (spec, _) in enumerate(program.variants)}
+    assert _early_issuers(program) == {opcode[48]}
+    src = generate_source(program)
+    assert f"early_prefetch(early_{opcode[48]}(" in src and f"def early_{opcode[48]}(" in src
+    Megakernel(program).run()
+    h = linear_ref(g.buffers["x"], g.buffers["w1"]) + g.buffers["r"]
+    assert_close(g.buffers["h"], h, F32)
+    assert_close(g.buffers["y"], linear_ref(h, g.buffers["w2"]), F32)
+    # Four workers: three of the four first tasks sit just before a second task, and the
+    # second's are last on theirs: only the first op issues. No op that asks: none issues.
+    assert _early_issuers(lower(g, 4)) == {opcode[64]}
+    plain = TaskGraph()
+    for name in ("x", "w1", "r", "h"):
+        plain.buffer(name, g.buffers[name])
+    for a in linear_tiles(first):
+        plain.add(first, x="x", w="w1", res="r", out="h", **a)
+    assert _early_issuers(lower(plain, 4)) == frozenset() and "early_prefetch" not in generate_source(lower(plain, 4))
+
+
+def test_early_prefetch_needs_a_tma_gemv_tile():
+    """Asking for an early prefetch where no TMA bulk prefetch of whole rows can serve it is refused."""
+    with pytest.raises(ValueError, match="TMA ring"):
+        make_op("linear", M=1, N=64, K=128, block_n=16, block_k=32, early_prefetch_k=32, dtype=F32)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        make_op("linear", M=1, N=64, K=128, block_n=16, block_k=32, tma_stages=3, early_prefetch_k=2, dtype=F32)
