@@ -266,12 +266,6 @@ VARIANTS = {
     # More of each QKV task in flight without the grouped ring's 70 KiB (session 21).
     "qkv5": tuned(("qkv",), tma_stages=5),
     "qkv6": tuned(("qkv",), tma_stages=6),
-    # gate_up's first chunks asked into L2 by the task before it (an O projection, whose weights
-    # are already in shared memory) right after that task's wait (session 21).
-    "gu_early256": tuned(("gate_up",), early_prefetch_k=256),
-    "gu_early512": tuned(("gate_up",), early_prefetch_k=512),
-    "gu_early768": tuned(("gate_up",), early_prefetch_k=768),
-    "gu_early1024": tuned(("gate_up",), early_prefetch_k=1024),
     "o16r9_gu6": lambda p, g: tuned(("gate_up",), tma_stages=6)(tuned(("o_proj",), block_n=16, tma_stages=9)(p, g), g),
     # Back from the grouped choices one op at a time (session 18, the search pricing a
     # grouped stream's x chunks once a group).

@@ -57,12 +57,10 @@ def _bind(spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program, w: st
     return lines
 
 
-def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program,
-                      issuers: frozenset[int] = frozenset()) -> str:
+def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
     """One jit function per variant, so each op's local names and types stay its own: bind
     operands, run the op's preload, wait on the task's events, run the body."""
     n = device_words(program)
-    issues = opcode in issuers
     lines = _bind(spec, dtypes, program, "w")
     if spec.preload:
         lines.append("# loads that do not depend on other tasks, issued before waiting for them")
@@ -70,9 +68,9 @@ def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]
     if spec.waits_in_body:
         # The body calls task_wait itself, after issuing what does not depend on its inputs.
         lines.append(f"task_wait_args = ({', '.join(_wait_words(program))}, counters_ptr, error_ptr, epoch, worker, "
-                     f"timeout{', nxt' if issues else ''})")
+                     f"timeout)")
         lines.append("task_wait_state = (ok, last_ev, last_need, tl.zeros([], dtype=tl.int64))")
-        lines.append(f"TASK_WAIT_FLAGS: tl.constexpr = (USE_TIMER, BACKOFF_NS, TRACE, {issues})")
+        lines.append("TASK_WAIT_FLAGS: tl.constexpr = (USE_TIMER, BACKOFF_NS, TRACE)")
         lines.append(textwrap.dedent(spec.body).strip("\n"))
     else:
         lines.append(_waits(program))
@@ -80,9 +78,8 @@ def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]
         lines.append("if ok != 0:")
         lines.append(_indent(spec.body, 1))
     dt_names = [str(d).replace("torch.", "") for d in dtypes]
-    nxt = "nxt, " if issues else ""
     return (f"@triton.jit\ndef op_{opcode}({_words('w', n)}, counters_ptr, error_ptr, epoch, worker, timeout, ok, "
-            f"last_ev, last_need, {nxt}USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr, "
+            f"last_ev, last_need, USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr, "
             f"TRACE: tl.constexpr):\n"
             f"    \"\"\"{spec.key} on {dt_names}\"\"\"\n" + _indent("\n".join(lines), 1) +
             "\n    return ok, last_ev, last_need, t_ready\n")
@@ -106,58 +103,16 @@ def _wait_words(program: Program) -> list[str]:
     return ["w2", "w3"] + [f"w{HEADER_WORDS + j}" for j in range(2 * program.max_waits)]
 
 
-def _task_wait_function(program: Program, issuers: frozenset[int] = frozenset()) -> str:
+def _task_wait_function(program: Program) -> str:
     """``task_wait``: a task's dependency waits as a function, for bodies that wait themselves
     (:attr:`OpSpec.waits_in_body`); the same waits as every other op's."""
-    early = bool(issuers)
-    words = f"{', '.join(_wait_words(program))}, counters_ptr, error_ptr, epoch, worker, timeout"
-    lines = (["ISSUE_EARLY: tl.constexpr = FLAGS[3]", "if ISSUE_EARLY:", f"    {words}, nxt = args", "else:",
-              f"    {words} = args"] if early else [f"{words} = args"])
-    lines += ["ok, last_ev, last_need, t_ready = state",
-              "USE_TIMER: tl.constexpr = FLAGS[0]", "BACKOFF_NS: tl.constexpr = FLAGS[1]",
-              "TRACE: tl.constexpr = FLAGS[2]", _waits(program), "t_ready = now_ns(USE_TIMER & TRACE)"]
-    if early:
-        # The next task's first weights (its descriptor words nxt), now that this task's inputs
-        # are here (OpSpec.early_prefetch). Compiled GPU code only: the prefetch is inline PTX.
-        n = device_words(program)
-        asks = [i for i, (spec, _) in enumerate(program.variants) if spec.early_prefetch]
-        lines += ["if ISSUE_EARLY & USE_TIMER:", f"    {_words('n', n)} = nxt", "    if ok != 0:"]
-        lines += [f"        {'if' if k == 0 else 'elif'} n0 == {i}:\n"
-                  f"            early_prefetch(early_{i}({_words('n', n)}), GPU=USE_TIMER)" for k, i in enumerate(asks)]
-    lines.append("return ok, last_ev, last_need, t_ready")
+    lines = [f"{', '.join(_wait_words(program))}, counters_ptr, error_ptr, epoch, worker, timeout = args",
+             "ok, last_ev, last_need, t_ready = state",
+             "USE_TIMER: tl.constexpr = FLAGS[0]", "BACKOFF_NS: tl.constexpr = FLAGS[1]",
+             "TRACE: tl.constexpr = FLAGS[2]", _waits(program), "t_ready = now_ns(USE_TIMER & TRACE)",
+             "return ok, last_ev, last_need, t_ready"]
     return ("@triton.jit\ndef task_wait(args, state, FLAGS: tl.constexpr):\n"
             "    \"\"\"The task's dependency waits; state (ok, last_ev, last_need, t_ready) in and out.\"\"\"\n"
-            + _indent("\n".join(lines), 1) + "\n")
-
-
-def _early_issuers(program: Program) -> frozenset[int]:
-    """Opcodes of the variants that issue their successors' early prefetches
-    (:attr:`OpSpec.early_prefetch`): those that wait in their body and, in at least half of
-    their tasks, come just before an op that asks for one on the same worker. (Only they
-    carry the next task's descriptor words into their wait: the code and registers that
-    costs stay out of the others.)"""
-    asks = {i for i, (spec, _) in enumerate(program.variants) if spec.early_prefetch}
-    issuers = frozenset()
-    if asks:
-        opcode = dict(zip(program.desc[:, 3].tolist(), program.desc[:, 0].tolist()))
-        before, total = {}, {}
-        for queue in program.queues:
-            for t, t_next in zip(queue, queue[1:] + [None]):
-                op = opcode[t]
-                total[op] = total.get(op, 0) + 1
-                if t_next is not None and opcode[t_next] in asks:
-                    before[op] = before.get(op, 0) + 1
-        issuers = frozenset(op for op, k in before.items()
-                            if program.variants[op][0].waits_in_body and 2 * k >= total[op])
-    return issuers
-
-
-def _early_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
-    """The op's early-prefetch region (:attr:`OpSpec.early_prefetch`) from its descriptor words."""
-    n = device_words(program)
-    lines = _bind(spec, dtypes, program, "w") + [f"return {spec.early_prefetch}"]
-    return (f"@triton.jit\ndef early_{opcode}({_words('w', n)}):\n"
-            f"    \"\"\"where {spec.key}'s first weights are, for its predecessor's early prefetch\"\"\"\n"
             + _indent("\n".join(lines), 1) + "\n")
 
 
@@ -190,23 +145,15 @@ def generate_source(program: Program) -> str:
     """The full Python source of the megakernel module for ``program``."""
     n = device_words(program)
     imports = sorted({imp for spec, _ in program.variants for imp in spec.imports})
-    issuers = _early_issuers(program)
-    functions = "\n\n".join(_variant_function(i, spec, dtypes, program, issuers)
-                              for i, (spec, dtypes) in enumerate(program.variants))
+    functions = "\n\n".join(_variant_function(i, spec, dtypes, program) for i, (spec, dtypes) in enumerate(program.variants))
     if any(spec.waits_in_body for spec, _ in program.variants):
-        functions = _task_wait_function(program, issuers) + "\n\n" + functions
+        functions = _task_wait_function(program) + "\n\n" + functions
     prefetches = "\n\n".join(_prefetch_function(i, spec, dtypes, program)
                               for i, (spec, dtypes) in enumerate(program.variants) if spec.prefetch)
     has_prefetch = lambda spec: bool(spec.prefetch)  # noqa: E731
-    early = bool(issuers)
-    tail = ", counters_ptr, error_ptr, epoch, worker, timeout, ok, last_ev, last_need, {}" \
-           "USE_TIMER=USE_TIMER, BACKOFF_NS=BACKOFF_NS, TRACE=TRACE"
-    run = "\n".join(
-        f"{'if' if i == 0 else 'elif'} w0 == {i}:\n    ok, last_ev, last_need, t_ready = op_{i}({_words('w', n)}"
-        + tail.format(f"({_words('n', n)},), " if i in issuers else "") + ")"
-        for i in range(len(program.variants))) or "pass"
-    early_functions = "\n\n".join(_early_function(i, spec, dtypes, program)
-                                   for i, (spec, dtypes) in enumerate(program.variants) if spec.early_prefetch)
+    run = _dispatch(program, "op", "w", ", counters_ptr, error_ptr, epoch, worker, timeout, ok, last_ev, last_need, "
+                    "USE_TIMER=USE_TIMER, BACKOFF_NS=BACKOFF_NS, TRACE=TRACE",
+                    "ok, last_ev, last_need, t_ready = ")
     prefetch_first = _dispatch(program, "prefetch", "w", "", "", has_prefetch)
     prefetch_next = _dispatch(program, "prefetch", "n", "", "", has_prefetch)
     carried = "\n".join(f"w{j} = n{j}" for j in range(n))
@@ -256,15 +203,13 @@ def generate_source(program: Program) -> str:
 import triton
 import triton.language as tl
 
-from mk.persistent.sync import {"early_prefetch, " if early else ""}now_ns, signal_event, wait_event
+from mk.persistent.sync import now_ns, signal_event, wait_event
 {chr(10).join(imports)}
 
 
 {functions}
 
 {prefetches}
-
-{early_functions}
 
 @triton.jit
 def {KERNEL_NAME}(desc_ptr, queue_ptr, counters_ptr, state_ptr, error_ptr, trace_ptr, num_workers, timeout,

@@ -64,13 +64,6 @@ class OpSpec:
     #: to its end (what it stores is garbage, as is every output of a failed launch); the
     #: task then does not signal and the worker stops, as after any failed wait.
     waits_in_body: bool = False
-    #: an expression of the bound names giving ``(address, row stride in bytes, rows, bytes a
-    #: row)`` (int64, then int32s; 0 rows: none): weights the task *before* this one on its
-    #: worker asks L2 for right after its own wait, when that task waits in its body. For a
-    #: task whose predecessor's work after its wait is short and streams nothing (an O
-    #: projection with its whole weight tile already in shared memory), so DRAM streams this
-    #: task's first chunks meanwhile instead of idling until this task's own loads.
-    early_prefetch: str = ""
     constexprs: Mapping[str, int] = field(default_factory=dict)
     num_warps: int = 4
     #: run(buffers_by_role, args) executes one tile with torch ops (the VM's semantics).

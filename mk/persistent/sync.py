@@ -12,8 +12,6 @@ layer on one worker all wait for the same event, and only the first pays for it.
 import triton
 import triton.language as tl
 
-from mk.tasks.linear import _bulk_prefetch_rows
-
 try:  # inline PTX: compiled GPU code only
     from triton.language.extra.cuda import globaltimer as _globaltimer
 except ImportError:  # pragma: no cover - older layouts
@@ -51,17 +49,6 @@ def _backoff(NS: tl.constexpr):
     if NS > 0:
         tl.inline_asm_elementwise(f"nanosleep.u32 {NS};\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
-
-
-@triton.jit
-def early_prefetch(region, GPU: tl.constexpr):
-    """Ask L2 for ``region`` = (address, row stride in bytes, rows, bytes a row): one TMA bulk
-    prefetch a row (:attr:`mk.persistent.ops.OpSpec.early_prefetch`), returning at once.
-    A hint: compiled GPU code only (inline PTX), nothing under the interpreter."""
-    if GPU:
-        addr, stride, rows, nbytes = region
-        if rows > 0:
-            _bulk_prefetch_rows(addr, stride, rows, nbytes)
 
 
 @triton.jit

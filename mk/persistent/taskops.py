@@ -289,19 +289,6 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
 
 
-def _early_prefetch(s: "_LinearShape", tma: int, cols: int, constexprs: dict) -> str:
-    """The :attr:`OpSpec.early_prefetch` of a linear task asking for its first tile's first
-    ``cols`` weight columns (sets EARLY_COLS in ``constexprs``); "" for none."""
-    if cols <= 0:
-        return ""
-    if not tma or s.bm != 1:
-        raise ValueError(f"{s.op}: early_prefetch_k needs GEMV tiles through a TMA ring (tma_stages > 0, one x row)")
-    if (cols * s.eb) % 16 or not s.bulk:
-        raise ValueError(f"{s.op}: early_prefetch_k={cols} must span a multiple of 16 bytes, as must weight rows")
-    constexprs["EARLY_COLS"] = int(min(cols, s.K))
-    return "linear_early_region(w, pid_n * TILES_PER_TASK, N, K, BLOCK_N=BLOCK_N, COLS=EARLY_COLS)"
-
-
 #: A full-K tile's L2 weight prefetch, issued by the dispatch loop before the task's wait.
 _FULL_K_PREFETCH = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                     "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
@@ -312,7 +299,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
-              tiles_per_task: int = 1, early_prefetch_k: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
+              tiles_per_task: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -326,10 +313,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     loads instead (GEMV body; aligned rows, chunks of at most 256 elements). ``prefetch_k``
     weight columns are pulled into L2 before the dependency wait (never under the
     interpreter). ``tiles_per_task`` > 1: a task is that many adjacent tiles along N (pid_n
-    counts runs), streamed as one (:func:`mk.tasks.linear.linear_run`). ``early_prefetch_k`` > 0
-    (GEMV tiles through a TMA ring): the task before this one on its worker, if it waits in
-    its body, asks L2 for this task's first tile's first ``early_prefetch_k`` weight columns
-    right after its own wait (:attr:`mk.persistent.ops.OpSpec.early_prefetch`).
+    counts runs), streamed as one (:func:`mk.tasks.linear.linear_run`).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
@@ -372,11 +356,10 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
-    early = _early_prefetch(s, tma, early_prefetch_k, constexprs)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  preload=preload_src, waits_in_body=s.waits_in_body(tma), early_prefetch=early,
-                  imports=("from mk.tasks.linear import linear_early_region, linear_prefetch_tile, linear_run, "
-                           "linear_store_epilogue, linear_tile, linear_weights_first",),
+                  preload=preload_src, waits_in_body=s.waits_in_body(tma),
+                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
+                           "linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 

@@ -50,9 +50,6 @@ class OpChoice:
         one (:func:`mk.tasks.linear.linear_run`): a worker with several tiles of an op pays
         a task's overhead (setup, the stream's ramp) once. The split-K reduces stay one
         tile a task.
-    early_prefetch_k: TMA GEMV linears (no split-K, no fused RoPE): weight columns of a
-        task's first tile that the task before it on its worker asks L2 for right after
-        its own wait (:attr:`mk.persistent.ops.OpSpec.early_prefetch`); 0: none.
     """
 
     block_n: int = 0
@@ -64,7 +61,6 @@ class OpChoice:
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
     tiles_per_task: int = 1
-    early_prefetch_k: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -253,11 +253,6 @@ def _streaming(choice, M: int, K: int) -> dict:
     return dict(tma_stages=choice.tma_stages)
 
 
-def _early(choice) -> dict:
-    """The linear's early prefetch (:attr:`OpChoice.early_prefetch_k`), when it has one."""
-    return {"early_prefetch_k": choice.early_prefetch_k} if choice.early_prefetch_k else {}
-
-
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
                   max_seq: int) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
@@ -302,14 +297,10 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)
     flags = dict(residual=add is not None, silu_mul=silu is not None)
-    if choice.early_prefetch_k and (choice.split_k > 1 or rope is not None):
-        raise ValueError(f"lower_decode_step: op {node.name}: early_prefetch_k is for whole-K linear tiles "
-                         f"(no split-K, no fused RoPE), got {choice}")
     try:
         if choice.split_k == 1:
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None
-                    else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run,
-                                 **_early(choice)))
+                    else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run))
             add_op(node.name, spec, **bind, **epilogue)
         else:
             # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).

@@ -716,19 +716,6 @@ def _bulk_prefetch_rows(base, stride_bytes, rows, nbytes):
 
 
 @triton.jit
-def linear_early_region(w_ptr, pid_n, N, K: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
-    """(address, row stride in bytes, rows, bytes a row) of the first COLS columns of tile
-    ``pid_n``'s weight rows, for a TMA bulk prefetch a row (the region a task's predecessor
-    asks L2 for: :attr:`mk.persistent.ops.OpSpec.early_prefetch`). Rows and COLS must span
-    multiples of 16 bytes."""
-    EB: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    row0 = pid_n * BLOCK_N
-    addr = (w_ptr + row0.to(tl.int64) * K).to(tl.int64)
-    rows = tl.minimum(N - row0, BLOCK_N).to(tl.int32)
-    return addr, tl.full([], K * EB, tl.int32), rows, tl.full([], min(COLS, K) * EB, tl.int32)
-
-
-@triton.jit
 def linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn,
                          PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BULK: tl.constexpr = False):

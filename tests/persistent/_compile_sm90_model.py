@@ -75,17 +75,6 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("argmax_partial", rows=B, vocab=V, block_v=256), logits="logits", part_val="pv", part_idx="pi")
     add(make_op("argmax_reduce", rows=B, vocab=V, block_v=256), part_val="pv", part_idx="pi", out_idx="ids",
         out_val="val")
-    # Batch 1: TMA GEMV tasks that wait in their stream, the second asking the task before it
-    # on its worker for an early L2 prefetch of its first weights (OpSpec.early_prefetch).
-    for name, t in (("x1", z(1, HQ * D)), ("r1", z(1, H)), ("h1b", z(1, H)), ("act1", z(1, I))):
-        g.buffer(name, t)
-    for a in op_tiles(o1 := make_op("linear", M=1, N=H, K=HQ * D, block_n=32, block_k=64, tma_stages=3,
-                                    residual=True, dtype=BF16), 1):
-        g.add(o1, x="x1", w="wo", res="r1", out="h1b", **a)
-    for a in op_tiles(gu1 := make_op("linear", M=1, N=2 * I, K=H, block_n=32, block_k=64, tma_stages=3,
-                                     tiles_per_task=4, silu_mul=True, norm=True, early_prefetch_k=128,
-                                     dtype=BF16), 1):
-        g.add(gu1, x="h1b", w="wgu", norm_w="ln", out="act1", **a)
     return g
 
 
@@ -98,8 +87,7 @@ def main() -> None:
     ptx = compiled.asm["ptx"]
     # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), the acquire of the waits,
     # the arrival count of the one-phase attention and its merge's loads from L2.
-    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg",
-                   "cp.async.bulk.prefetch.L2"):
+    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
     print("ok")
 

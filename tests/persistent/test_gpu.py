@@ -152,23 +152,3 @@ def test_runs_of_tma_tiles_equal_one_tile_a_task(block_n, ring, run):
         results.append(g.buffers[f"h{layers}"].float())
         assert rel_err(results[-1], chain_ref(g.buffers["h0"], ws)) < 1e-2
     assert rel_err(results[1], results[0]) < 1e-3
-
-
-def test_early_prefetch_of_the_next_layer_changes_no_product():
-    """A bf16 GEMV chain whose layers ask the task before them for an early L2 prefetch of
-    their first weights (OpSpec.early_prefetch, issued after that task's wait as inline PTX):
-    the same products as without (32 workers: two tasks a layer each, so every task has a
-    successor that asks)."""
-    from mk.persistent.codegen import _early_issuers
-
-    n, layers, results = 2048, 4, []
-    for early in (0, 512):
-        torch.manual_seed(0)
-        g, ws = gemv_chain(layers, n, block_n=16, block_k=256, tma_stages=4, tiles_per_task=2,
-                           early_prefetch_k=early)
-        program = lower(g, num_workers=32)
-        assert bool(_early_issuers(program)) == bool(early)
-        Megakernel(program).run()
-        results.append(g.buffers[f"h{layers}"].float())
-        assert rel_err(results[-1], chain_ref(g.buffers["h0"], ws)) < 1e-2
-    assert torch.equal(results[0], results[1])

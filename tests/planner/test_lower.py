@@ -184,22 +184,3 @@ def test_attention_reads_positions_no_task_writes_before_it(setup):
                     frontier.append(d)
         assert set(attention) <= before, g.tasks[w].name
 
-
-
-def test_early_prefetch_only_on_whole_k_gemv_tiles(setup):
-    # OpChoice.early_prefetch_k reaches the linear op (a batch-1 TMA GEMV's predecessor asks
-    # L2 for its first weights); elsewhere the lowering names the op and changes nothing.
-    model = setup[0]
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
-    plan = variants(graph)[4]  # TMA linears, no split-K
-    bufs = dict(model.weights, ids=torch.zeros(B, dtype=torch.int32), pos=torch.zeros(B, dtype=torch.int32),
-                tokens=torch.zeros(B, S, dtype=torch.int32))
-    for L in range(CONFIG.num_hidden_layers):
-        bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = model.k_cache[L], model.v_cache[L]
-    for name, change, error in (("l0.gate_up", {}, "needs GEMV tiles"),  # batch 2: tl.dot tiles
-                                ("l0.gate_up", {"split_k": 2}, "no split-K"),
-                                ("l0.qkv", {}, "no fused RoPE")):
-        choices = dict(plan.choices)
-        choices[name] = replace(choices[name], early_prefetch_k=32, **change)
-        with pytest.raises(ValueError, match=f"{name}.*{error}"):
-            lower_decode_step(replace(plan, choices=choices), graph, bufs, eps=1e-5)
