@@ -289,15 +289,14 @@ def parse_variant(name):
     """``base[@wW][nN][#knobs]``: the variant ``base`` with its megakernel at W warps a worker
     and/or its plan at N workers (e.g. ``search@w2n396``: 3 two-warp workers an SM); knobs
     set mk.tasks.linear's stream constants for the variant's ops: ``gG`` X_GROUP (1: no
-    grouped streams), ``mM`` WAIT_IN_STREAM_MAX_CHUNKS, ``cC`` X_GROUP_MAX_CHUNK_BYTES, ``wW``
-    X_WHOLE_MAX_CHUNKS (0: x a chunk ahead) (e.g.
+    grouped streams), ``mM`` WAIT_IN_STREAM_MAX_CHUNKS, ``cC`` X_GROUP_MAX_CHUNK_BYTES (e.g.
     ``ring4#g1``)."""
     m = re.fullmatch(r"([^@#]+)(?:@(?:w(\d+))?(?:n(\d+))?)?(?:#(.*))?", name)
-    knobs = {KNOBS[k]: int(v) for k, v in re.findall(r"([gmcw])(\d+)", m.group(4) or "")}
+    knobs = {KNOBS[k]: int(v) for k, v in re.findall(r"([gmc])(\d+)", m.group(4) or "")}
     return m.group(1), int(m.group(2) or 0), int(m.group(3) or 0), knobs
 
 
-KNOBS = {"g": "X_GROUP", "m": "WAIT_IN_STREAM_MAX_CHUNKS", "c": "X_GROUP_MAX_CHUNK_BYTES", "w": "X_WHOLE_MAX_CHUNKS"}
+KNOBS = {"g": "X_GROUP", "m": "WAIT_IN_STREAM_MAX_CHUNKS", "c": "X_GROUP_MAX_CHUNK_BYTES"}
 _LINEAR = importlib.import_module("mk.tasks.linear")
 LINEAR_DEFAULTS = {v: getattr(_LINEAR, v) for v in KNOBS.values()}
 

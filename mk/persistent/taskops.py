@@ -180,9 +180,9 @@ class _LinearShape:
 
     def stream_constexprs(self, tma: int) -> dict:
         """The ring's constexprs: TMA_STAGES, and the chunks an iteration and loop stages of a
-        task that waits in its stream (X_GROUP, X_STAGES, X_WHOLE)."""
+        task that waits in its stream (X_GROUP, X_STAGES)."""
         st = self.stream(tma)
-        return {"TMA_STAGES": tma, "X_GROUP": st.group, "X_STAGES": st.stages, "X_WHOLE": st.x_whole}
+        return {"TMA_STAGES": tma, "X_GROUP": st.group, "X_STAGES": st.stages}
 
     def run_body(self, norm: bool, k_range: str, epilogue: str, epilogue_args: str, flags: str = "",
                  wait: bool = False) -> str:
@@ -197,8 +197,7 @@ class _LinearShape:
                 f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES")
         if wait:
             call = ("ok, last_ev, last_need, t_ready = " + call + ", WAIT=task_wait, wait_args=task_wait_args, "
-                    "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS, X_GROUP=X_GROUP, X_STAGES=X_STAGES, "
-                    "X_WHOLE=X_WHOLE")
+                    "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS, X_GROUP=X_GROUP, X_STAGES=X_STAGES")
         return f"EPILOGUE_FLAGS: tl.constexpr = {f'({flags},)' if flags else None}\n{call})"
 
     def tile(self, a) -> tuple[int, int, int, int, int, int]:

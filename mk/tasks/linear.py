@@ -107,28 +107,16 @@ WAIT_IN_STREAM_MAX_CHUNKS = 32
 X_GROUP = 4
 X_GROUP_MAX_CHUNK_BYTES = 8192
 
-#: Most chunks a tile of a one-chunk-an-iteration stream that waits inside it may have for
-#: its task to read x whole right after the wait (one round trip, up to this many chunks
-#: in registers, each picked out when used) instead of a chunk ahead at a time: carried x
-#: chunks are converted to the weight chunk's layout by the next iteration, so a stream of
-#: short chunks waits for x every chunk (the 1B QKV: 8 chunks, ~5 us a task after its
-#: wait whatever the ring's depth, bench/NOTES.md session 21). Runs of tiles keep the
-#: look-ahead (their x chunks repeat each tile; the gate_up runs' long chunks hide x).
-X_WHOLE_MAX_CHUNKS = 8
-
 
 @dataclass(frozen=True)
 class GemvStream:
     """How a TMA GEMV task streams its weights: ``waits`` for x inside the stream (the
     ring's prologue in flight while it waits), ``group`` chunks a loop iteration, ``stages``
-    the loop's pipeline stages (``stages - 1`` iterations in flight); ``x_whole`` > 0: x's
-    chunks of the task's K range read at once after the wait, in a [x_whole, block_k] tile
-    (:data:`X_WHOLE_MAX_CHUNKS`)."""
+    the loop's pipeline stages (``stages - 1`` iterations in flight)."""
 
     waits: bool
     group: int
     stages: int
-    x_whole: int = 0
 
     @property
     def chunks_in_flight(self) -> int:
@@ -145,9 +133,7 @@ def gemv_stream(block_m: int, tma_stages: int, K: int, block_k: int, block_n: in
       X_GROUP_MAX_CHUNK_BYTES and whose every K split holds a multiple of X_GROUP chunks
       waits in its stream however long, X_GROUP chunks an iteration, n groups in flight;
     * else a stream of at most :data:`WAIT_IN_STREAM_MAX_CHUNKS` chunks waits in it, one
-      chunk an iteration, ``tma_stages - 1`` in flight (one tile a task of at most
-      :data:`X_WHOLE_MAX_CHUNKS` chunks a K split: x read whole after the wait); a longer
-      one waits before it.
+      chunk an iteration, ``tma_stages - 1`` in flight; a longer one waits before it.
     """
     if block_m != 1 or tma_stages <= 0:
         return GemvStream(False, 1, tma_stages)
@@ -158,11 +144,7 @@ def gemv_stream(block_m: int, tma_stages: int, K: int, block_k: int, block_n: in
             and all(c % X_GROUP == 0 for c in split_chunks)):
         return GemvStream(True, X_GROUP, (tma_stages - 1) // X_GROUP + 1)
     chunks = tiles_per_task * -(-n_chunks // split_k)
-    waits = chunks <= WAIT_IN_STREAM_MAX_CHUNKS
-    per_split = max(split_chunks)
-    x_whole = (1 << (per_split - 1).bit_length()) if (waits and tiles_per_task == 1
-                                                      and per_split <= X_WHOLE_MAX_CHUNKS) else 0
-    return GemvStream(waits, 1, tma_stages, x_whole)
+    return GemvStream(chunks <= WAIT_IN_STREAM_MAX_CHUNKS, 1, tma_stages)
 
 
 # ---------------------------------------------------------------------------------------
@@ -455,7 +437,6 @@ def linear_run(
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
     WAIT_FLAGS: tl.constexpr = None, X_GROUP: tl.constexpr = 1, X_STAGES: tl.constexpr = 2,
-    X_WHOLE: tl.constexpr = 0,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -491,10 +472,6 @@ def linear_run(
     (:func:`_gemv_grouped_run`; TMA_STAGES is then unused), so x's look-ahead
     is a whole group where the chunk-a-iteration loop's is one chunk (the compiler converts
     a carried x chunk to the weight chunk's layout at the start of the next iteration).
-    ``X_WHOLE`` > 0 (with WAIT, X_GROUP 1; the K range at most X_WHOLE chunks, a power of
-    two): x's chunks are all read right after the wait as one [X_WHOLE, BLOCK_K] tile and
-    each picked out of it when its weight chunk is multiplied (one round trip for x, none a
-    chunk).
     """
     offs_k = tl.arange(0, BLOCK_K)
     # Decode tiles of wide boxes multiply weight-major: weight_major().
@@ -531,14 +508,11 @@ def linear_run(
     n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
     n_chunks = n_tiles * n_k
     if WAITS_IN_LOOP:
-        if X_WHOLE > 0:
-            x_all = tl.zeros([X_WHOLE, BLOCK_K], dtype=x_ptr.dtype.element_ty)
-        else:
-            # x chunks i+1..i+3 in registers (the chunk after them is requested each iteration):
-            # enough ahead to cover an L2 round trip at a chunk's streaming time.
-            x1 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
-            x2 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
-            x3 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        # x chunks i+1..i+3 in registers (the chunk after them is requested each iteration):
+        # enough ahead to cover an L2 round trip at a chunk's streaming time.
+        x1 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        x2 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        x3 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
     for i in tl.range(0, n_chunks, num_stages=TMA_STAGES if TMA_STAGES > 0 else 1):
         t = i // n_k
         k = k_lo + (i - t * n_k) * BLOCK_K
@@ -555,19 +529,13 @@ def linear_run(
                 if HAS_NORM:
                     if not whole_row:
                         rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-                if X_WHOLE > 0:
-                    x_all = _load_x_whole(x_rows, k_lo, k_hi, X_WHOLE=X_WHOLE, BLOCK_K=BLOCK_K)
-                else:
-                    x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
-                    x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
-                    x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
-            if X_WHOLE > 0:
-                xt = _x_chunk(x_all, i - t * n_k)
-            else:
-                xt = x1
-                x1 = x2
-                x2 = x3
-                x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
+                x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
+                x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
+                x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
+            xt = x1
+            x1 = x2
+            x2 = x3
+            x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
         if BLOCK_M == 1:
@@ -686,22 +654,6 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     return s0, s1, s2, s3
-
-
-@triton.jit
-def _load_x_whole(x_rows, k_lo, k_hi, X_WHOLE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's chunks of [k_lo, k_hi) as an [X_WHOLE, BLOCK_K] tile (row j: chunk j; zeros past
-    k_hi), by volatile loads all issued at once (:func:`linear_run`'s X_WHOLE)."""
-    cols = k_lo + tl.arange(0, X_WHOLE)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    return tl.load(x_rows + cols, mask=cols < k_hi, other=0.0, volatile=True)
-
-
-@triton.jit
-def _x_chunk(x_all, j):
-    """Row ``j`` of :func:`_load_x_whole`'s tile: the other rows masked out and summed away,
-    so the pick needs no dynamic register index (and adds only zeros: exact)."""
-    rows = tl.arange(0, x_all.shape[0])
-    return tl.sum(tl.where((rows == j)[:, None], x_all, tl.zeros_like(x_all)), axis=0)
 
 
 @triton.jit
