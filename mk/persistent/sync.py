@@ -52,23 +52,6 @@ def _backoff(NS: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l1(ptr, NBYTES: tl.constexpr, GPU: tl.constexpr):
-    """Ask L1 for the lines holding ``NBYTES`` from ``ptr`` (a hint: returns at once).
-    Compiled GPU code only (inline PTX), nothing under the interpreter."""
-    if GPU:
-        first = ptr.to(tl.pointer_type(tl.int8))
-        for off in tl.static_range(0, NBYTES, 128):
-            _prefetch_line_l1(first + off)
-        _prefetch_line_l1(first + (NBYTES - 1))
-
-
-@triton.jit
-def _prefetch_line_l1(ptr):
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, timeout, last_ev, last_need,
                USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr = 0):
     """Wait until ``counters[ev] >= count * (epoch + 1)`` (when ``active``).

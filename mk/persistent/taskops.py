@@ -329,7 +329,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                           "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
-    prefetch = _FULL_K_PREFETCH if s.config.prefetch_k else ""
+    prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   **s.stream_constexprs(tma),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
@@ -388,7 +388,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     # launcher cuts it, so the descriptor carries only (pid_m, pid_n, split).
     prefetch = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 "linear_prefetch_tile(w, pid_n, N, k_lo, k_hi, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
-                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)") if s.config.prefetch_k else ""
+                "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     body = (f"k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
             f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * N, N, "
             f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, "
@@ -591,7 +591,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens)
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
-    prefetch = _FULL_K_PREFETCH if s.config.prefetch_k else ""
+    prefetch = _FULL_K_PREFETCH
 
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)

@@ -581,22 +581,3 @@ def test_vm_checks_buffers_that_are_the_same_memory():
         run_vm(program, interleave="round_robin")
     program.queues = [[0, reader, writer], []]  # in order, the same memory is fine
     run_vm(program, interleave="round_robin")
-
-
-def test_without_weight_prefetches_the_next_descriptor_is_read_after_the_task():
-    """When no op prefetches its weights before the task ahead of it waits, the dispatch loop
-    asks L1 for the next descriptor row before a task runs and reads it after (no descriptor
-    words live across the task's body), and the chain still equals the torch product."""
-    dev = default_device()
-    g = TaskGraph()
-    g.buffer("x", torch.randn(1, 96, device=dev)), g.buffer("w", torch.randn(40, 96, device=dev))
-    g.buffer("y", torch.full((1, 40), float("nan"), device=dev))
-    op = make_op("linear", M=1, N=40, K=96, block_n=8, block_k=32, tma_stages=2, dtype=F32)
-    assert not op.prefetch
-    for a in linear_tiles(op):
-        g.add(op, x="x", w="w", out="y", **a)
-    kernel = Megakernel(lower(g, 1))
-    loop = kernel.source[kernel.source.index("def megakernel("):]
-    assert loop.index("prefetch_l1(d,") < loop.index("op_0(w0") < loop.index("n0 = tl.load(d")
-    kernel.run()
-    assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"]), F32)
