@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mk.timing import event_time_us
+
 
 @triton.jit
 def _sleep(NS: tl.constexpr):
@@ -33,6 +35,19 @@ def _sleep(NS: tl.constexpr):
 def _acquire(ptr):
     return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _poll(cnt_ptr, need, err_ptr, BACKOFF: tl.constexpr):
+    """Spin (relaxed) until the counter reaches ``need``; counts a timeout in err."""
+    seen = tl.load(cnt_ptr, volatile=True)
+    polls = 0
+    while (seen < need) & (polls < 2000000):
+        _sleep(BACKOFF)
+        seen = tl.load(cnt_ptr, volatile=True)
+        polls += 1
+    if seen < need:
+        tl.atomic_add(err_ptr, 1)
 
 
 @triton.jit
@@ -53,27 +68,13 @@ def chain_kernel(init_ptr, buf_ptr, pair_ptr, cnt_ptr, err_ptr, epoch, L, MODE: 
         else:
             src = (l - 1) % 2
             if MODE == 0:
-                need = W * (epoch + 1)
-                seen = tl.load(cnt_ptr + l - 1, volatile=True)
-                polls = 0
-                while (seen < need) & (polls < 2000000):
-                    _sleep(BACKOFF)
-                    seen = tl.load(cnt_ptr + l - 1, volatile=True)
-                    polls += 1
-                if seen < need:
-                    tl.atomic_add(err_ptr, 1)
+                _poll(cnt_ptr + l - 1, W * (epoch + 1), err_ptr, BACKOFF)
                 _acquire(cnt_ptr + l - 1)
                 x = tl.load(buf_ptr + src * X + offs, volatile=True)
             else:
                 want = epoch * L + l  # the flag layer l - 1 wrote
                 if MODE == 1:
-                    need = W * (epoch + 1)
-                    seen = tl.load(cnt_ptr + l - 1, volatile=True)
-                    polls = 0
-                    while (seen < need) & (polls < 2000000):
-                        _sleep(BACKOFF)
-                        seen = tl.load(cnt_ptr + l - 1, volatile=True)
-                        polls += 1
+                    _poll(cnt_ptr + l - 1, W * (epoch + 1), err_ptr, BACKOFF)
                 v = tl.load(pair_ptr + src * X + offs, volatile=True)
                 stale = tl.sum(((v >> 32).to(tl.int32) != want).to(tl.int32))
                 polls = 0
@@ -129,19 +130,7 @@ def main():
                                            SLICE=SLICE, X=X, BACKOFF=backoff, num_warps=4)
                         state["epoch"] += 1
 
-                    for _ in range(3):
-                        launch()
-                    torch.cuda.synchronize()
-                    ts = []
-                    for _ in range(30):
-                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        s.record()
-                        launch()
-                        e.record()
-                        e.synchronize()
-                        ts.append(s.elapsed_time(e) * 1e3)
-                    ts.sort()
-                    times[L] = ts[len(ts) // 2]
+                    times[L] = event_time_us(launch, reps=30, warmup=3)
                     got = (buf[((L - 1) % 2) * X:((L - 1) % 2 + 1) * X] if mode == 0 else
                            pair[((L - 1) % 2) * X:((L - 1) % 2 + 1) * X].to(torch.int32).view(torch.float32))
                     ok = bool(torch.allclose(got.double(), reference(init, L, W, SLICE), rtol=1e-4, atol=1e-4))
