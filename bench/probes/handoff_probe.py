@@ -21,20 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mk.persistent.sync import _backoff, _load_acquire
 from mk.timing import event_time_us
-
-
-@triton.jit
-def _sleep(NS: tl.constexpr):
-    if NS > 0:
-        tl.inline_asm_elementwise(f"nanosleep.u32 {NS};\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _acquire(ptr):
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -43,7 +31,7 @@ def _poll(cnt_ptr, need, err_ptr, BACKOFF: tl.constexpr):
     seen = tl.load(cnt_ptr, volatile=True)
     polls = 0
     while (seen < need) & (polls < 2000000):
-        _sleep(BACKOFF)
+        _backoff(BACKOFF)
         seen = tl.load(cnt_ptr, volatile=True)
         polls += 1
     if seen < need:
@@ -69,7 +57,7 @@ def chain_kernel(init_ptr, buf_ptr, pair_ptr, cnt_ptr, err_ptr, epoch, L, MODE: 
             src = (l - 1) % 2
             if MODE == 0:
                 _poll(cnt_ptr + l - 1, W * (epoch + 1), err_ptr, BACKOFF)
-                _acquire(cnt_ptr + l - 1)
+                _load_acquire(cnt_ptr + l - 1, GPU=True)
                 x = tl.load(buf_ptr + src * X + offs, volatile=True)
             else:
                 want = epoch * L + l  # the flag layer l - 1 wrote
@@ -80,7 +68,7 @@ def chain_kernel(init_ptr, buf_ptr, pair_ptr, cnt_ptr, err_ptr, epoch, L, MODE: 
                 polls = 0
                 while (stale > 0) & (polls < 2000000):
                     if MODE == 2:
-                        _sleep(BACKOFF)
+                        _backoff(BACKOFF)
                     v = tl.load(pair_ptr + src * X + offs, volatile=True)
                     stale = tl.sum(((v >> 32).to(tl.int32) != want).to(tl.int32))
                     polls += 1
