@@ -517,13 +517,6 @@ def linear_run(
         # registers for one iteration of cover (see _load_x_ahead); a row is used as it is,
         # and two of its eight registers a thread are ahead enough.
         X_AHEAD: tl.constexpr = 2 if len(X_SHAPE) == 2 else 3
-        # The RMSNorm's squares of x rows come from a second read of x as [BLOCK_K] vectors
-        # (their own layout, two registers a chunk): summed from the rows, in a layout of
-        # their own, Triton loaded x a second time anyway, and the QKV body took 72 more
-        # registers.
-        SQ_VECTORS: tl.constexpr = HAS_NORM & (len(X_SHAPE) == 2)
-        q1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-        q2 = tl.zeros([BLOCK_K], dtype=tl.float32)
         x1 = tl.zeros(X_SHAPE, dtype=x_ptr.dtype.element_ty)
         x2 = tl.zeros(X_SHAPE, dtype=x_ptr.dtype.element_ty)
         x3 = tl.zeros(X_SHAPE, dtype=x_ptr.dtype.element_ty)
@@ -541,15 +534,14 @@ def linear_run(
             if i == 0:
                 s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
                 if HAS_NORM:
-                    if not whole_row:
+                    if len(X_SHAPE) == 2:
+                        rstd_pre = _row_rstd_at_once(x_rows, K, eps, s0)
+                    elif not whole_row:
                         rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
                 x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, s0, X_SHAPE)
                 x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, s0, X_SHAPE)
                 if X_AHEAD == 3:
                     x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, s0, X_SHAPE)
-                if SQ_VECTORS:
-                    q1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, s0, [BLOCK_K])
-                    q2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, s0, [BLOCK_K])
             xt = x1
             x1 = x2
             if X_AHEAD == 3:
@@ -557,10 +549,6 @@ def linear_run(
                 x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, s0, X_SHAPE)
             else:
                 x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 2, n_chunks, s0, X_SHAPE)
-            if SQ_VECTORS:
-                sum_sq += tl.where(t == 0, q1 * q1, 0.0)
-                q1 = q2
-                q2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 2, n_chunks, s0, [BLOCK_K])
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
         if BLOCK_M == 1:
@@ -576,7 +564,8 @@ def linear_run(
                 acc = mma(xt, tl.trans(w), acc)
         if k + BLOCK_K >= k_hi:  # the tile's last chunk
             if BLOCK_M == 1:
-                y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
+                # (x as rows: its squares are not summed in the loop, rstd_pre has them.)
+                y = _gemv_tile_end(acc, sum_sq, whole_row & (len(X_SHAPE) == 1), rstd_pre, K, eps, HAS_NORM)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
                 # rstd is one number a row, so it factors out of the row's sum.
@@ -595,8 +584,9 @@ def linear_run(
 def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM: tl.constexpr):
     """One weight chunk of a GEMV run into its [BLOCK_N, BLOCK_K] accumulator (x RMSNorm-scaled
     by the norm weights; squares summed while the run streams its first tile). x is a
-    [BLOCK_K] vector or a [1, BLOCK_K] row (:func:`_load_x_ahead`), whose squares the caller
-    sums (see linear_run's SQ_VECTORS)."""
+    [BLOCK_K] vector or a [1, BLOCK_K] row (:func:`_load_x_ahead`), whose squares are not
+    summed here: in a layout of their own Triton would load x twice, and the kernel spilled
+    (:func:`_row_rstd_at_once` instead)."""
     xt = xt.to(tl.float32)
     if HAS_NORM:
         if len(xt.shape) == 1:
@@ -697,6 +687,20 @@ def _x_shape(waits, x_ptr, w_ptr, BLOCK_N, BLOCK_K):
     w_bytes = BLOCK_N * BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
     as_row = waits and x_ptr.dtype.element_ty == tl.float32 and w_bytes < 16384
     return [1, BLOCK_K] if as_row else [BLOCK_K]
+
+
+@triton.constexpr_function
+def _pow2_at_least(n):
+    return triton.next_power_of_2(n)
+
+
+@triton.jit
+def _row_rstd_at_once(x_row, K: tl.constexpr, eps, ok):
+    """1/sqrt(mean(x**2) + eps) of a float32 row of K (a constexpr), read in one go (one
+    round trip, where :func:`_rows_rstd` makes one a chunk); x is 0 unless ``ok`` != 0."""
+    offs = tl.arange(0, _pow2_at_least(K))
+    x = tl.load(x_row + offs, mask=offs < tl.where(ok != 0, K, 0), other=0.0, volatile=True).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
 
 
 @triton.jit
