@@ -51,8 +51,8 @@ import triton.language as tl
 from ._dot import fold_weight_major, mma, mma_weight_major
 
 from ._cost import TaskCost
-from ._device import (INTERPRET, SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype,
-                      check_tensor, smem_per_block, use_pdl)
+from ._device import (SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype, check_tensor,
+                      smem_per_block, use_pdl)
 
 #: Largest M served by the skinny (decode) configs; above it, prefill tiles.
 SKINNY_MAX_M = 16
@@ -69,9 +69,6 @@ WEIGHT_MAJOR_MIN_ROWS = DOT_MIN // 2
 
 #: Fewest weight rows (block_n) of a weight-major decode tile.
 WEIGHT_MAJOR_MIN_N = 128
-
-#: Compiled GPU code (inline PTX available), as a constexpr the device functions can read.
-_PTX = tl.constexpr(not INTERPRET)
 
 
 def weight_major(rows: int, block_n: int) -> bool:
@@ -462,18 +459,19 @@ def linear_run(
     x first. Columns past k_hi meet x = 0, so a split reads its own range only in effect.
 
     ``WAIT`` (a jit function; GEMV tiles through the TMA ring only) is the caller's wait for
-    x: ``WAIT(wait_args, wait_state, WAIT_FLAGS)`` returns the new state (a 4-tuple whose
-    first value is nonzero when the wait succeeded; opaque otherwise), which linear_run
-    returns. It is called in the loop's first iteration, so the ring's prologue (the
-    descriptor and the first TMA_STAGES - 1 weight chunks) is already in flight while the
-    caller waits: weights never depend on other tasks, and Triton's pipeliner issues a
-    loop's prologue where the loop starts. x is then read after the wait only, three chunks
-    ahead (:func:`_load_x_ahead`).
+    x: ``WAIT(wait_args, wait_state, WAIT_FLAGS)`` returns the new state (a 4-tuple opaque
+    here), which linear_run returns. It is called in the loop's first iteration, so the
+    ring's prologue (the descriptor and the first TMA_STAGES - 1 weight chunks) is already
+    in flight while the caller waits: weights never depend on other tasks, and Triton's
+    pipeliner issues a loop's prologue where the loop starts. x is then read after the
+    wait only, by volatile loads a few chunks ahead (which the pipeliner leaves in place:
+    a pipelined x load would be issued in the prologue, before the wait).
 
     ``X_GROUP`` > 1 (with WAIT; the K range must hold a multiple of X_GROUP chunks): the
     loop streams X_GROUP chunks an iteration through a ring of X_STAGES - 1 groups
-    (:func:`_gemv_grouped_run`; TMA_STAGES is then unused): x's look-ahead is a
-    group, and the ring's issue slots are shared by a group's chunks.
+    (:func:`_gemv_grouped_run`; TMA_STAGES is then unused), so x's look-ahead
+    is a whole group where the chunk-a-iteration loop's is one chunk (the compiler converts
+    a carried x chunk to the weight chunk's layout at the start of the next iteration).
     """
     offs_k = tl.arange(0, BLOCK_K)
     # Decode tiles of wide boxes multiply weight-major: weight_major().
@@ -494,7 +492,6 @@ def linear_run(
         rstd_pre = tl.full([BLOCK_M], 1.0, tl.float32)
     whole_row = (k_lo == 0) & (k_hi == K)
     WAITS_IN_LOOP: tl.constexpr = WAIT is not None
-    X_SHAPE: tl.constexpr = _x_shape(WAITS_IN_LOOP & (BLOCK_M == 1), x_ptr, w_ptr, BLOCK_N, BLOCK_K)
     if WAITS_IN_LOOP:
         tl.static_assert((BLOCK_M == 1) & (TMA_STAGES > 0), "linear_run waits in its loop for TMA GEMV tiles only")
         if X_GROUP > 1:
@@ -511,15 +508,11 @@ def linear_run(
     n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
     n_chunks = n_tiles * n_k
     if WAITS_IN_LOOP:
-        # x chunks i+1..i+X_AHEAD in registers (the chunk after them is requested each
-        # iteration): enough ahead to cover an L2 round trip at a chunk's streaming time. A
-        # [BLOCK_K] chunk is converted the iteration after its load, so it keeps three in
-        # registers for one iteration of cover (see _load_x_ahead); a row is used as it is,
-        # and two of its eight registers a thread are ahead enough.
-        X_AHEAD: tl.constexpr = 2 if len(X_SHAPE) == 2 else 3
-        x1 = tl.zeros(X_SHAPE, dtype=x_ptr.dtype.element_ty)
-        x2 = tl.zeros(X_SHAPE, dtype=x_ptr.dtype.element_ty)
-        x3 = tl.zeros(X_SHAPE, dtype=x_ptr.dtype.element_ty)
+        # x chunks i+1..i+3 in registers (the chunk after them is requested each iteration):
+        # enough ahead to cover an L2 round trip at a chunk's streaming time.
+        x1 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        x2 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
+        x3 = tl.zeros([BLOCK_K], dtype=x_ptr.dtype.element_ty)
     for i in tl.range(0, n_chunks, num_stages=TMA_STAGES if TMA_STAGES > 0 else 1):
         t = i // n_k
         k = k_lo + (i - t * n_k) * BLOCK_K
@@ -534,21 +527,15 @@ def linear_run(
             if i == 0:
                 s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
                 if HAS_NORM:
-                    if len(X_SHAPE) == 2:
-                        rstd_pre = _row_rstd_at_once(x_rows, K, eps, s0)
-                    elif not whole_row:
+                    if not whole_row:
                         rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-                x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, s0, X_SHAPE)
-                x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, s0, X_SHAPE)
-                if X_AHEAD == 3:
-                    x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, s0, X_SHAPE)
+                x1 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
+                x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
+                x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
             xt = x1
             x1 = x2
-            if X_AHEAD == 3:
-                x2 = x3
-                x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, s0, X_SHAPE)
-            else:
-                x2 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 2, n_chunks, s0, X_SHAPE)
+            x2 = x3
+            x3 = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i + 3, n_chunks, BLOCK_K=BLOCK_K)
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
         if BLOCK_M == 1:
@@ -564,8 +551,7 @@ def linear_run(
                 acc = mma(xt, tl.trans(w), acc)
         if k + BLOCK_K >= k_hi:  # the tile's last chunk
             if BLOCK_M == 1:
-                # (x as rows: its squares are not summed in the loop, rstd_pre has them.)
-                y = _gemv_tile_end(acc, sum_sq, whole_row & (len(X_SHAPE) == 1), rstd_pre, K, eps, HAS_NORM)
+                y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
                 # rstd is one number a row, so it factors out of the row's sum.
@@ -583,21 +569,12 @@ def linear_run(
 @triton.jit
 def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM: tl.constexpr):
     """One weight chunk of a GEMV run into its [BLOCK_N, BLOCK_K] accumulator (x RMSNorm-scaled
-    by the norm weights; squares summed while the run streams its first tile). x is a
-    [BLOCK_K] vector or a [1, BLOCK_K] row (:func:`_load_x_ahead`), whose squares are not
-    summed here: in a layout of their own Triton would load x twice, and the kernel spilled
-    (:func:`_row_rstd_at_once` instead)."""
+    by the norm weights; squares summed while the run streams its first tile)."""
     xt = xt.to(tl.float32)
     if HAS_NORM:
-        if len(xt.shape) == 1:
-            sum_sq += tl.where(first_tile, xt * xt, 0.0)
-        # The norm weights 1-D either way: a [1, BLOCK_K] load would be a layout anchor that
-        # the weight chunk then follows (two columns a thread: 4-byte shared-memory reads).
-        nw = tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
-        xt = xt * (nw if len(xt.shape) == 1 else nw[None, :])
-    if len(xt.shape) == 1:
-        xt = xt[None, :]
-    return acc + w.to(tl.float32) * xt, sum_sq
+        sum_sq += tl.where(first_tile, xt * xt, 0.0)
+        xt = xt * tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+    return acc + w.to(tl.float32) * xt[None, :], sum_sq
 
 
 @triton.jit
@@ -624,18 +601,17 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
     tl.static_assert((X_GROUP == 2) | (X_GROUP == 4), "X_GROUP is 2 or 4")
     s0, s1, s2, s3 = wait_state
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    X_SHAPE: tl.constexpr = [BLOCK_K]  # (as rows: more registers than its streams can spare)
-    sum_sq = tl.zeros(X_SHAPE, dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     rstd_pre = tl.full([], 1.0, tl.float32)
     whole_row = (k_lo == 0) & (k_hi == K)
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
     n_k = tl.cdiv(k_hi - k_lo, BLOCK_K)
     n_chunks = n_tiles * n_k
     offs_k = tl.arange(0, BLOCK_K)
-    xa = tl.zeros(X_SHAPE, dtype=x_rows.dtype.element_ty)
-    xb = tl.zeros(X_SHAPE, dtype=x_rows.dtype.element_ty)
-    xc = tl.zeros(X_SHAPE, dtype=x_rows.dtype.element_ty)
-    xd = tl.zeros(X_SHAPE, dtype=x_rows.dtype.element_ty)
+    xa = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    xb = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    xc = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
+    xd = tl.zeros([BLOCK_K], dtype=x_rows.dtype.element_ty)
     for g in tl.range(0, n_chunks // X_GROUP, num_stages=X_STAGES):
         i0 = g * X_GROUP
         t = i0 // n_k  # a group never straddles two tiles: n_k is a multiple of X_GROUP
@@ -651,16 +627,16 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
             if HAS_NORM:
                 if not whole_row:
                     rstd_pre = _rows_rstd(x_rows, K, eps, BLOCK_M=1, BLOCK_K=BLOCK_K)
-            xa = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, s0, X_SHAPE)
-            xb = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, s0, X_SHAPE)
+            xa = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 0, n_chunks, BLOCK_K=BLOCK_K)
+            xb = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 1, n_chunks, BLOCK_K=BLOCK_K)
             if X_GROUP == 4:
-                xc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, s0, X_SHAPE)
-                xd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 3, n_chunks, s0, X_SHAPE)
-        na = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + X_GROUP, n_chunks, s0, X_SHAPE)
-        nb = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + X_GROUP + 1, n_chunks, s0, X_SHAPE)
+                xc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 2, n_chunks, BLOCK_K=BLOCK_K)
+                xd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, 3, n_chunks, BLOCK_K=BLOCK_K)
+        na = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + X_GROUP, n_chunks, BLOCK_K=BLOCK_K)
+        nb = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + X_GROUP + 1, n_chunks, BLOCK_K=BLOCK_K)
         if X_GROUP == 4:
-            nc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 6, n_chunks, s0, X_SHAPE)
-            nd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 7, n_chunks, s0, X_SHAPE)
+            nc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 6, n_chunks, BLOCK_K=BLOCK_K)
+            nd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 7, n_chunks, BLOCK_K=BLOCK_K)
         first = t == 0
         acc, sum_sq = _gemv_chunk(acc, sum_sq, wa, xa, norm_w_ptr, k0 + offs_k, k_hi, first, HAS_NORM)
         acc, sum_sq = _gemv_chunk(acc, sum_sq, wb, xb, norm_w_ptr, k0 + BLOCK_K + offs_k, k_hi, first, HAS_NORM)
@@ -680,62 +656,14 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
     return s0, s1, s2, s3
 
 
-@triton.constexpr_function
-def _x_shape(waits, x_ptr, w_ptr, BLOCK_N, BLOCK_K):
-    """The shape of a GEMV run's x chunks: [1, BLOCK_K] rows where the run waits in its loop
-    for float32 x with weight chunks under 16 KiB (:func:`_load_x_ahead`), else [BLOCK_K]."""
-    w_bytes = BLOCK_N * BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    as_row = waits and x_ptr.dtype.element_ty == tl.float32 and w_bytes < 16384
-    return [1, BLOCK_K] if as_row else [BLOCK_K]
-
-
-@triton.constexpr_function
-def _pow2_at_least(n):
-    return triton.next_power_of_2(n)
-
-
 @triton.jit
-def _row_rstd_at_once(x_row, K: tl.constexpr, eps, ok):
-    """1/sqrt(mean(x**2) + eps) of a float32 row of K (a constexpr), read in one go (one
-    round trip, where :func:`_rows_rstd` makes one a chunk); x is 0 unless ``ok`` != 0."""
-    offs = tl.arange(0, _pow2_at_least(K))
-    x = tl.load(x_row + offs, mask=offs < tl.where(ok != 0, K, 0), other=0.0, volatile=True).to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-
-
-@triton.jit
-def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, ok, X_SHAPE: tl.constexpr):
-    """x's chunk for iteration ``j`` of :func:`linear_run`'s flat loop, of shape X_SHAPE
-    (:func:`_x_shape`): zeros past its last chunk, and everywhere unless the wait went well
-    (``ok`` != 0). The addresses depend on ``ok``, so no compiler moves these loads above
-    the wait's acquire.
-
-    A [BLOCK_K] vector comes by a volatile tl.load (Triton's pipeliner does not hoist it into
-    the loop's prologue, before the wait). It keeps its own layout, and the compiler converts
-    it to the weight chunk's columns through shared memory (two barriers) at the start of the
-    iteration after the load: each chunk then waits for the round trip its predecessor
-    started. Fine for chunks that take longer to stream than a round trip; the smaller ones
-    come as [1, BLOCK_K] rows through :func:`_load_f32` where compiled, which Triton lays out
-    as the weight chunk's columns, so they are used as they land, three iterations later."""
-    BLOCK_K: tl.constexpr = X_SHAPE[len(X_SHAPE) - 1]
+def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
+    """x's chunk for iteration ``j`` of :func:`linear_run`'s flat loop (zeros past its last),
+    by volatile loads: Triton's pipeliner does not hoist them into the loop's prologue.
+    (Their layout is converted through shared memory for the weight chunk's columns, two
+    barriers a chunk, where a pipelined load lands in shared memory and is read from there.)"""
     cols = k_lo + (j % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    if len(X_SHAPE) == 2:
-        cols = cols[None, :]
-    live = cols < tl.where((j < n_chunks) & (ok != 0), k_hi, 0)
-    if _PTX and (len(X_SHAPE) == 2):
-        return tl.where(live, _load_f32(x_rows + tl.where(live, cols, 0)), 0.0)
-    else:
-        return tl.load(x_rows + cols, mask=live, other=0.0, volatile=True)
-
-
-@triton.jit
-def _load_f32(ptrs):
-    """float32 values at ``ptrs`` by plain (weak, L1-cached) loads: right after an acquire
-    that saw the producers' release. Pure, so that Triton lays it out as each consumer needs
-    (a 16-byte load of four elements would depend on that layout holding four adjacent
-    columns a thread, which Triton does not promise: the RMSNorm squares' layout has one)."""
-    return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.float32, is_pure=True,
-                                     pack=1)
+    return tl.load(x_rows + cols, mask=cols < tl.where(j < n_chunks, k_hi, 0), other=0.0, volatile=True)
 
 
 @triton.jit
