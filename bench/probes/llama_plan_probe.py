@@ -208,6 +208,13 @@ VARIANTS = {
     "ring6_down": tuned(("down",), tma_stages=6),
     "ring8_down": tuned(("down",), tma_stages=8),
     "ring6_gate_up": tuned(("gate_up",), tma_stages=6),
+    # Split-K as tile dataflow at batch 1: a partial waits only for the producers of its K
+    # range (down: the gate_up tiles of its columns; o_proj: the attention of its KV groups),
+    # so it starts during its producers' tail; the reduce adds a hop.
+    "down_s2": tuned(("down",), split_k=2),
+    "down_s4": tuned(("down",), split_k=4),
+    "o_s2": tuned(("o_proj",), split_k=2),
+    "o_s8": tuned(("o_proj",), split_k=8),
     # Batch 8 (session 15): a smaller LM head box (its 256 x 64 box, ring 3, sets the
     # megakernel's shared memory).
     "lm64": tuned(("lm_head",), block_n=64, block_k=128, tma_stages=3),
