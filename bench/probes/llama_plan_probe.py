@@ -215,6 +215,10 @@ VARIANTS = {
     "down_s4": tuned(("down",), split_k=4),
     "o_s2": tuned(("o_proj",), split_k=2),
     "o_s8": tuned(("o_proj",), split_k=8),
+    # QKV as 8-row tiles in runs of two (192 tasks as now) through a grouped ring of 4 KiB
+    # chunks, as o_proj and down stream: 32 KiB in flight a worker (24 now) in 36 KiB of ring.
+    "qkv8r2": tuned(("qkv",), block_n=8, tiles_per_task=2, tma_stages=9),
+    "qkv8r2_ring5": tuned(("qkv",), block_n=8, tiles_per_task=2, tma_stages=5),
     # Batch 8 (session 15): a smaller LM head box (its 256 x 64 box, ring 3, sets the
     # megakernel's shared memory).
     "lm64": tuned(("lm_head",), block_n=64, block_k=128, tma_stages=3),
