@@ -11,7 +11,7 @@ are, and the rate against the copy bandwidth.
 An estimate: a ring streams its prologue early and the rest at its own pace, so the even
 spread moves bytes between neighbouring windows; sums over a layer are exact.
 
-    python bench/probes/trace_dram.py PROBE.json TRACE.json[.gz] [layers, default 2-13]
+    python bench/probes/trace_dram.py PROBE.json TRACE.json[.gz] [layers, default 2-13] [variant, default search]
 
 e.g. with session 22's traced step (results/probes/llama_plan_probe-1b-s22-traced-*.json and
 trace-llama-1b-b1-s22-*.json.gz).
@@ -91,8 +91,9 @@ def trace_times(path: str, n_tasks: int) -> tuple[np.ndarray, np.ndarray]:
 def main() -> None:
     probe, trace = sys.argv[1], sys.argv[2]
     lo, hi = map(int, (sys.argv[3] if len(sys.argv) > 3 else "2-13").split("-"))
+    variant = sys.argv[4] if len(sys.argv) > 4 else "search"
     res = json.load(open(probe))
-    plan_d = res["variants"]["search"]["plan"]
+    plan_d = res["variants"][variant]["plan"]
     cfg = LlamaConfig(**SHAPES[res["shape"]])
     graph = llama_decode_graph(cfg.to_model_shape(f"llama-{res['shape']}"), res["batch"], plan_d["kv_len"])
     device = DeviceSpec.from_dict(res["device_spec"]) if "device_spec" in res else DeviceSpec.preset("h100")
