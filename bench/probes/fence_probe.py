@@ -9,8 +9,9 @@ iteration pays an L2 round trip, whatever the look-ahead.
 One program a warp times, with %clock64 around one PTX block: a global load of a line
 another address away each repetition (so it misses L1), then the fence under test, then the
 second clock read; the load's value is used after the block. Variants: ``none`` (no fence),
-``proxy`` (fence.proxy.async.shared::cta), ``cta`` (membar.cta), ``gpu`` (membar.gl), and
-``use`` (the value used before the clock: a full round trip, for scale). Prints cycles
+``proxy`` (fence.proxy.async.shared::cta), ``cta`` (membar.cta), ``gpu`` (membar.gl), ``use``
+(a second load that needs the first's value: a full round trip, for scale), and a cp.async
+(as the pipeliner issues for the RMSNorm weights) followed by no fence or the proxy fence. Prints cycles
 (median over programs and repetitions); writes $OUT/fence_probe.json.
 """
 import json
@@ -46,19 +47,31 @@ def timed_loads(src_ptr, out_ptr, ASM: tl.constexpr, REPS: tl.constexpr, STRIDE:
         tl.store(out_ptr + pid * REPS + r, cycles)
 
 
+def timed_cp_async(fence: str) -> str:
+    """PTX: $0 = cycles from before a 4-byte cp.async (global -> shared offset 0, which this
+    probe's kernel uses for nothing else) to after the fence; the copy is waited for after."""
+    return ("{\n .reg .u64 t0, t1;\n .reg .u32 s;\n mov.u32 s, 0;\n mov.u64 t0, %clock64;\n"
+            " cp.async.ca.shared.global [s], [$1], 4;\n cp.async.commit_group;\n"
+            f" {fence}\n mov.u64 t1, %clock64;\n cp.async.wait_all;\n sub.u64 t1, t1, t0;\n"
+            " cvt.u32.u64 $0, t1;\n}")
+
+
 def main() -> None:
     programs, reps, stride = 264, 16, 64  # 64 int32 = 256 bytes: a new line every load
     src = torch.zeros(programs * reps * stride, dtype=torch.int32, device="cuda")
     out = {}
-    for name, fence in list(FENCES.items()) + [("use", None)]:
-        asm = timed_block(fence or "", use_first=fence is None)
+    cases = [(name, timed_block(fence, use_first=False)) for name, fence in FENCES.items()]
+    cases.append(("use", timed_block("", use_first=True)))
+    # The pipeliner's cp.async of loop operands (RMSNorm weights) before the next fence.
+    cases += [("cp.async " + name, timed_cp_async(FENCES[name])) for name in ("none", "proxy")]
+    for name, asm in cases:
         cycles = torch.empty(programs * reps, dtype=torch.int32, device="cuda")
         for _ in range(2):  # the second launch finds src in L2
             timed_loads[(programs,)](src, cycles, ASM=asm, REPS=reps, STRIDE=stride, num_warps=1)
             torch.cuda.synchronize()
         torch.cuda.synchronize()
         out[name] = float(cycles.float().median())
-        print(f"{name:>5}: {out[name]:7.0f} cycles", flush=True)
+        print(f"{name:>14}: {out[name]:7.0f} cycles", flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "commit": os.environ.get("MK_COMMIT"), "cycles": out}
     json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "fence_probe.json"), "w"), indent=1)
