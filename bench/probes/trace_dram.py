@@ -80,6 +80,9 @@ def trace_times(path: str, n_tasks: int) -> tuple[np.ndarray, np.ndarray]:
         if e.get("ph") != "X":
             continue
         i = int(e["name"].rsplit("#", 1)[1])
+        if i >= n_tasks:
+            raise SystemExit(f"{path}: task {i} in the trace, the plan lowers to {n_tasks} tasks: "
+                             "the trace comes from another lowering (another commit or plan)")
         if e["name"].startswith("wait "):
             start[i] = e["ts"] if np.isnan(start[i]) else min(start[i], e["ts"])
         else:
