@@ -12,7 +12,8 @@ warps), PROBE_KNOBS
 (comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program),
 variant names with knobs (``ring4#g1``: :func:`parse_variant`),
 PROBE_ATTN_BLOCK_N (decode attention's K/V block rows, for every variant: the default
-config's, patched where the lowering and the shared-memory model read it).
+config's, patched where the lowering and the shared-memory model read it), PROBE_NO_PROXY_FENCE=1
+(every variant compiled without Triton's proxy-fence pass).
 Writes $OUT/llama_plan_probe.json.
 """
 import functools, importlib, json, os, re, sys, time, traceback
@@ -33,6 +34,17 @@ from mk.planner.simulate import simulate_step  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
+# PROBE_NO_PROXY_FENCE=1: compile without Triton's proxy-fence pass (the fence.proxy.async it puts
+# before each TMA refill of a ring slot; bench/NOTES.md session 22), in a fresh Triton cache so
+# that no fenced binary is reused. Compare the variants' tokens with a run without it.
+NO_PROXY_FENCE = os.environ.get("PROBE_NO_PROXY_FENCE", "0") == "1"
+if NO_PROXY_FENCE:
+    import tempfile
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="mk-no-proxy-fence-")
+    from triton.backends.nvidia import compiler as _nv_compiler
+
+    _nv_compiler.nvidia.passes.ttnvgpuir.add_proxy_fence_insertion = lambda pm, capability: None
 if os.environ.get("PROBE_ATTN_BLOCK_N"):
     import importlib
 
@@ -350,7 +362,8 @@ def summarize(events):
 def main():
     cfg = LlamaConfig(**SHAPES[KEY])
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MK_COMMIT"),
-           "shape": KEY, "batch": B, "copy_Bps": copy_bandwidth()["copy_Bps"], "variants": {}}
+           "shape": KEY, "batch": B, "copy_Bps": copy_bandwidth()["copy_Bps"], "variants": {},
+           "no_proxy_fence": NO_PROXY_FENCE}
     w = random_model(cfg)
     model = Llama(cfg, w, device="cuda", dtype=torch.bfloat16, max_batch_size=max(B, 1), max_seq_len=1024,
                   name=f"llama-{KEY}")
