@@ -1,7 +1,7 @@
 """Where DRAM streams in a traced decode step: weight bytes per layer phase (CPU only).
 
 Reads a plan probe's JSON (llama_plan_probe.py: the search plan it ran, the copy bandwidth
-of its run) and the trace it saved; lowers that plan on the CPU (empty weights) to learn each
+of its run) and the trace it saved; lowers that plan on the CPU (meta buffers) to learn each
 task's weight bytes (the weight regions it reads); spreads each task's bytes evenly over
 [start of its wait, its end] (weights never wait on other tasks: a ring's first chunks are in
 flight while the task waits); and reports, per phase of the layers (a phase's window runs from
@@ -23,7 +23,6 @@ import sys
 from collections import defaultdict
 
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -31,35 +30,10 @@ from _llama_shapes import SHAPES  # noqa: E402
 from mk.models import LlamaConfig  # noqa: E402
 from mk.planner.device import DeviceSpec  # noqa: E402
 from mk.planner.graph import llama_decode_graph  # noqa: E402
-from mk.planner.lower import WEIGHT, lower_decode_step  # noqa: E402
+from mk.planner.lower import WEIGHT, lower_decode_step, meta_buffers  # noqa: E402
 from mk.planner.search import Plan  # noqa: E402
 
 PHASES = ("qkv", "attention", "o_proj", "gate_up", "down")
-
-
-def step_buffers(cfg: LlamaConfig, batch: int, max_seq: int) -> dict[str, torch.Tensor]:
-    """Empty bf16 weights and the step's state buffers, as the decoder binds them."""
-    bf = torch.bfloat16
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    HQ, HKV = cfg.num_attention_heads, cfg.num_key_value_heads
-    w = {"embed": torch.empty(cfg.vocab_size, H, dtype=bf), "final_norm": torch.empty(H, dtype=bf)}
-    w["lm_head"] = w["embed"]
-    for L in range(cfg.num_hidden_layers):
-        w[f"l{L}.attn_norm"] = torch.empty(H, dtype=bf)
-        w[f"l{L}.mlp_norm"] = torch.empty(H, dtype=bf)
-        w[f"l{L}.qkv"] = torch.empty((HQ + 2 * HKV) * D, H, dtype=bf)
-        w[f"l{L}.o_proj"] = torch.empty(H, HQ * D, dtype=bf)
-        w[f"l{L}.gate_up"] = torch.empty(2 * I, H, dtype=bf)
-        w[f"l{L}.down"] = torch.empty(H, I, dtype=bf)
-    bufs = {WEIGHT + k: v for k, v in w.items()}
-    i32 = dict(dtype=torch.int32)
-    bufs.update(inv_freq=torch.empty(D // 2), ids=torch.zeros(batch, **i32), pos=torch.zeros(batch, **i32),
-                tokens=torch.zeros(batch, max_seq, **i32), temperature=torch.ones(1),
-                seed=torch.zeros(1, dtype=torch.int64))
-    cache = torch.empty(cfg.num_hidden_layers, batch, HKV, max_seq, D, dtype=bf)
-    for L in range(cfg.num_hidden_layers):
-        bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = cache[L], cache[L]
-    return bufs
 
 
 def task_bytes(step) -> tuple[list[str], np.ndarray]:
@@ -101,7 +75,7 @@ def main() -> None:
     graph = llama_decode_graph(cfg.to_model_shape(f"llama-{res['shape']}"), res["batch"], plan_d["kv_len"])
     device = DeviceSpec.from_dict(res["device_spec"]) if "device_spec" in res else DeviceSpec.preset("h100")
     plan = Plan.from_json(json.dumps(plan_d), graph, device)
-    step = lower_decode_step(plan, graph, step_buffers(cfg, res["batch"], plan_d["kv_len"]), eps=cfg.rms_norm_eps)
+    step = lower_decode_step(plan, graph, meta_buffers(graph, plan_d["kv_len"]), eps=cfg.rms_norm_eps)
     ops, nbytes = task_bytes(step)
     start, end = trace_times(trace, len(ops))
     if np.isnan(end).any():

@@ -103,6 +103,30 @@ def weight_names(graph: OpGraph) -> list[str]:
     return names
 
 
+def meta_buffers(graph: OpGraph, max_seq: int) -> dict[str, torch.Tensor]:
+    """Every buffer a decode step of ``graph`` binds, on the ``meta`` device (shapes and
+    dtypes, no memory): enough to lower a step and read its tasks (what they read and
+    write) without weights, e.g. to analyse a plan or a trace on a machine without them."""
+    m, B = graph.model, graph.batch
+    meta = dict(device="meta")
+    dtype = {2: torch.bfloat16, 4: torch.float32}[m.dtype_bytes]
+    kv_dtype = {2: torch.bfloat16, 4: torch.float32}[m.kv_dtype_bytes]
+    bufs = {"inv_freq": torch.empty(m.head_dim // 2, **meta), "ids": torch.empty(B, dtype=torch.int32, **meta),
+            "pos": torch.empty(B, dtype=torch.int32, **meta),
+            "tokens": torch.empty(B, max_seq, dtype=torch.int32, **meta),
+            "temperature": torch.empty(1, **meta), "seed": torch.empty(1, dtype=torch.int64, **meta)}
+    for L in range(m.layers):
+        for c in ("k_cache", "v_cache"):
+            bufs[f"l{L}.{c}"] = torch.empty(B, m.kv_heads, max_seq, m.head_dim, dtype=kv_dtype, **meta)
+    for n in graph.nodes:
+        shape = {"embedding": (m.vocab, m.hidden), "rmsnorm": (m.hidden,)}.get(n.kind)
+        if n.kind == "linear":
+            shape = (n.dims["N"], n.dims["K"])
+        if shape is not None:
+            bufs[WEIGHT + n.name] = torch.empty(*shape, dtype=dtype, **meta)
+    return bufs
+
+
 def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Tensor], *, eps: float,
                       next_token: str = "argmax") -> DecodeStep:
     """The task graph of one decode step of ``graph`` under ``plan`` (see module docstring).

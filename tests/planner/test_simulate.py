@@ -19,29 +19,9 @@ from mk.persistent.graph import SCHEDULES, assign_workers, lower
 from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
 from mk.planner.graph import ModelShape, llama_decode_graph
-from mk.planner.lower import WEIGHT, lower_decode_step, step_queues
+from mk.planner.lower import lower_decode_step, meta_buffers, step_queues
 from mk.planner.search import Plan, search
 from mk.planner.simulate import simulate, simulate_step, step_phases
-
-
-def meta_buffers(graph, max_seq):
-    """Every buffer a decode step of ``graph`` binds, as shapes only (no memory)."""
-    m, B = graph.model, graph.batch
-    meta = dict(device="meta")
-    bufs = {"inv_freq": torch.empty(m.head_dim // 2, **meta), "ids": torch.empty(B, dtype=torch.int32, **meta),
-            "pos": torch.empty(B, dtype=torch.int32, **meta),
-            "tokens": torch.empty(B, max_seq, dtype=torch.int32, **meta),
-            "temperature": torch.empty(1, **meta), "seed": torch.empty(1, dtype=torch.int64, **meta)}
-    for L in range(m.layers):
-        for c in ("k_cache", "v_cache"):
-            bufs[f"l{L}.{c}"] = torch.empty(B, m.kv_heads, max_seq, m.head_dim, **meta)
-    for n in graph.nodes:
-        shape = {"embedding": (m.vocab, m.hidden), "rmsnorm": (m.hidden,)}.get(n.kind)
-        if n.kind == "linear":
-            shape = (n.dims["N"], n.dims["K"])
-        if shape is not None:
-            bufs[WEIGHT + n.name] = torch.empty(*shape, **meta)
-    return bufs
 
 
 def run_exact(step_graph, queues, cost, wait_s, early=None):
