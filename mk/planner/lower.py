@@ -109,8 +109,11 @@ def meta_buffers(graph: OpGraph, max_seq: int) -> dict[str, torch.Tensor]:
     write) without weights, e.g. to analyse a plan or a trace on a machine without them."""
     m, B = graph.model, graph.batch
     meta = dict(device="meta")
-    dtype = {2: torch.bfloat16, 4: torch.float32}[m.dtype_bytes]
-    kv_dtype = {2: torch.bfloat16, 4: torch.float32}[m.kv_dtype_bytes]
+    dtypes = {2: torch.bfloat16, 4: torch.float32}
+    if m.dtype_bytes not in dtypes or m.kv_dtype_bytes not in dtypes:
+        raise ValueError(f"meta_buffers: elements of {m.dtype_bytes} / {m.kv_dtype_bytes} bytes (weights / KV "
+                         f"cache); mk's steps hold 2 or 4")
+    dtype, kv_dtype = dtypes[m.dtype_bytes], dtypes[m.kv_dtype_bytes]
     bufs = {"inv_freq": torch.empty(m.head_dim // 2, **meta), "ids": torch.empty(B, dtype=torch.int32, **meta),
             "pos": torch.empty(B, dtype=torch.int32, **meta),
             "tokens": torch.empty(B, max_seq, dtype=torch.int32, **meta),

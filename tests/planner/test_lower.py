@@ -21,7 +21,7 @@ from mk.persistent.vm import run_vm
 from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
 from mk.planner.graph import llama_decode_graph
-from mk.planner.lower import lower_decode_step
+from mk.planner.lower import WEIGHT, lower_decode_step, meta_buffers
 from mk.planner.search import search
 from tests.conftest import HAS_CUDA, rel_err
 
@@ -184,3 +184,23 @@ def test_attention_reads_positions_no_task_writes_before_it(setup):
                     frontier.append(d)
         assert set(attention) <= before, g.tasks[w].name
 
+
+
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_meta_buffers_hold_the_model_s_weight_bytes_and_lower(dtype_bytes):
+    """The meta buffers of a step (no memory) have the weights' shapes and dtype: all but the
+    embedding table (a step reads one row of it) add up to the bytes a step streams, and the
+    step lowers on them."""
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    shape = replace(cfg.to_model_shape("tiny"), dtype_bytes=dtype_bytes)
+    graph = llama_decode_graph(shape, 2, 32)
+    bufs = meta_buffers(graph, 32)
+    assert all(t.device.type == "meta" for t in bufs.values())
+    streamed = sum(t.numel() * t.element_size() for n, t in bufs.items()
+                   if n.startswith(WEIGHT) and n != WEIGHT + "embed")
+    assert streamed == shape.weight_bytes
+    step = lower_decode_step(search(graph, DeviceSpec.preset("h100"))[0], graph, bufs, eps=1e-5)
+    assert len(step.graph.tasks) == sum(step.tasks_per_op.values())
+    with pytest.raises(ValueError, match="2 or 4"):
+        meta_buffers(llama_decode_graph(replace(shape, dtype_bytes=1), 2, 32), 32)
