@@ -185,7 +185,6 @@ def test_attention_reads_positions_no_task_writes_before_it(setup):
         assert set(attention) <= before, g.tasks[w].name
 
 
-
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
 def test_meta_buffers_hold_the_model_s_weight_bytes_and_lower(dtype_bytes):
     """The meta buffers of a step (no memory) have the weights' shapes and dtype: all but the
