@@ -12,8 +12,8 @@ warps), PROBE_KNOBS
 (comma list of BACKOFF_NS[:nodefer] runtime settings timed on each variant's program),
 variant names with knobs (``ring4#g1``: :func:`parse_variant`),
 PROBE_ATTN_BLOCK_N (decode attention's K/V block rows, for every variant: the default
-config's, patched where the lowering and the shared-memory model read it), PROBE_NO_PROXY_FENCE=1
-(every variant compiled without Triton's proxy-fence pass).
+config's, patched where the lowering and the shared-memory model read it), MK_PROXY_FENCES=1
+(every variant compiled with Triton's proxy-fence pass).
 Writes $OUT/llama_plan_probe.json.
 """
 import functools, importlib, json, os, re, sys, time, traceback
@@ -34,17 +34,9 @@ from mk.planner.simulate import simulate_step  # noqa: E402
 from mk.timing import copy_bandwidth  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
-# PROBE_NO_PROXY_FENCE=1: compile without Triton's proxy-fence pass (the fence.proxy.async it puts
-# before each TMA refill of a ring slot; bench/NOTES.md session 22), in a fresh Triton cache so
-# that no fenced binary is reused. Compare the variants' tokens with a run without it.
-NO_PROXY_FENCE = os.environ.get("PROBE_NO_PROXY_FENCE", "0") == "1"
-if NO_PROXY_FENCE:
-    import tempfile
-
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="mk-no-proxy-fence-")
-    from triton.backends.nvidia import compiler as _nv_compiler
-
-    _nv_compiler.nvidia.passes.ttnvgpuir.add_proxy_fence_insertion = lambda pm, capability: None
+# Since session 23 the megakernel compiles without Triton's proxy-fence pass
+# (mk.persistent.codegen.proxy_fence_pass); MK_PROXY_FENCES=1 compiles every variant with it.
+PROXY_FENCES = os.environ.get("MK_PROXY_FENCES", "0") not in ("", "0")
 if os.environ.get("PROBE_ATTN_BLOCK_N"):
     import importlib
 
@@ -261,6 +253,12 @@ VARIANTS = {
     "gu128_down128": lambda p, g: tuned(("down",), block_n=128, block_k=64, split_k=16, tma_stages=3)(
         tuned(("gate_up",), block_n=128, block_k=64, split_k=2, tma_stages=3)(p, g), g),
     "down128s8": tuned(("down",), block_n=128, block_k=64, split_k=8, tma_stages=3),
+    # Batch 8 (session 23): the 1B gate_up's 64 x 128 x-major tiles stream at ~0.63 of the
+    # copy (35 us a layer for 22 us of bytes); deeper rings and wider weight-major boxes.
+    "gu64r4": tuned(("gate_up",), tma_stages=4),
+    "gu128r4": tuned(("gate_up",), block_n=128, block_k=64, split_k=2, tma_stages=4),
+    "gu256s4": tuned(("gate_up",), block_n=256, block_k=64, split_k=4, tma_stages=3),
+    "gu64x64r6": tuned(("gate_up",), block_n=64, block_k=64, tma_stages=6),
     # Grouped GEMV streams (session 18, mk.tasks.linear.gemv_stream): rings of 9 stream two
     # groups of 4 chunks in flight; ring4 is the plans before them.
     "ring4": tuned(tma_stages=4),
@@ -363,7 +361,7 @@ def main():
     cfg = LlamaConfig(**SHAPES[KEY])
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("MK_COMMIT"),
            "shape": KEY, "batch": B, "copy_Bps": copy_bandwidth()["copy_Bps"], "variants": {},
-           "no_proxy_fence": NO_PROXY_FENCE}
+           "proxy_fences": PROXY_FENCES}
     w = random_model(cfg)
     model = Llama(cfg, w, device="cuda", dtype=torch.bfloat16, max_batch_size=max(B, 1), max_seq_len=1024,
                   name=f"llama-{KEY}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from mk.tasks import INTERPRET, enable_device_descriptors
 
-from .codegen import device_words, generate_source, kernel_constexprs, load_kernel
+from .codegen import device_words, generate_source, kernel_constexprs, load_kernel, proxy_fence_pass
 from .graph import Program
 from .sync import ERROR_WORDS
 
@@ -104,12 +105,19 @@ class Megakernel:
         num_warps: warps a worker; default the most any task asks for. Task bodies compile
             for any count (Triton picks their layouts), so fewer warps trade each worker's
             threads for more resident workers.
+        proxy_fences: compile with Triton's proxy-fence pass, whose fence before every TMA
+            refill of a ring slot mk's streams do not need
+            (:func:`mk.persistent.codegen.proxy_fence_pass`). Default: the environment
+            variable ``MK_PROXY_FENCES`` (``1``: with), else without.
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
                  interpret_polls: int = 2000, backoff_ns: int = 0, defer_signals: bool = True,
-                 num_warps: int | None = None):
+                 num_warps: int | None = None, proxy_fences: bool | None = None):
         self.program = program
+        if proxy_fences is None:
+            proxy_fences = os.environ.get("MK_PROXY_FENCES", "0") not in ("", "0")
+        self.proxy_fences = bool(proxy_fences)
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}
         if len(devices) > 1:
@@ -143,7 +151,8 @@ class Megakernel:
         return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
                 dict(kernel_constexprs(p, trace=self.trace_enabled, use_timer=not INTERPRET,
-                                       backoff_ns=self.backoff_ns, defer_signals=self.defer_signals),
+                                       backoff_ns=self.backoff_ns, defer_signals=self.defer_signals,
+                                       proxy_fences=self.proxy_fences),
                      num_warps=self.num_warps))
 
     def residency(self) -> Residency:
@@ -153,7 +162,8 @@ class Megakernel:
                 self._residency = Residency(0, 0, 0, self.num_warps, 1, 1)
             else:
                 args, kw = self._args()
-                compiled = self.kernel.warmup(*args, grid=(self.program.num_workers,), **kw)
+                with proxy_fence_pass(self.proxy_fences):
+                    compiled = self.kernel.warmup(*args, grid=(self.program.num_workers,), **kw)
                 if hasattr(compiled, "_init_handles"):
                     compiled._init_handles()
                 props = torch.cuda.get_device_properties(self.device)
@@ -173,7 +183,8 @@ class Megakernel:
                 f"and {res.shared_bytes} B of shared memory with {res.num_warps} warps, so at most "
                 f"{res.blocks_per_sm} per SM × {res.sm_count} SMs = {res.max_workers}")
         args, kw = self._args()
-        self.kernel[(self.program.num_workers,)](*args, **kw)
+        with proxy_fence_pass(self.proxy_fences):  # Triton >= 3.7 keys its cache lookup on the hook
+            self.kernel[(self.program.num_workers,)](*args, **kw)
 
     def check(self) -> None:
         """Synchronise and raise :class:`MegakernelTimeout` if a wait timed out (then reset)."""
