@@ -426,7 +426,12 @@ PRESETS: dict[str, DeviceSpec] = {
     # projection's GEMV tasks (8 x 256 boxes, 12 KiB in flight a worker) streamed at 10.6 GB/s
     # a worker where 32 KiB in flight gave 12.5 (bench/NOTES.md, sessions 18-19): Little's
     # law says 1.15 us.
-    "h100-sxm": replace(_hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, 3.02e12), load_latency_s=1.15e-6),
+    # Its x-major decode tiles (batch 8) streamed slower than the H200's: 8.4-9.7 GB/s a worker
+    # in the 1B batch-8 trace (gate_up with its RMSNorm 8.4, the down partials 9.7; session 23),
+    # where 11 GB/s priced them ahead of the 128-row weight-major gate_up that measured 2-3%
+    # faster a step.
+    "h100-sxm": replace(_hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, 3.02e12), load_latency_s=1.15e-6,
+                        xmajor_dot_bandwidth=9.0e9),
     # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured in bench/results
     # (tasks-nvidia-h200-2026-11-22.json, copy_Bps). L2: torch reports 60 MiB on this
     # project's H200 (spec sheets often say 50 MB, the H100's figure).
