@@ -119,6 +119,19 @@ def unfused_rope(plan, graph):
     return replace(plan, choices=choices)
 
 
+def unfused_norm(*ops):
+    """The plan with the RMSNorm of the named linears (op-name suffixes) as its own task again."""
+    def transform(plan, graph):
+        choices = dict(plan.choices)
+        for name, c in plan.choices.items():
+            if graph.node(name).kind == "linear" and name.split(".")[-1] in ops:
+                norms = [f for f in c.fuse if graph.node(f).kind == "rmsnorm"]
+                choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in norms))
+                choices.update({f: OpChoice() for f in norms})
+        return replace(plan, choices=choices)
+    return transform
+
+
 def tuned(ops=None, **fields):
     """The plan with ``fields`` set on its linears (or on ``ops``, op-name suffixes)."""
     def transform(plan, graph):
@@ -259,6 +272,14 @@ VARIANTS = {
     "gu128r4": tuned(("gate_up",), block_n=128, block_k=64, split_k=2, tma_stages=4),
     "gu256s4": tuned(("gate_up",), block_n=256, block_k=64, split_k=4, tma_stages=3),
     "gu64x64r6": tuned(("gate_up",), block_n=64, block_k=64, tma_stages=6),
+    "o128s8": tuned(("o_proj",), block_n=128, block_k=64, split_k=8, tma_stages=3),
+    "o128s8_down128s8": lambda p, g: tuned(("o_proj",), block_n=128, block_k=64, split_k=8, tma_stages=3)(
+        tuned(("down",), block_n=128, block_k=64, split_k=8, tma_stages=3)(p, g), g),
+    "qkv128s4": tuned(("qkv",), split_k=4),
+    # A split-K partial with a fused RMSNorm reads all of x first for rstd (_rows_rstd) before
+    # its ring starts; with the norm its own task the partials skip that pass.
+    "unfused_norm_qkv": unfused_norm("qkv"),
+    "unfused_norm_qkv_gu": unfused_norm("qkv", "gate_up"),
     # Grouped GEMV streams (session 18, mk.tasks.linear.gemv_stream): rings of 9 stream two
     # groups of 4 chunks in flight; ring4 is the plans before them.
     "ring4": tuned(tma_stages=4),

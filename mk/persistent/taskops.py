@@ -227,10 +227,36 @@ class _LinearShape:
         """Rows of the 2-D workspace view holding split ``split`` of x rows [r0, r1)."""
         return split * self.M + r0, split * self.M + r1
 
-    def ws_regions(self, a, bind) -> list:
-        """The workspace boxes a split-K reduce of tile ``a`` reads: its tile in every split."""
+    def norm_sq(self, norm: bool, tma: int) -> bool:
+        """Whether a split-K partial with a fused RMSNorm leaves the rstd to its reduce, handing
+        it the sums of x**2 of its K range instead (``NORM_SQ`` of
+        :func:`mk.tasks.linear.linear_partial_tile`): tl.dot tiles through the TMA ring."""
+        return bool(norm) and self.bm > 1 and tma > 0 and not self.streams_in_run(tma)
+
+    def ws_cols(self, norm_sq: bool) -> int:
+        """Columns of the workspace: N, and with norm_sq a sum-of-squares column per tile."""
+        return self.N + (self.tiles_n if norm_sq else 0)
+
+    def ws_regions(self, a, bind, norm_sq: bool = False) -> list:
+        """The workspace boxes a split-K reduce of tile ``a`` reads: its tile in every split
+        (and with ``norm_sq`` the tile's column of x**2 sums)."""
         r0, r1, n0, n1, _, _ = self.tile(a)
-        return [Region(bind["ws"], *self.ws_rows(split, r0, r1), n0, n1) for split in range(self.split_k)]
+        regs = [Region(bind["ws"], *self.ws_rows(split, r0, r1), n0, n1) for split in range(self.split_k)]
+        if norm_sq:
+            col = self.N + a["pid_n"]
+            regs += [Region(bind["ws"], *self.ws_rows(split, r0, r1), col, col + 1) for split in range(self.split_k)]
+        return regs
+
+    def rstd(self, b, a, eps: float) -> torch.Tensor:
+        """VM: float32 [rows] rstd of tile ``a``'s rows from its partials' x**2 sums, in split order."""
+        r0, r1, _, _, _, _ = self.tile(a)
+        ws, col = _2d(b["ws"]), self.N + a["pid_n"]
+        sq = None
+        for split in range(self.split_k):
+            w0, w1 = self.ws_rows(split, r0, r1)
+            part = ws[w0:w1, col].float()
+            sq = part.clone() if sq is None else sq + part
+        return torch.rsqrt(sq / self.K + eps)
 
     def reduce(self, b, a) -> torch.Tensor:
         """VM: the float32 sum of tile ``a``'s split-K partials, in split order as the device sums."""
@@ -371,9 +397,13 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     """Split-K partial of tile (pid_m, pid_n) over K split ``split``: float32 into ws[split].
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm), ws float32
-    ``[split_k, M, N]``. Args: pid_m, pid_n, split. Without norm a partial reads only its
-    K range of x, so it waits only for the producer tiles of that range (split-K
-    dataflow); with norm it reads whole rows (the RMSNorm statistics need all of K).
+    ``[split_k, M, N]`` (``constexprs["WS_N"]`` columns: see below). Args: pid_m, pid_n,
+    split. Without norm a partial reads only its K range of x, so it waits only for the
+    producer tiles of that range (split-K dataflow); with norm GEMV partials read whole
+    rows (the RMSNorm statistics need all of K), and tl.dot partials through a TMA ring
+    (``constexprs["NORM_SQ"]``) leave the rstd to the reduce: they read their K range only
+    and store its sums of x**2 in ``cdiv(N, block_n)`` more ws columns, so the reduce is built
+    with ``norm_sq=True`` and ws has ``N + cdiv(N, block_n)`` columns.
     Pair with :func:`linear_reduce_op` built from the same sizes. ``double_buffer`` and
     ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles), and ``tiles_per_task``
     makes a task a run of tiles as there (:func:`linear_reduce_op` then pairs with single tiles).
@@ -389,16 +419,18 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     prefetch = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 "linear_prefetch_tile(w, pid_n, N, k_lo, k_hi, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
+    norm_sq = s.norm_sq(norm, tma)
     body = (f"k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
-            f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * N, N, "
+            f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * WS_N, WS_N, "
             f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, "
-            f"DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)")
+            f"DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES, NORM_SQ=NORM_SQ)")
     if s.streams_in_run(tma):
         body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N",
                              wait=s.waits_in_body(tma)))
     constexprs = {**s.constexprs(), "SPLIT_K": split_k, "HAS_NORM": int(norm), **s.stream_constexprs(tma),
-                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1 and not tma)}
+                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1 and not tma),
+                  "NORM_SQ": int(norm_sq), "WS_N": s.ws_cols(norm_sq)}
     if norm:
         constexprs["EPS"] = float(eps)
 
@@ -409,14 +441,21 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
         k_lo, k_hi = split_of(a)
-        h = _prologue_ref(_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
+        x = _2d(b["x"])[r0:r1]
         w0, w1 = s.ws_rows(a["split"], r0, r1)
-        _2d(b["ws"])[w0:w1, n0:n1] = h[:, k_lo:k_hi] @ _2d(b["w"])[n0:n1, k_lo:k_hi].float().T
+        ws = _2d(b["ws"])
+        if norm_sq:  # the rstd is the reduce's: the K range's sums of squares go with the partial
+            h = x.float() * b["norm_w"].reshape(-1).float()
+            ws[w0:w1, s.N + a["pid_n"]] = x[:, k_lo:k_hi].float().pow(2).sum(-1)
+        else:
+            h = _prologue_ref(x, b["norm_w"] if norm else None, eps)
+        ws[w0:w1, n0:n1] = h[:, k_lo:k_hi] @ _2d(b["w"])[n0:n1, k_lo:k_hi].float().T
 
     def reads(a, bind):
         r0, r1, n0, n1, _, _ = s.tile(a)
         k_lo, k_hi = split_of(a)
-        regs = [Region(bind["x"], r0, r1, 0, K) if norm else Region(bind["x"], r0, r1, k_lo, k_hi),
+        whole = norm and not norm_sq  # the rstd of whole rows
+        regs = [Region(bind["x"], r0, r1, 0, K) if whole else Region(bind["x"], r0, r1, k_lo, k_hi),
                 Region(bind["w"], n0, n1, k_lo, k_hi)]
         if norm:
             regs.append(Region(bind["norm_w"], 0, 1, 0, K))
@@ -426,7 +465,10 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
         r0, r1, n0, n1, _, _ = s.tile(a)
         split_of(a)
         w0, w1 = s.ws_rows(a["split"], r0, r1)
-        return [Region(bind["ws"], w0, w1, n0, n1)]
+        regs = [Region(bind["ws"], w0, w1, n0, n1)]
+        if norm_sq:
+            regs.append(Region(bind["ws"], w0, w1, s.N + a["pid_n"], s.N + a["pid_n"] + 1))
+        return regs
 
     imports = ("from mk.tasks.linear import linear_partial_epilogue, linear_partial_tile, linear_prefetch_tile, "
                "linear_run, linear_split_range",)
@@ -438,28 +480,36 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
 @register("linear_reduce")
 def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                     residual: bool = False, silu_mul: bool = False, dtype: torch.dtype | None = None) -> OpSpec:
+                     residual: bool = False, silu_mul: bool = False, norm_sq: bool = False, eps: float = 1e-6,
+                     dtype: torch.dtype | None = None) -> OpSpec:
     """Sum the split_k float32 partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
     Operands: ws float32 ``[split_k, M, N]``, res ``[M, N]`` (with residual), out ``[M, N]``
     (``[M, N/2]`` with silu_mul). Args: pid_m, pid_n. Takes the same sizes as the
     :func:`linear_partial_op` it pairs with (K and block_k only pick the same default tiles).
+    ``norm_sq``: the partials' ``NORM_SQ`` (ws then has their sums of x**2 after its N
+    columns); the sum is scaled by the RMSNorm's rstd (``eps``) here.
     """
     s = _LinearShape("linear_reduce", M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      0, dtype)
     operands = ("ws",) + (("res",) if residual else ()) + ("out",)
     res = "res" if residual else "out"
-    body = (f"linear_splitk_reduce_tile(ws, {res}, out, pid_m, pid_n, M, N, SPLIT_K, M * N, N, N_OUT, N_OUT, "
-            f"HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
+    body = (f"linear_splitk_reduce_tile(ws, {res}, out, pid_m, pid_n, M, N, SPLIT_K, M * WS_N, WS_N, N_OUT, N_OUT, "
+            f"HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, "
+            f"NORM_SQ=NORM_SQ)")
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
-    constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul))
+    constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul), NORM_SQ=int(norm_sq),
+                      WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
 
     def run(b, a):
-        s.store(b, a, s.reduce(b, a), residual)
+        acc = s.reduce(b, a)
+        if norm_sq:
+            acc = acc * s.rstd(b, a, eps)[:, None]
+        s.store(b, a, acc, residual)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
-        regs = s.ws_regions(a, bind)
+        regs = s.ws_regions(a, bind, norm_sq)
         if residual:
             regs.append(Region(bind["res"], r0, r1, c0, c1))
         return regs
@@ -616,13 +666,14 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
 def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int,
                           split_k: int, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int | None = None, num_warps: int | None = None, write_seqlens: bool = False,
-                          dtype: torch.dtype | None = None) -> OpSpec:
+                          norm_sq: bool = False, eps: float = 1e-6, dtype: torch.dtype | None = None) -> OpSpec:
     """Tile (pid_m, pid_n) of a split-K QKV projection: sum its float32 partials (from a
     :func:`linear_partial_op` of the same sizes, N = (Hq + 2 Hkv) * D, q/k rows interleaved),
     then RoPE + KV append as :func:`qkv_rope_kv_op` does.
 
     Operands: ws float32 ``[split_k, batch, N]``, pos, inv_freq, q, k_cache, v_cache (and
     seqlens with ``write_seqlens``) as in :func:`qkv_rope_kv_op`. Args: pid_m, pid_n.
+    ``norm_sq``: as :func:`linear_reduce_op` (the RMSNorm's rstd applied here).
     """
     op = "qkv_rope_kv_reduce"
     _check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
@@ -637,16 +688,20 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
     rope = _QkvRope(op, s, batch, hq, hkv, d, max_seq, write_seqlens)
     operands = ("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
     body = (f"qkv_rope_kv_reduce_tile(ws, pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, "
-            f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * N, N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, WRITE_SEQLENS=SEQLENS, "
-            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
+            f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * WS_N, WS_N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, "
+            f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ)")
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
-    constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens))
+    constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens),
+                      NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
 
     def run(b, a):
-        rope.store(b, a, s.reduce(b, a))
+        acc = s.reduce(b, a)
+        if norm_sq:
+            acc = acc * s.rstd(b, a, eps)[:, None]
+        rope.store(b, a, acc)
 
     def reads(a, bind):
-        return s.ws_regions(a, bind) + rope.reads(a, bind)
+        return s.ws_regions(a, bind, norm_sq) + rope.reads(a, bind)
 
     return OpSpec(name=op, operands=operands, args=("pid_m", "pid_n"), body=body,
                   imports=("from mk.tasks.qkv_rope import qkv_rope_kv_reduce_tile",),

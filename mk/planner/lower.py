@@ -332,10 +332,12 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         else:
             # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv, **run)
-            red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **tiles)
+            # (NORM_SQ partials hand the RMSNorm's rstd to the reduce, with their x**2 sums in ws.)
+            sq = dict(norm_sq=bool(part.constexprs["NORM_SQ"]), eps=eps)
+            red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **tiles)
                    if rope is not None else
-                   make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **tiles))
-            ws = activation(f"{node.name}.ws", choice.split_k, M, N)
+                   make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **tiles))
+            ws = activation(f"{node.name}.ws", choice.split_k, M, part.constexprs["WS_N"])
             add_op(node.name, part, **bind, ws=ws)
             add_op(node.name, red, ws=ws, **epilogue)
     except ValueError as err:

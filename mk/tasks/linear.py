@@ -243,8 +243,13 @@ def _linear_acc(
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
+    NORM_SQ: tl.constexpr = False,
 ):
-    """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n)."""
+    """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n).
+
+    NORM_SQ (tl.dot tiles through the TMA ring, with HAS_NORM): returns (the product without
+    the RMSNorm's rstd, float32 [BLOCK_M] sums of x**2 over [k_lo, k_hi)) for a K split's
+    partial, whose reduce scales by the rstd of the whole rows (:func:`linear_splitk_rstd`)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the edge read the last valid row instead of being masked: the loads stay
@@ -258,13 +263,17 @@ def _linear_acc(
     # The TMA body gathers the RMSNorm statistics from the x chunks it streams anyway and
     # scales by rstd after the loop (rstd is one number per row, so it factors out of the
     # sum): a separate pass over x first would cost K/BLOCK_K more round trips to L2.
-    LATE_RSTD: tl.constexpr = HAS_NORM & (BLOCK_M == 1) & (TMA_STAGES > 0)
+    # tl.dot tiles through the ring too: a pass over x first (K / BLOCK_K round trips, ~2.4 us
+    # for the 1B batch-8 QKV partials, bench/NOTES.md session 23) held back the ring's start.
+    LATE_RSTD: tl.constexpr = HAS_NORM & (TMA_STAGES > 0)
     if HAS_NORM & (not LATE_RSTD):
         # x is small next to W (M*K vs N*K), so every tile recomputes its rows' rstd over
         # the full K rather than waiting on another task for it.
         rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-    else:
+    elif BLOCK_M == 1:
         rstd = 1.0  # unused, or applied after the loop
+    else:
+        rstd = tl.full([BLOCK_M], 1.0, tl.float32)  # (the masked tail chunk's scale)
     # Decode tiles of wide boxes multiply weight-major (weight_major()).
     WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16) & (BLOCK_N >= 128)  # weight_major()
     if BLOCK_M == 1:
@@ -301,15 +310,21 @@ def _linear_acc(
         # worker keeps TMA_STAGES - 1 chunks in flight instead of a pipelined load's one or two.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
             w = w_desc.load([pid_n * BLOCK_N, k])
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
             if HAS_NORM:
-                xt = xt.to(tl.float32) * rstd[:, None] * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
+                xt = xt.to(tl.float32)
+                sum_sq += xt * xt
+                xt = xt * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
             if WEIGHT_MAJOR:
                 acc = mma_weight_major(w, xt, acc)
             else:
                 acc = mma(xt, tl.trans(w), acc)
+        if HAS_NORM & (k_full < k_hi):
+            x_tail = _load_x(x_rows, k_full + offs_k, k_hi, MASKED=True, BLOCK_M=BLOCK_M).to(tl.float32)
+            sum_sq += x_tail * x_tail
     elif (BLOCK_M == 1) & DOUBLE_BUFFER:
         # Chunk k+1's weights are requested before chunk k's FMAs, so two chunks are in
         # flight per program: a persistent worker (one program per SM slot) needs that
@@ -339,13 +354,23 @@ def _linear_acc(
         acc = tl.sum(acc, axis=1)[None, :]
     elif WEIGHT_MAJOR:
         acc = fold_weight_major(acc)
-    if LATE_RSTD:
-        if (k_lo == 0) & (k_hi == K):
-            rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
-        else:  # a K split: its chunks are not the whole row
-            rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-        acc = acc * rstd
-    return acc
+    if NORM_SQ:
+        return acc, tl.sum(sum_sq, axis=1)
+    else:
+        if LATE_RSTD:
+            if BLOCK_M == 1:
+                whole_sq = tl.sum(sum_sq, axis=0)
+            else:
+                whole_sq = tl.sum(sum_sq, axis=1)
+            if (k_lo == 0) & (k_hi == K):
+                rstd = 1.0 / tl.sqrt(whole_sq / K + eps)
+            else:  # a K split: its chunks are not the whole row
+                rstd = _rows_rstd(x_rows, K, eps, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+            if BLOCK_M == 1:
+                acc = acc * rstd
+            else:
+                acc = acc * rstd[:, None]
+        return acc
 
 
 @triton.jit
@@ -757,17 +782,29 @@ def linear_partial_tile(
     pid_m, pid_n, split, M, N, K, k_lo, k_hi,
     stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOUBLE_BUFFER: tl.constexpr = False, TMA_STAGES: tl.constexpr = 0,
+    DOUBLE_BUFFER: tl.constexpr = False, TMA_STAGES: tl.constexpr = 0, NORM_SQ: tl.constexpr = False,
 ):
     """Split-K partial: float32 h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T into ws[split, rows, cols].
 
     The workspace is float32 ``[split_k, M, N]`` with strides (stride_ws_split, stride_ws_m, 1).
     No epilogue here: :func:`linear_splitk_reduce_tile` applies it after summing the splits.
     DOUBLE_BUFFER and TMA_STAGES stream the weights as in :func:`linear_tile`.
+
+    NORM_SQ (tl.dot tiles through the ring, with HAS_NORM): the partial leaves the RMSNorm's
+    rstd out (it needs the whole rows, which a split does not read) and stores its rows' sum of
+    x**2 over [k_lo, k_hi) at ws[split, row, N + pid_n]: the workspace then holds
+    ``N + cdiv(N, BLOCK_N)`` columns, and the reduce scales by :func:`linear_splitk_rstd`.
     """
-    acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
-                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)
+    if NORM_SQ:
+        acc, sq = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
+                              eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                              TMA_STAGES=TMA_STAGES, NORM_SQ=True)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(ws_ptr + split * stride_ws_split + offs_m * stride_ws_m + N + pid_n, sq, mask=offs_m < M)
+    else:
+        acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
+                          HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                          DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)
     linear_partial_epilogue(acc, pid_m, pid_n, (ws_ptr, split, M, N, stride_ws_split, stride_ws_m), None)
 
 
@@ -787,19 +824,38 @@ def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stri
 
 
 @triton.jit
+def linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
+                       BLOCK_M: tl.constexpr):
+    """float32 [BLOCK_M]: the RMSNorm rstd of tile (pid_m, pid_n)'s rows from the sums of x**2
+    that its NORM_SQ partials stored at ws[split, row, N + pid_n] (:func:`linear_partial_tile`),
+    summed in split order."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ptrs = ws_ptr + offs_m * stride_ws_m + N + pid_n
+    sq = tl.load(ptrs, mask=offs_m < M, other=0.0, cache_modifier=".cg")
+    for s in range(1, split_k):
+        sq += tl.load(ptrs + s * stride_ws_split, mask=offs_m < M, other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(sq / K + eps)
+
+
+@triton.jit
 def linear_splitk_reduce_tile(
     ws_ptr, res_ptr, out_ptr,
     pid_m, pid_n, M, N, split_k,
     stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K=0, eps=0.0, NORM_SQ: tl.constexpr = False,
 ):
     """Sum the split_k partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
     The fixed order makes the result bitwise repeatable run to run. Partials are read with
-    ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs.
+    ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs. NORM_SQ:
+    the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scale by it here.
     """
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if NORM_SQ:
+        acc = acc * linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
+                                       BLOCK_M=BLOCK_M)[:, None]
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 

@@ -142,6 +142,53 @@ def test_rope_kv_op(hq, hkv, pos_dtype, _seed):
                           "seqlens": torch.full((batch,), -7, dtype=torch.int32)}, check, _seed)
 
 
+@pytest.mark.parametrize("block_n", [32, 128], ids=["x-major", "weight-major"])
+def test_batch_split_k_partials_leave_the_rmsnorm_to_their_reduce(block_n, _seed):
+    # Decode-batch tl.dot partials through the TMA ring with an RMSNorm prologue (NORM_SQ)
+    # read only their K range of x and store its sums of squares beside their tile; the
+    # reduces (residual add, and QKV + RoPE + KV append) scale by the whole rows' rstd.
+    batch, hq, hkv, d, K, max_seq, split_k = 5, 2, 1, 64, 96, 16, 3
+    N = (hq + 2 * hkv) * d
+    tiles = dict(block_n=block_n, block_k=16, dtype=F32)
+    part = make_op("linear_partial", M=batch, N=N, K=K, split_k=split_k, norm=True, eps=EPS, tma_stages=3, **tiles)
+    assert part.constexprs["NORM_SQ"] == 1 and part.constexprs["WS_N"] == N + N // block_n
+    red = make_op("linear_reduce", M=batch, N=N, K=K, split_k=split_k, residual=True, norm_sq=True, eps=EPS, **tiles)
+    rope_red = make_op("qkv_rope_kv_reduce", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, K=K,
+                       max_seq=max_seq, split_k=split_k, norm_sq=True, eps=EPS, **tiles)
+    w_hf = torch.randn(N, K, device=DEV) * 0.2
+    wq, wk, wv = w_hf.split([hq * d, hkv * d, hkv * d])
+    g = TaskGraph()
+    g.buffer("x", torch.randn(batch, K, device=DEV) * 3), g.buffer("norm_w", 1 + 0.1 * torch.randn(K, device=DEV))
+    g.buffer("w", w_hf), g.buffer("w_rot", torch.cat([interleave_rotary(wq, d), interleave_rotary(wk, d), wv]))
+    g.buffer("res", torch.randn(batch, N, device=DEV)), g.buffer("y", nan(batch, N))
+    g.buffer("ws", nan(split_k, batch, part.constexprs["WS_N"])), g.buffer("ws2", nan(split_k, batch, part.constexprs["WS_N"]))
+    pos = torch.tensor([3, 0, 7, 15, 9], dtype=torch.int32, device=DEV)
+    g.buffer("pos", pos), g.buffer("inv_freq", rope_inv_freq(d, 10000.0).to(DEV)), g.buffer("q", nan(batch, hq * d))
+    kc0, vc0 = torch.randn(batch, hkv, max_seq, d, device=DEV), torch.randn(batch, hkv, max_seq, d, device=DEV)
+    g.buffer("kc", kc0.clone()), g.buffer("vc", vc0.clone())
+    add_all(g, part, x="x", w="w", norm_w="norm_w", ws="ws")
+    add_all(g, part, x="x", w="w_rot", norm_w="norm_w", ws="ws2")
+    add_all(g, red, ws="ws", res="res", out="y")
+    add_all(g, rope_red, ws="ws2", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc")
+    qkv = linear_ref(g.buffers["x"], w_hf, norm_weight=g.buffers["norm_w"], norm_eps=EPS)
+    q, k, v = qkv.view(batch, 1, -1, d).split([hq, hkv, hkv], dim=2)
+    q_rot, k_ref, v_ref = rope_kv_ref(q, k, v, pos.view(batch, 1), g.buffers["inv_freq"], kc0, vc0)
+
+    def check(what):
+        assert_close(g.buffers["y"], qkv + g.buffers["res"], F32, f"{what}: y")
+        assert_close(g.buffers["q"], q_rot.reshape(batch, hq * d), F32, f"{what}: q")
+        assert_close(g.buffers["kc"], k_ref, F32, f"{what}: k cache")
+        assert_close(g.buffers["vc"], v_ref, F32, f"{what}: v cache")
+
+    run_kernel_and_vm(g, {"y": nan(batch, N), "q": nan(batch, hq * d), "kc": kc0, "vc": vc0,
+                          "ws": nan(split_k, batch, part.constexprs["WS_N"]),
+                          "ws2": nan(split_k, batch, part.constexprs["WS_N"])}, check, _seed)
+    # Split 1 reads x's columns of its K range only (its rstd is the reduce's).
+    k_lo, k_hi = part.constexprs["BLOCK_K"] * 2, part.constexprs["BLOCK_K"] * 4
+    reads = part.reads(dict(pid_m=0, pid_n=0, split=1), {"x": "x", "w": "w", "norm_w": "norm_w", "ws": "ws"})
+    assert [(r.c0, r.c1) for r in reads if r.buffer == "x"] == [(k_lo, k_hi)]
+
+
 @pytest.mark.parametrize("block_n,block_m,run", [(4, 1, 1), (32, 1, 1), (16, 16, 1), (4, 1, 3), (16, 16, 2)],
                          ids=["quarter-head", "two-heads", "dot", "run-of-3-quarter-heads", "dot-run-of-2"])
 def test_qkv_rope_kv_op(block_n, block_m, run, _seed):
