@@ -247,26 +247,24 @@ class _LinearShape:
             regs += [Region(bind["ws"], *self.ws_rows(split, r0, r1), col, col + 1) for split in range(self.split_k)]
         return regs
 
-    def rstd(self, b, a, eps: float) -> torch.Tensor:
-        """VM: float32 [rows] rstd of tile ``a``'s rows from its partials' x**2 sums, in split order."""
-        r0, r1, _, _, _, _ = self.tile(a)
-        ws, col = _2d(b["ws"]), self.N + a["pid_n"]
-        sq = None
-        for split in range(self.split_k):
-            w0, w1 = self.ws_rows(split, r0, r1)
-            part = ws[w0:w1, col].float()
-            sq = part.clone() if sq is None else sq + part
-        return torch.rsqrt(sq / self.K + eps)
 
-    def reduce(self, b, a) -> torch.Tensor:
-        """VM: the float32 sum of tile ``a``'s split-K partials, in split order as the device sums."""
-        r0, r1, n0, n1, _, _ = self.tile(a)
-        ws = _2d(b["ws"])
-        acc = None
+    def _split_sum(self, b, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """VM: float32 sum over the splits of ws columns [c0, c1) of rows [r0, r1), in split order."""
+        ws, acc = _2d(b["ws"]), None
         for split in range(self.split_k):
             w0, w1 = self.ws_rows(split, r0, r1)
-            part = ws[w0:w1, n0:n1].float()
+            part = ws[w0:w1, c0:c1].float()
             acc = part.clone() if acc is None else acc + part
+        return acc
+
+    def reduce(self, b, a, norm_sq: bool = False, eps: float = 0.0) -> torch.Tensor:
+        """VM: the float32 sum of tile ``a``'s split-K partials, in split order as the device sums
+        (with ``norm_sq`` scaled by the rstd of the partials' x**2 sums)."""
+        r0, r1, n0, n1, _, _ = self.tile(a)
+        acc = self._split_sum(b, r0, r1, n0, n1)
+        if norm_sq:
+            col = self.N + a["pid_n"]
+            acc = acc * torch.rsqrt(self._split_sum(b, r0, r1, col, col + 1) / self.K + eps)
         return acc
 
 
@@ -502,10 +500,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
                       WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
 
     def run(b, a):
-        acc = s.reduce(b, a)
-        if norm_sq:
-            acc = acc * s.rstd(b, a, eps)[:, None]
-        s.store(b, a, acc, residual)
+        s.store(b, a, s.reduce(b, a, norm_sq, eps), residual)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
@@ -695,10 +690,7 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
                       NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
 
     def run(b, a):
-        acc = s.reduce(b, a)
-        if norm_sq:
-            acc = acc * s.rstd(b, a, eps)[:, None]
-        rope.store(b, a, acc)
+        rope.store(b, a, s.reduce(b, a, norm_sq, eps))
 
     def reads(a, bind):
         return s.ws_regions(a, bind, norm_sq) + rope.reads(a, bind)

@@ -810,9 +810,10 @@ def linear_partial_tile(
 
 @triton.jit
 def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False):
     """float32 [BLOCK_M, BLOCK_N]: the split_k partials of tile (pid_m, pid_n) summed in split
-    order (bitwise repeatable), read with ``.cg`` (past L1: other SMs wrote them)."""
+    order (bitwise repeatable), read with ``.cg`` (past L1: other SMs wrote them). NORM_SQ:
+    the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scaled by it here."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -820,6 +821,9 @@ def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stri
     acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     for s in range(1, split_k):
         acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+    if NORM_SQ:
+        acc = acc * linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
+                                       BLOCK_M=BLOCK_M)[:, None]
     return acc
 
 
@@ -852,10 +856,7 @@ def linear_splitk_reduce_tile(
     the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scale by it here.
     """
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
-                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    if NORM_SQ:
-        acc = acc * linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
-                                       BLOCK_M=BLOCK_M)[:, None]
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 

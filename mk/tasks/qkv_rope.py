@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
 from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config,
-                     linear_partial_kernel, linear_ref, linear_splitk_rstd, linear_splitk_sum)
+                     linear_partial_kernel, linear_ref, linear_splitk_sum)
 from .rope import _check_inv_freq, rope_kv_ref
 
 
@@ -76,12 +76,8 @@ def qkv_rope_kv_reduce_tile(
     :func:`mk.tasks.linear.linear_partial_tile`, read in split order, from L2), then rotate
     and store as :func:`qkv_rope_kv_tile` does. NORM_SQ: scale by the RMSNorm's rstd, which
     the partials left out (:func:`mk.tasks.linear.linear_splitk_rstd`)."""
-    N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
-    acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split,
-                            stride_ws_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    if NORM_SQ:
-        acc = acc * linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
-                                       BLOCK_M=BLOCK_M)[:, None]
+    acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, (HQ + 2 * HKV) * HEAD_DIM, split_k, stride_ws_split,
+                            stride_ws_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
                          WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
