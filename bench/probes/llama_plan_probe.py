@@ -280,6 +280,10 @@ VARIANTS = {
     # its ring starts; with the norm its own task the partials skip that pass.
     "unfused_norm_qkv": unfused_norm("qkv"),
     "unfused_norm_qkv_gu": unfused_norm("qkv", "gate_up"),
+    # What a batch-1 QKV task spends its ~0.6 us a chunk on (session 23's open question): run
+    # these traced at 4 warps a worker (``unfused_norm_qkv@w4n264``: the rmsnorm op's own 8
+    # warps would halve the workers) and compare the QKV tasks' time after their wait.
+    "unfused_norm_rope_qkv": lambda p, g: unfused_rope(unfused_norm("qkv")(p, g), g),
     # Grouped GEMV streams (session 18, mk.tasks.linear.gemv_stream): rings of 9 stream two
     # groups of 4 chunks in flight; ring4 is the plans before them.
     "ring4": tuned(tma_stages=4),
