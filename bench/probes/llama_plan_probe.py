@@ -276,6 +276,11 @@ VARIANTS = {
     "o128s8_down128s8": lambda p, g: tuned(("o_proj",), block_n=128, block_k=64, split_k=8, tma_stages=3)(
         tuned(("down",), block_n=128, block_k=64, split_k=8, tma_stages=3)(p, g), g),
     "qkv128s4": tuned(("qkv",), split_k=4),
+    # Batch 8: x-major (64 x 128) down / o_proj + down partials, as the search chose before
+    # session 24's register term (DeviceSpec.xmajor_kernel_slowdown).
+    "xm_down": tuned(("down",), block_n=64, block_k=128, split_k=8, tma_stages=3),
+    "xm_o_down": lambda p, g: tuned(("o_proj",), block_n=64, block_k=128, split_k=8, tma_stages=2)(
+        tuned(("down",), block_n=64, block_k=128, split_k=8, tma_stages=3)(p, g), g),
     # A split-K partial with a fused RMSNorm reads all of x first for rstd (_rows_rstd) before
     # its ring starts; with the norm its own task the partials skip that pass.
     "unfused_norm_qkv": unfused_norm("qkv"),

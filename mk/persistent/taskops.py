@@ -20,6 +20,7 @@ from mk.tasks.embedding import embedding_block_h, embedding_num_warps
 # The launcher's private config check and row-tile rule, reused so that a megakernel
 # tile is exactly the tile the standalone op would launch.
 from mk.tasks.linear import (
+    DOT_WAITS_IN_STREAM,
     LinearConfig,
     _check_config,
     _tile_rows,
@@ -27,6 +28,7 @@ from mk.tasks.linear import (
     linear_k_splits,
     prefetch_lines,
     gemv_stream,
+    weight_major,
 )
 from mk.tasks.rmsnorm import rmsnorm_block_n, rmsnorm_num_warps, rmsnorm_ref
 from mk.tasks.rope import rope_blocks, rope_num_warps, rope_ref
@@ -175,8 +177,30 @@ class _LinearShape:
         return gemv_stream(self.bm, tma, self.K, self.bk, self.bn, self.eb, self.split_k, self.run)
 
     def waits_in_body(self, tma: int) -> bool:
-        """Whether the task waits for x inside its stream."""
+        """Whether a GEMV task waits for x inside its stream (:func:`mk.tasks.linear.linear_run`)."""
         return self.stream(tma).waits
+
+    def dot_waits(self, tma: int) -> bool:
+        """Whether a tl.dot tile (one a task, through the TMA ring) waits for x inside its
+        weight loop (:func:`mk.tasks.linear._linear_acc`'s WAIT; :data:`DOT_WAITS_IN_STREAM`):
+        weight-major tiles only (:func:`mk.tasks.linear.weight_major`), whose x chunks are a
+        few registers; an x-major tile's [16, block_k] float32 chunks held ahead spilled the
+        1B batch-8 kernel (26 -> 60 spills, step 1.155 -> 1.340 ms on an H200, bench/NOTES.md
+        session 24)."""
+        return (DOT_WAITS_IN_STREAM and tma > 0 and weight_major(self.bm, self.bn)
+                and not self.streams_in_run(tma))
+
+    def task_waits(self, tma: int) -> bool:
+        """Whether the task's body makes its dependency wait itself (:attr:`OpSpec.waits_in_body`)."""
+        return self.waits_in_body(tma) or self.dot_waits(tma)
+
+    def waiting(self, call: str, tma: int) -> str:
+        """``call`` (a tile function's device call, ending in ``)``) made to wait for the
+        task's inputs inside its stream when :meth:`dot_waits`."""
+        if not self.dot_waits(tma):
+            return call
+        return ("ok, last_ev, last_need, t_ready = " + call[:-1] + ", WAIT=task_wait, wait_args=task_wait_args, "
+                "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS)")
 
     def stream_constexprs(self, tma: int) -> dict:
         """The ring's constexprs: TMA_STAGES, and the chunks an iteration and loop stages of a
@@ -350,6 +374,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+    body = s.waiting(body, tma)
     if s.streams_in_run(tma):
         body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                           "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
@@ -381,7 +406,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  preload=preload_src, waits_in_body=s.waits_in_body(tma),
+                  preload=preload_src, waits_in_body=s.task_waits(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
                            "linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
@@ -418,10 +443,10 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
                 "linear_prefetch_tile(w, pid_n, N, k_lo, k_hi, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     norm_sq = s.norm_sq(norm, tma)
-    body = (f"k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
-            f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, M * WS_N, WS_N, "
-            f"{eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, "
-            f"DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES, NORM_SQ=NORM_SQ)")
+    body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
+            + s.waiting(f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, "
+                        f"M * WS_N, WS_N, {eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
+                        f"BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES, NORM_SQ=NORM_SQ)", tma))
     if s.streams_in_run(tma):
         body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N",
@@ -471,7 +496,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     imports = ("from mk.tasks.linear import linear_partial_epilogue, linear_partial_tile, linear_prefetch_tile, "
                "linear_run, linear_split_range",)
     return OpSpec(name="linear_partial", operands=operands, args=("pid_m", "pid_n", "split"), body=body,
-                  prefetch=prefetch, imports=imports, waits_in_body=s.waits_in_body(tma),
+                  prefetch=prefetch, imports=imports, waits_in_body=s.task_waits(tma),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -584,6 +609,12 @@ class _QkvRope:
         return regs
 
 
+#: A QKV task's rotation operands (positions, inverse frequencies), loaded before its wait:
+#: positions change only between decode steps.
+_ROPE_PRE = ("rope_pre = qkv_rope_operands(pos, inv_freq, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, "
+             "BLOCK_N=BLOCK_N)")
+
+
 @register("qkv_rope_kv")
 def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int, *,
                    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -623,9 +654,15 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
             f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+    body = s.waiting(body, tma)
+    rope_pre = ""
     if s.streams_in_run(tma):
+        # A one-tile task loads its rotation operands before its wait (they do not depend on
+        # the step's tasks), so its epilogue starts without a round trip.
+        rope_pre = _ROPE_PRE if s.run == 1 else ""
         body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
-                          f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX",
+                          f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX, "
+                          f"{'rope_pre' if rope_pre else 'None'}",
                           "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), **s.stream_constexprs(tma), "PRELOAD": int(preload),
@@ -636,6 +673,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens)
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
+    preload_src = "\n".join(x for x in (preload_src, rope_pre) if x)
     prefetch = _FULL_K_PREFETCH
 
     def run(b, a):
@@ -651,9 +689,10 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         return regs
 
     return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  preload=preload_src, waits_in_body=s.waits_in_body(tma),
+                  preload=preload_src, waits_in_body=s.task_waits(tma),
                   imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_weights_first",
-                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile"),
+                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile, "
+                           "qkv_rope_operands"),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 
@@ -684,7 +723,7 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
     operands = ("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
     body = (f"qkv_rope_kv_reduce_tile(ws, pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, "
             f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * WS_N, WS_N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, "
-            f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ)")
+            f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ, pre=rope_pre)")
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
     constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens),
                       NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
@@ -695,8 +734,8 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
     def reads(a, bind):
         return s.ws_regions(a, bind, norm_sq) + rope.reads(a, bind)
 
-    return OpSpec(name=op, operands=operands, args=("pid_m", "pid_n"), body=body,
-                  imports=("from mk.tasks.qkv_rope import qkv_rope_kv_reduce_tile",),
+    return OpSpec(name=op, operands=operands, args=("pid_m", "pid_n"), body=body, preload=_ROPE_PRE,
+                  imports=("from mk.tasks.qkv_rope import qkv_rope_kv_reduce_tile, qkv_rope_operands",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 

@@ -29,8 +29,8 @@ import torch
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
-from mk.tasks.linear import (DOT_MIN, SKINNY_MAX_M, LinearConfig, _tile_rows, linear_config, linear_cost,
-                             gemv_stream, weight_major)
+from mk.tasks.linear import (DOT_MIN, DOT_WAITS_IN_STREAM, SKINNY_MAX_M, LinearConfig, _tile_rows, linear_config,
+                             linear_cost, gemv_stream, weight_major)
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
@@ -245,16 +245,30 @@ def _gemv_stream(node: OpNode, choice: OpChoice, dtype_bytes: int = 2):
 
 def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, task_bytes: float,
                           dtype_bytes: int = 2) -> float:
-    """What a GEMV task of ``task_bytes`` weight bytes spends on its TMA ring beyond its
-    stream: :attr:`DeviceSpec.chunk_exposed_s` a chunk, and where the task waits for its
-    inputs before its stream (not inside it: :func:`mk.tasks.linear.gemv_stream`), the
-    first chunk's :attr:`DeviceSpec.load_latency_s`, which a wait inside the stream
-    overlaps. 0 for other tiles (measured on GEMV rings; tl.dot tiles' rates carry their
-    work a chunk)."""
-    if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1:
+    """What a task of ``task_bytes`` weight bytes spends on its TMA ring beyond its stream:
+    where it waits for its inputs before its stream (not inside it), the first chunk's
+    :attr:`DeviceSpec.load_latency_s`, which a wait inside the stream overlaps; and for a
+    GEMV task :attr:`DeviceSpec.chunk_exposed_s` a chunk (measured on GEMV rings; tl.dot
+    tiles' rates carry their work a chunk). Decode tl.dot tiles wait inside their stream
+    when weight-major (:func:`dot_waits_in_stream`)."""
+    if node.kind != "linear" or not choice.tma_stages:
+        return 0.0
+    if decode_dot_tile(node):
+        return 0.0 if dot_waits_in_stream(node, choice) else device.load_latency_s
+    if node.dims["M"] != 1:
         return 0.0
     ramp = 0.0 if _gemv_stream(node, choice, dtype_bytes).waits else device.load_latency_s
     return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s + ramp
+
+
+def dot_waits_in_stream(node: OpNode, choice: OpChoice) -> bool:
+    """Whether a linear's decode tl.dot tiles wait for x inside their TMA weight loop, the
+    ring's prologue in flight during the wait (weight-major tiles, one a task:
+    :meth:`mk.persistent.taskops._LinearShape.dot_waits`). Measured in the 1B batch-8 step
+    on an H200 (bench/NOTES.md, session 24), weight-major partials after their wait: QKV 5.6
+    -> 4.2 us, O projection 5.0 -> 3.6, gate/up 19.4 -> 17.5, down 12.8 -> 12.0."""
+    return (DOT_WAITS_IN_STREAM and decode_dot_tile(node) and choice.tma_stages > 0 and choice.tiles_per_task == 1
+            and weight_major(_tile_rows_for(node.dims["M"], choice.block_n), choice.block_n))
 
 
 def decode_dot_tile(node: OpNode) -> bool:
@@ -341,18 +355,22 @@ def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_
     """The part of a task's weight stream (``stream_s`` seconds) that arrives while it
     waits for its inputs, where DRAM idles then (:func:`idle_wait_ops`): a GEMV
     task that waits inside its TMA stream has the ring's first chunks in flight before the
-    wait (:func:`mk.tasks.linear.gemv_stream`), a whole-range ring all of them. Where chunks
+    wait (:func:`mk.tasks.linear.gemv_stream`), a whole-range ring all of them, and so does
+    a weight-major decode tl.dot tile (:func:`dot_waits_in_stream`). Where chunks
     are left to ask for, the next is asked for only after the wait (when the first frees its
     slot), so at least one :attr:`DeviceSpec.load_latency_s` stays after the wait. 0 for
     other tasks. Measured (1B on an H100, bench/NOTES.md session 19): the O projection's
     tasks after attention took 4.2 us with 3 of their 8 chunks in flight before the wait,
     3.9 with 7, 3.1 with all 8."""
-    if node.kind != "linear" or not choice.tma_stages or node.dims["M"] != 1:
+    if node.kind != "linear" or not choice.tma_stages:
         return 0.0
-    stream = _gemv_stream(node, choice, dtype_bytes)
-    if not stream.waits:
+    if dot_waits_in_stream(node, choice):
+        chunks = max(choice.tma_stages - 1, 1)
+    elif node.dims["M"] == 1 and _gemv_stream(node, choice, dtype_bytes).waits:
+        chunks = _gemv_stream(node, choice, dtype_bytes).chunks_in_flight
+    else:
         return 0.0
-    in_flight = stream.chunks_in_flight * choice.block_n * choice.block_k * dtype_bytes
+    in_flight = chunks * choice.block_n * choice.block_k * dtype_bytes
     weights = choice.block_n * choice.tiles_per_task * -(-node.dims["K"] // choice.split_k) * dtype_bytes
     if in_flight >= weights:
         return stream_s

@@ -63,6 +63,7 @@ _OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "
                     "chunk_exposed_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
 _WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth", "dot_worker_bandwidth", "xmajor_dot_bandwidth")
+_FRACTION_FIELDS = ("xmajor_kernel_slowdown",)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class DeviceSpec:
         xmajor_dot_bandwidth: the same for x-major decode tiles (batch rows as the MMA's M:
             boxes of fewer than 128 weight rows), where mma.sync takes each weight chunk from
             shared memory into registers and x's hi and lo halves are two MMAs.
+        xmajor_kernel_slowdown: what an x-major decode tile costs the whole step, as a
+            fraction of it: its registers make the one megakernel spill, which slows every
+            task, not only its own (:func:`mk.planner.search.search` adds it to plans that
+            hold one).
 
     Cost-model constants (placeholders until calibrated; ``calibrated`` says which):
         task_overhead_s: fixed cost of one task in a persistent worker (fetch descriptor,
@@ -137,6 +142,7 @@ class DeviceSpec:
     worker_bandwidth: float = 0.0
     dot_worker_bandwidth: float = 0.0
     xmajor_dot_bandwidth: float = 0.0
+    xmajor_kernel_slowdown: float = 0.0
     # Measured in the 1B step on an H200 (bench/NOTES.md, session 4): halving the GEMV
     # tile (twice the tasks) cost ~2.6 µs of worker time per extra task at one worker an
     # SM: the TMA ring fills again at every task. 1.5 µs with two workers an SM, which
@@ -169,7 +175,7 @@ class DeviceSpec:
                 raise TypeError(f"DeviceSpec.{f} must be an int, got {type(v).__name__} {v!r}")
             if v < 0 or (v == 0 and f not in ("reserved_smem_per_block", "l1_reserve_per_sm")):
                 raise ValueError(f"DeviceSpec.{f} must be positive, got {v}")
-        for f in _RATE_FIELDS + _OVERHEAD_FIELDS + _WORKER_RATE_FIELDS:
+        for f in _RATE_FIELDS + _OVERHEAD_FIELDS + _WORKER_RATE_FIELDS + _FRACTION_FIELDS:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"DeviceSpec.{f} must be a number, got {type(v).__name__} {v!r}")
@@ -401,7 +407,10 @@ def _hopper(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float) -> D
                       smem_per_sm=228 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,
                       max_blocks_per_sm=32, l2_bytes=l2_bytes, dram_bandwidth=dram_bandwidth,
                       bf16_flops=989e12, compute_capability=(9, 0), dot_worker_bandwidth=16e9,
-                      xmajor_dot_bandwidth=11e9, l1_reserve_per_sm=64 * KiB)
+                      # 1B batch 8, all weight-major against o_proj and down x-major (255
+                      # registers, 8 spills against 26; bench/NOTES.md, sessions 23-24): the
+                      # step 1.5% faster on an H200, 1.7-2.4% on an H100.
+                      xmajor_dot_bandwidth=11e9, xmajor_kernel_slowdown=0.02, l1_reserve_per_sm=64 * KiB)
 
 
 def _ada(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float,
@@ -438,7 +447,10 @@ PRESETS: dict[str, DeviceSpec] = {
     # TMA worker rate from `python -m mk calibrate` on this project's H200 (bench/results/
     # probes/calibration-s6-nvidia-h200-2026-11-22.json); the register-path rate was not
     # measurable there (its chains are DRAM-limited), so it is left unmeasured.
-    "h200": replace(_hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12), tma_worker_bandwidth=31.9e9),
+    # Weight-major decode tiles: 20.5 GB/s a worker (1B batch-8 down partials, 128 x 64
+    # boxes, 256 KiB a task in 12.8 us, its ramp included; bench/NOTES.md, session 24).
+    "h200": replace(_hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12), tma_worker_bandwidth=31.9e9,
+                    dot_worker_bandwidth=20e9),
     # Peak HBM2e 2.04 TB/s (80 GB SXM); not measured here.
     "a100-sxm": DeviceSpec(name="NVIDIA A100-SXM4-80GB", sm_count=108, smem_per_block=163 * KiB,
                            smem_per_sm=164 * KiB, regs_per_sm=65536, max_threads_per_sm=2048,

@@ -18,7 +18,8 @@ from typing import Callable
 
 from mk.tasks.linear import X_GROUP, gemv_stream
 
-from .cost import OpChoice, estimate_op, estimate_step, idle_wait_ops, whole_range_stages
+from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_wait_ops, whole_range_stages,
+                   xmajor_decode_tile)
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
@@ -244,8 +245,21 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
     # layer plan is the best for each layer; the top plans then differ in what they do to
     # every layer, not in one late layer's tie.
     planned = template if template is not None else graph
-    out = []
-    for choices, n_workers in _search_workers(planned, device, workers, beam_width, top_k, progress):
+    # An x-major decode tile slows the whole kernel (DeviceSpec.xmajor_kernel_slowdown), which
+    # a sum over ops cannot see: plans without one are searched for on their own too, and
+    # plans with one pay the slowdown on their whole step.
+    found = _search_workers(planned, device, workers, beam_width, top_k, progress)
+    if device.xmajor_kernel_slowdown > 0 and any(decode_dot_tile(n) for n in planned.nodes):
+        try:
+            found += _search_workers(planned, device, workers, beam_width, top_k, progress, xmajor=False)
+        except ValueError:  # some op has only x-major tiles that fit
+            pass
+    out, seen = [], set()
+    for choices, n_workers in found:
+        key = (n_workers, tuple(sorted(choices.items(), key=lambda kv: kv[0])))
+        if key in seen:
+            continue
+        seen.add(key)
         # Zig-zag deals each layer from a different place in its pass over the workers, so
         # one layer does not stand for the others (8B batch 8: 6.5 ms from the template,
         # 9.0 simulated whole): it is simulated over the whole step.
@@ -259,17 +273,19 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
         for sched in SCHEDULES[1:]:
             if times[sched] < times[best] * (1 - 1e-9):
                 best = sched
+        if any(xmajor_decode_tile(graph.node(n), c) for n, c in choices.items()):
+            times = {k: v * (1 + device.xmajor_kernel_slowdown) for k, v in times.items()}
         step = estimate_step(graph, choices, device, n_workers)
         out.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, n_workers, choices, times[best],
                         step.peak_smem_bytes, step.ops, schedule=best, schedule_s=times))
-    return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))
+    return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))[:top_k]
 
 
 def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, beam_width: int, top_k: int,
-                    progress: bool) -> list[tuple[dict[str, OpChoice], int]]:
+                    progress: bool, xmajor: bool = True) -> list[tuple[dict[str, OpChoice], int]]:
     """:func:`_search` with the worker count fixed, or chosen as :func:`search` says."""
     if workers is not None:
-        return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress)
+        return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress, xmajor)
     # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
     # NOTES.md, session 4), 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit in
     # the SM's shared memory, so each gets at most half of it, less what is left to L1
@@ -279,9 +295,9 @@ def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, bea
     try:
         return _search(graph, device, device.sm_count * WORKERS_PER_SM,
                        min(device.smem_per_block, shared // WORKERS_PER_SM - device.reserved_smem_per_block),
-                       beam_width, top_k, progress)
+                       beam_width, top_k, progress, xmajor)
     except ValueError:
-        return _search(graph, device, device.sm_count, device.smem_per_block, beam_width, top_k, progress)
+        return _search(graph, device, device.sm_count, device.smem_per_block, beam_width, top_k, progress, xmajor)
 
 
 def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: DeviceSpec, workers: int,
@@ -341,8 +357,9 @@ def _expand(choices: dict[str, OpChoice], graph: OpGraph) -> dict[str, OpChoice]
 
 
 def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_width: int, top_k: int,
-            progress: bool) -> list[tuple[dict[str, OpChoice], int]]:
-    """The beam's ``top_k`` complete plans as (op name -> choice, workers), in beam order."""
+            progress: bool, xmajor: bool = True) -> list[tuple[dict[str, OpChoice], int]]:
+    """The beam's ``top_k`` complete plans as (op name -> choice, workers), in beam order;
+    ``xmajor`` False leaves x-major decode tiles out of the candidates."""
     beam = [_State(0.0, 0, ())]
     nodes = {n.name: n for n in graph.nodes}
     cache: dict = {}
@@ -371,7 +388,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
         rank_key = (shape(node), node.name in idle)
         if rank_key not in ranked_of:
             options = [c for c in candidates(node, device, graph.model.dtype_bytes, workers)
-                       if cost_of(node, c, ()).smem_bytes <= budget]
+                       if cost_of(node, c, ()).smem_bytes <= budget and (xmajor or not xmajor_decode_tile(node, c))]
             if not options:
                 raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "
                                  f"budget of {budget} bytes")

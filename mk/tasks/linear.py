@@ -42,6 +42,7 @@ fewer than 2**31 elements.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -95,6 +96,12 @@ VEC_BYTES = 16
 #: each (1B step 0.947 -> 0.893 ms); the 8B down projection's 56-chunk tasks lost 4.5 us and
 #: the 1B LM head's 128-chunk runs ~1.7 us. (A grouped stream, :func:`gemv_stream`, has no limit.)
 WAIT_IN_STREAM_MAX_CHUNKS = 32
+
+#: Whether a decode tl.dot tile through the TMA ring (batch > 1, one tile a task) waits for
+#: x inside its weight loop (:func:`_linear_acc`'s WAIT), as GEMV tasks do: the ring's
+#: prologue is then in flight while the worker waits, where it used to start after the wait.
+#: MK_DOT_WAITS_IN_STREAM=0 keeps the wait before the loop (for comparisons).
+DOT_WAITS_IN_STREAM = os.environ.get("MK_DOT_WAITS_IN_STREAM", "1") != "0"
 
 
 #: Chunks an iteration of a grouped GEMV stream (:func:`linear_run`'s X_GROUP) and the
@@ -244,12 +251,18 @@ def _linear_acc(
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
     NORM_SQ: tl.constexpr = False,
+    WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n).
 
     NORM_SQ (tl.dot tiles through the TMA ring, with HAS_NORM): returns (the product without
     the RMSNorm's rstd, float32 [BLOCK_M] sums of x**2 over [k_lo, k_hi)) for a K split's
-    partial, whose reduce scales by the rstd of the whole rows (:func:`linear_splitk_rstd`)."""
+    partial, whose reduce scales by the rstd of the whole rows (:func:`linear_splitk_sum`).
+
+    ``WAIT`` (tl.dot tiles through the TMA ring only): the caller's wait for x, as in
+    :func:`linear_run`, called in the weight loop's first iteration, so the ring's prologue is
+    in flight while the task waits; x then comes by volatile loads two chunks ahead. The
+    wait's new state is returned last: ``(acc, state)`` or ``(acc, sq, state)``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows past the edge read the last valid row instead of being masked: the loads stay
@@ -276,6 +289,8 @@ def _linear_acc(
         rstd = tl.full([BLOCK_M], 1.0, tl.float32)  # (the masked tail chunk's scale)
     # Decode tiles of wide boxes multiply weight-major (weight_major()).
     WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16) & (BLOCK_N >= 128)  # weight_major()
+    WAITS: tl.constexpr = WAIT is not None
+    tl.static_assert((not WAITS) | ((BLOCK_M > 1) & (TMA_STAGES > 0)), "_linear_acc waits for tl.dot TMA tiles only")
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif WEIGHT_MAJOR:
@@ -311,9 +326,27 @@ def _linear_acc(
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
         sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if WAITS:
+            # Triton's pipeliner issues the ring's prologue where the loop starts and leaves
+            # the loop's `if` (the wait) in place; a pipelined x load would be issued in the
+            # prologue, before the wait, so x comes by volatile loads instead (_load_x_ahead).
+            s0, s1, s2, s3 = wait_state
+            n_k = (k_full - k_lo) // BLOCK_K
+            xa = tl.zeros([BLOCK_M, BLOCK_K], dtype=x_ptr.dtype.element_ty)
+            xb = tl.zeros([BLOCK_M, BLOCK_K], dtype=x_ptr.dtype.element_ty)
         for k in tl.range(k_lo, k_full, BLOCK_K, num_stages=TMA_STAGES):
             w = w_desc.load([pid_n * BLOCK_N, k])
-            xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
+            if WAITS:
+                j = (k - k_lo) // BLOCK_K
+                if j == 0:
+                    s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
+                    xa = _load_x_ahead(x_rows, k_lo, k_full, n_k, 0, n_k, BLOCK_K=BLOCK_K)
+                    xb = _load_x_ahead(x_rows, k_lo, k_full, n_k, 1, n_k, BLOCK_K=BLOCK_K)
+                xt = xa
+                xa = xb
+                xb = _load_x_ahead(x_rows, k_lo, k_full, n_k, j + 2, n_k, BLOCK_K=BLOCK_K)
+            else:
+                xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M)
             if HAS_NORM:
                 xt = xt.to(tl.float32)
                 sum_sq += xt * xt
@@ -322,6 +355,9 @@ def _linear_acc(
                 acc = mma_weight_major(w, xt, acc)
             else:
                 acc = mma(xt, tl.trans(w), acc)
+        if WAITS:
+            if k_full == k_lo:  # no whole chunk: the loop never waited
+                s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
         if HAS_NORM & (k_full < k_hi):
             x_tail = _load_x(x_rows, k_full + offs_k, k_hi, MASKED=True, BLOCK_M=BLOCK_M).to(tl.float32)
             sum_sq += x_tail * x_tail
@@ -355,7 +391,10 @@ def _linear_acc(
     elif WEIGHT_MAJOR:
         acc = fold_weight_major(acc)
     if NORM_SQ:
-        return acc, tl.sum(sum_sq, axis=1)
+        if WAITS:
+            return acc, tl.sum(sum_sq, axis=1), (s0, s1, s2, s3)
+        else:
+            return acc, tl.sum(sum_sq, axis=1)
     else:
         if LATE_RSTD:
             if BLOCK_M == 1:
@@ -370,7 +409,10 @@ def _linear_acc(
                 acc = acc * rstd
             else:
                 acc = acc * rstd[:, None]
-        return acc
+        if WAITS:
+            return acc, (s0, s1, s2, s3)
+        else:
+            return acc
 
 
 @triton.jit
@@ -427,6 +469,7 @@ def linear_tile(
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
     w_first=None, TMA_STAGES: tl.constexpr = 0,
+    WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -439,19 +482,32 @@ def linear_tile(
     DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead; ``w_first`` is
     the first chunk from :func:`linear_weights_first`, when already loaded. TMA_STAGES > 0 (GEMV
     body) streams weights through a shared-memory ring filled by TMA (needs an allocator for
-    on-device descriptors: :func:`mk.tasks.enable_device_descriptors`).
+    on-device descriptors: :func:`mk.tasks.enable_device_descriptors`). ``WAIT``: the caller's
+    dependency wait, made inside the weight stream (tl.dot TMA tiles: :func:`_linear_acc`);
+    the wait's new state is returned.
     """
-    # The residual's round trip overlaps the weight stream instead of following it.
+    WAITS: tl.constexpr = WAIT is not None
     res = None
-    if HAS_RESIDUAL:
-        res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL,
-                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
-                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
-                      TMA_STAGES=TMA_STAGES)
+    if WAITS:  # the residual is an input: read after the wait, in the epilogue
+        acc, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
+                                 eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                 TMA_STAGES=TMA_STAGES, WAIT=WAIT, wait_args=wait_args, wait_state=wait_state,
+                                 WAIT_FLAGS=WAIT_FLAGS)
+    else:
+        # The residual's round trip overlaps the weight stream instead of following it.
+        if HAS_RESIDUAL:
+            res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
+                          HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                          DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
+                          TMA_STAGES=TMA_STAGES)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+    if WAITS:
+        return state
+    else:
+        return 0
 
 
 @triton.jit
@@ -783,6 +839,7 @@ def linear_partial_tile(
     stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, TMA_STAGES: tl.constexpr = 0, NORM_SQ: tl.constexpr = False,
+    WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
 ):
     """Split-K partial: float32 h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T into ws[split, rows, cols].
 
@@ -793,58 +850,68 @@ def linear_partial_tile(
     NORM_SQ (tl.dot tiles through the ring, with HAS_NORM): the partial leaves the RMSNorm's
     rstd out (it needs the whole rows, which a split does not read) and stores its rows' sum of
     x**2 over [k_lo, k_hi) at ws[split, row, N + pid_n]: the workspace then holds
-    ``N + cdiv(N, BLOCK_N)`` columns, and the reduce scales by :func:`linear_splitk_rstd`.
+    ``N + cdiv(N, BLOCK_N)`` columns, and the reduce scales by the rstd (:func:`linear_splitk_sum`).
+    ``WAIT``: as :func:`linear_tile` (the wait's new state is returned).
     """
+    WAITS: tl.constexpr = WAIT is not None
+    state = 0
     if NORM_SQ:
-        acc, sq = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
-                              eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                              TMA_STAGES=TMA_STAGES, NORM_SQ=True)
+        if WAITS:
+            acc, sq, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm,
+                                         stride_wn, eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                         BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES, NORM_SQ=True, WAIT=WAIT,
+                                         wait_args=wait_args, wait_state=wait_state, WAIT_FLAGS=WAIT_FLAGS)
+        else:
+            acc, sq = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
+                                  eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                  TMA_STAGES=TMA_STAGES, NORM_SQ=True)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(ws_ptr + split * stride_ws_split + offs_m * stride_ws_m + N + pid_n, sq, mask=offs_m < M)
+    elif WAITS:
+        acc, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
+                                 eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                 TMA_STAGES=TMA_STAGES, WAIT=WAIT, wait_args=wait_args, wait_state=wait_state,
+                                 WAIT_FLAGS=WAIT_FLAGS)
     else:
         acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                           HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                           DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)
     linear_partial_epilogue(acc, pid_m, pid_n, (ws_ptr, split, M, N, stride_ws_split, stride_ws_m), None)
+    return state
 
 
 @triton.jit
-def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
+def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False):
     """float32 [BLOCK_M, BLOCK_N]: the split_k partials of tile (pid_m, pid_n) summed in split
     order (bitwise repeatable), read with ``.cg`` (past L1: other SMs wrote them). NORM_SQ:
-    the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scaled by it here."""
+    the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`) and stored their
+    rows' sums of x**2 at ws[split, row, N + pid_n]; the sum is scaled by the whole rows' rstd.
+
+    One unrolled pass issues every load (partials and sums of squares) before the first add:
+    a reduce runs on the layer's critical path, and the compiled loop otherwise waited for the
+    squares' round trip before it asked for the partials (bench/NOTES.md, session 24)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
     ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, split_k):
+    sq_ptrs = ws_ptr + offs_m * stride_ws_m + N + pid_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in tl.static_range(split_k):
         acc += tl.load(ptrs + s * stride_ws_split, mask=mask, other=0.0, cache_modifier=".cg")
+        if NORM_SQ:
+            sq += tl.load(sq_ptrs + s * stride_ws_split, mask=mask_m, other=0.0, cache_modifier=".cg")
     if NORM_SQ:
-        acc = acc * linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
-                                       BLOCK_M=BLOCK_M)[:, None]
+        acc = acc * (1.0 / tl.sqrt(sq / K + eps))[:, None]
     return acc
-
-
-@triton.jit
-def linear_splitk_rstd(ws_ptr, pid_m, pid_n, M, N, K, split_k, stride_ws_split, stride_ws_m, eps,
-                       BLOCK_M: tl.constexpr):
-    """float32 [BLOCK_M]: the RMSNorm rstd of tile (pid_m, pid_n)'s rows from the sums of x**2
-    that its NORM_SQ partials stored at ws[split, row, N + pid_n] (:func:`linear_partial_tile`),
-    summed in split order."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ptrs = ws_ptr + offs_m * stride_ws_m + N + pid_n
-    sq = tl.load(ptrs, mask=offs_m < M, other=0.0, cache_modifier=".cg")
-    for s in range(1, split_k):
-        sq += tl.load(ptrs + s * stride_ws_split, mask=offs_m < M, other=0.0, cache_modifier=".cg")
-    return 1.0 / tl.sqrt(sq / K + eps)
 
 
 @triton.jit
 def linear_splitk_reduce_tile(
     ws_ptr, res_ptr, out_ptr,
-    pid_m, pid_n, M, N, split_k,
+    pid_m, pid_n, M, N, split_k: tl.constexpr,
     stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K=0, eps=0.0, NORM_SQ: tl.constexpr = False,
@@ -912,7 +979,7 @@ def linear_partial_kernel(
 @triton.jit
 def linear_splitk_reduce_kernel(
     ws_ptr, res_ptr, out_ptr,
-    M, N, split_k, stride_ws_split, stride_ws_m, stride_rm, stride_om,
+    M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):

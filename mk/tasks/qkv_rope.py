@@ -42,6 +42,7 @@ def qkv_rope_kv_tile(
     HAS_NORM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
+    WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
 ):
     """Tile (pid_m, pid_n): rows pid_m*BLOCK_M.. of x, weight rows pid_n*BLOCK_N.. (even BLOCK_N).
 
@@ -51,36 +52,46 @@ def qkv_rope_kv_tile(
     columns, or its k / v columns into the caches at each row's position (none when the
     position is outside ``[0, max_seq)``), and with WRITE_SEQLENS, tile column 0 also
     seqlens[row] = pos + 1 (clipped to ``[0, max_seq]``). The body streams the weights as
-    :func:`mk.tasks.linear.linear_tile` does (DOUBLE_BUFFER, w_first, TMA_STAGES).
+    :func:`mk.tasks.linear.linear_tile` does (DOUBLE_BUFFER, w_first, TMA_STAGES, WAIT; with
+    WAIT the wait's new state is returned).
     """
     N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     # The rotation's operands' round trip overlaps the weight stream instead of following it.
-    pre = _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
-                         BLOCK_N=BLOCK_N)
-    acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
-                      HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES)
+    pre = qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                            BLOCK_N=BLOCK_N)
+    state = 0
+    if WAIT is not None:
+        acc, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
+                                 HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                                 TMA_STAGES=TMA_STAGES, WAIT=WAIT, wait_args=wait_args, wait_state=wait_state,
+                                 WAIT_FLAGS=WAIT_FLAGS)
+    else:
+        acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
+                          HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                          DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
                          WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, pre=pre)
+    return state
 
 
 @triton.jit
 def qkv_rope_kv_reduce_tile(
     ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
-    pid_m, pid_n, M, max_seq, split_k, stride_ws_split, stride_ws_m,
+    pid_m, pid_n, M, max_seq, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False, pre=None,
 ):
     """Tile (pid_m, pid_n) of a split-K QKV: sum its ``split_k`` float32 partials (written by
     :func:`mk.tasks.linear.linear_partial_tile`, read in split order, from L2), then rotate
     and store as :func:`qkv_rope_kv_tile` does. NORM_SQ: scale by the RMSNorm's rstd, which
-    the partials left out (:func:`mk.tasks.linear.linear_splitk_rstd`)."""
+    the partials left out (:func:`mk.tasks.linear.linear_splitk_sum`). ``pre``: the tile's
+    :func:`qkv_rope_operands`, when the caller loaded them before waiting for the partials."""
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, (HQ + 2 * HKV) * HEAD_DIM, split_k, stride_ws_split,
                             stride_ws_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
-                         WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                         WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, pre=pre)
 
 
 @triton.jit
@@ -101,8 +112,8 @@ def qkv_rope_kv_epilogue(
     head = col // HEAD_DIM
     in_head = col % HEAD_DIM
     if pre is None:
-        position, inv_freq = _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM,
-                                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        position, inv_freq = qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM,
+                                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     else:
         position, inv_freq = pre
     angle = position.to(tl.float32)[:, None] * inv_freq[None, :]
@@ -141,9 +152,12 @@ def qkv_rope_kv_epilogue(
 
 
 @triton.jit
-def _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile (pid_m, pid_n)'s rows' positions and its rotation pairs' inverse frequencies."""
+def qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile (pid_m, pid_n)'s rows' positions and its rotation pairs' inverse frequencies.
+
+    Neither depends on the step's tasks (positions change only between decode steps), so a
+    megakernel task loads them before its dependency wait and passes them on as ``pre``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
     return tl.load(pos_ptr + tl.minimum(offs_m, M - 1)), tl.load(inv_freq_ptr + (col % HEAD_DIM) // 2)
@@ -153,18 +167,19 @@ def _rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
 def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`qkv_rope_kv_epilogue` as :func:`mk.tasks.linear.linear_run`'s epilogue, so a run
     of QKV tiles rotates and stores each tile as it completes. ``args``: (pos_ptr,
-    inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq); FLAGS: (HQ, HKV,
-    HEAD_DIM, WRITE_SEQLENS)."""
-    pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq = args
+    inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq, pre), ``pre`` the
+    tile's :func:`qkv_rope_operands` loaded ahead (a run of one tile) or None; FLAGS: (HQ,
+    HKV, HEAD_DIM, WRITE_SEQLENS)."""
+    pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq, pre = args
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
-                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+                         WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], pre=pre)
 
 
 @triton.jit
 def qkv_rope_kv_reduce_kernel(
     ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
-    M, max_seq, split_k, stride_ws_split, stride_ws_m,
+    M, max_seq, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):

@@ -68,6 +68,27 @@ def test_h100_batch_8_streams_the_1b_gate_up_in_weight_major_tiles():
     assert search(g1, spec)[0].choices["l1.gate_up"].block_n == 32
 
 
+def test_batch_8_plans_leave_x_major_tiles_out_when_their_registers_cost_more():
+    """An x-major decode tile makes the megakernel spill, which slows every task
+    (DeviceSpec.xmajor_kernel_slowdown): the 1B batch-8 plan on an H200 takes weight-major
+    tiles for every linear, though x-major down partials are cheaper on their own; priced
+    without the slowdown, the search takes them."""
+    from dataclasses import replace
+
+    from mk.planner.cost import xmajor_decode_tile
+
+    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=1024)
+    spec = DeviceSpec.preset("h200")
+    assert spec.xmajor_kernel_slowdown > 0
+    plan = search(g, spec)[0]
+    assert not any(xmajor_decode_tile(g.node(n), c) for n, c in plan.choices.items())
+    free = search(g, replace(spec, xmajor_kernel_slowdown=0.0))[0]
+    assert any(xmajor_decode_tile(g.node(n), c) for n, c in free.choices.items())
+    # Whichever wins, a plan holding an x-major tile is priced with the slowdown.
+    mixed = [p for p in search(g, spec, top_k=6) if any(xmajor_decode_tile(g.node(n), c) for n, c in p.choices.items())]
+    assert mixed and all(p.predicted_s > plan.predicted_s for p in mixed)
+
+
 def test_default_plans_put_two_workers_on_each_sm_within_half_its_shared_memory():
     spec = DeviceSpec.preset("h200")
     g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 512)
