@@ -232,6 +232,13 @@ VARIANTS = {
     "down_s4": tuned(("down",), split_k=4),
     "o_s2": tuned(("o_proj",), split_k=2),
     "o_s8": tuned(("o_proj",), split_k=8),
+    "o_s16": tuned(("o_proj",), split_k=16),
+    "down_s8": tuned(("down",), split_k=8),
+    "down_s16": tuned(("down",), split_k=16),
+    # Batch 8: the search's o_proj / down before split 16 was a candidate (session 24).
+    "s8_o": tuned(("o_proj",), block_n=128, block_k=64, split_k=8, tma_stages=4),
+    "s8_o_down": lambda p, g: tuned(("o_proj",), block_n=128, block_k=64, split_k=8, tma_stages=4)(
+        tuned(("down",), split_k=8)(p, g), g),
     # QKV as 8-row tiles in runs of two (192 tasks as now) through a grouped ring of 4 KiB
     # chunks, as o_proj and down stream: 32 KiB in flight a worker (24 now) in 36 KiB of ring.
     "qkv8r2": tuned(("qkv",), block_n=8, tiles_per_task=2, tma_stages=9),
