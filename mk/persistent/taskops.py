@@ -609,8 +609,8 @@ class _QkvRope:
         return regs
 
 
-#: A QKV task's rotation operands (positions, inverse frequencies), loaded before its wait:
-#: positions change only between decode steps.
+#: A QKV task's rotation operands (positions, the angles' cos and sin), computed before its
+#: wait: positions change only between decode steps.
 _ROPE_PRE = ("rope_pre = qkv_rope_operands(pos, inv_freq, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, "
              "BLOCK_N=BLOCK_N)")
 

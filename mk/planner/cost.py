@@ -254,7 +254,8 @@ def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, ta
     if node.kind != "linear" or not choice.tma_stages:
         return 0.0
     if decode_dot_tile(node):
-        return 0.0 if dot_waits_in_stream(node, choice) else device.load_latency_s
+        # A ring of one has nothing in flight before the wait (its prologue is empty).
+        return 0.0 if dot_waits_in_stream(node, choice) and choice.tma_stages > 1 else device.load_latency_s
     if node.dims["M"] != 1:
         return 0.0
     ramp = 0.0 if _gemv_stream(node, choice, dtype_bytes).waits else device.load_latency_s
@@ -365,7 +366,9 @@ def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_
     if node.kind != "linear" or not choice.tma_stages:
         return 0.0
     if dot_waits_in_stream(node, choice):
-        chunks = max(choice.tma_stages - 1, 1)
+        chunks = choice.tma_stages - 1  # Triton's pipeliner issues stages - 1 loads ahead
+        if chunks == 0:
+            return 0.0
     elif node.dims["M"] == 1 and _gemv_stream(node, choice, dtype_bytes).waits:
         chunks = _gemv_stream(node, choice, dtype_bytes).chunks_in_flight
     else:

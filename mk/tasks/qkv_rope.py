@@ -102,7 +102,7 @@ def qkv_rope_kv_epilogue(
 ):
     """Rotate tile (pid_m, pid_n)'s float32 ``[BLOCK_M, BLOCK_N]`` QKV values and store them:
     q columns to q, k / v columns into the caches at each row's position. ``pre``: the
-    tile's (positions, inv_freq) when the caller loaded them already (as
+    tile's :func:`qkv_rope_operands` when the caller has them already (as
     :func:`qkv_rope_kv_tile` does, before its weight stream)."""
     N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     # Adjacent accumulator columns are one rotation pair (2i, 2i + 1).
@@ -112,12 +112,10 @@ def qkv_rope_kv_epilogue(
     head = col // HEAD_DIM
     in_head = col % HEAD_DIM
     if pre is None:
-        position, inv_freq = qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM,
+        position, cos, sin = qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM,
                                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     else:
-        position, inv_freq = pre
-    angle = position.to(tl.float32)[:, None] * inv_freq[None, :]
-    cos, sin = tl.cos(angle), tl.sin(angle)
+        position, cos, sin = pre
     rotate = (head < HQ + HKV)[None, :]  # q and k heads; v passes through
     y_even = tl.where(rotate, even * cos - odd * sin, even)
     y_odd = tl.where(rotate, odd * cos + even * sin, odd)
@@ -154,13 +152,16 @@ def qkv_rope_kv_epilogue(
 @triton.jit
 def qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tile (pid_m, pid_n)'s rows' positions and its rotation pairs' inverse frequencies.
+    """Tile (pid_m, pid_n)'s rows' positions and the cos and sin ([BLOCK_M, BLOCK_N / 2]
+    float32) of its rotation pairs' angles.
 
-    Neither depends on the step's tasks (positions change only between decode steps), so a
-    megakernel task loads them before its dependency wait and passes them on as ``pre``."""
+    None depends on the step's tasks (positions change only between decode steps), so a
+    megakernel task computes them before its dependency wait and passes them on as ``pre``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     col = pid_n * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)
-    return tl.load(pos_ptr + tl.minimum(offs_m, M - 1)), tl.load(inv_freq_ptr + (col % HEAD_DIM) // 2)
+    position = tl.load(pos_ptr + tl.minimum(offs_m, M - 1))
+    angle = position.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + (col % HEAD_DIM) // 2)[None, :]
+    return position, tl.cos(angle), tl.sin(angle)
 
 
 @triton.jit

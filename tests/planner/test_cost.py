@@ -173,6 +173,8 @@ def test_a_task_that_waits_before_its_stream_pays_the_first_chunk_latency():
 
 
 def test_a_ring_prologue_counts_as_early_work_only_after_attention():
+    from mk.planner.cost import exposed_chunk_seconds
+
     # The O projection reads attention's output: while attention runs, DRAM idles and the
     # tasks' TMA rings fill. After a weight-streaming op (QKV after the down projection) the
     # wait overlaps that op's tail: no early part is priced there.
@@ -201,6 +203,14 @@ def test_a_ring_prologue_counts_as_early_work_only_after_attention():
     stream = part.task_s - spec.task_overhead_s
     assert part.early_s == pytest.approx(min(stream * 2 / 4, stream - spec.load_latency_s), rel=1e-3)
     assert phase_costs(g8.node("l1.o_proj"), w_major, spec, 264)[0].early_s == 0
+    # A ring of one has an empty prologue: nothing early, and its one chunk's latency after
+    # the wait (H200 1B batch 8: o_proj 128 x 128 split 16 in a ring of 1 measured 1.104 ms,
+    # 128 x 64 split 16 in a ring of 3 1.041; bench/NOTES.md session 24).
+    one = OpChoice(block_n=128, block_k=128, tma_stages=1, split_k=16)
+    three = OpChoice(block_n=128, block_k=64, tma_stages=3, split_k=16)
+    assert phase_costs(g8.node("l1.o_proj"), one, spec, 264, idle_wait=True)[0].early_s == 0
+    assert exposed_chunk_seconds(g8.node("l1.o_proj"), one, spec, 128 * 128 * 2) == spec.load_latency_s
+    assert exposed_chunk_seconds(g8.node("l1.o_proj"), three, spec, 128 * 128 * 2) == 0
 
 
 def test_the_h100_plan_for_the_1b_takes_the_rings_that_measured_fastest():
