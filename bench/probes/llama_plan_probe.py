@@ -246,6 +246,10 @@ VARIANTS = {
     # Batch 8 (session 15): a smaller LM head box (its 256 x 64 box, ring 3, sets the
     # megakernel's shared memory).
     "lm64": tuned(("lm_head",), block_n=64, block_k=128, tma_stages=3),
+    # Batch 8: the LM head's 1002 tiles of 128 rows are 3.8 waves on 264 workers; 256-row
+    # tiles are 1.9, split 2 of 128 rows 7.6 (session 24's next question).
+    "lm256": tuned(("lm_head",), block_n=256, block_k=64, tma_stages=3),
+    "lm128s2": tuned(("lm_head",), split_k=2),
     "lm64_ring4": lambda p, g: tuned(tma_stages=4)(tuned(("lm_head",), block_n=64, block_k=128)(p, g), g),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),
