@@ -20,15 +20,14 @@ from mk.tasks.embedding import embedding_block_h, embedding_num_warps
 # The launcher's private config check and row-tile rule, reused so that a megakernel
 # tile is exactly the tile the standalone op would launch.
 from mk.tasks.linear import (
-    DOT_WAITS_IN_STREAM,
     LinearConfig,
     _check_config,
     _tile_rows,
     linear_config,
     linear_k_splits,
+    dot_waits_in_stream,
     prefetch_lines,
     gemv_stream,
-    weight_major,
 )
 from mk.tasks.rmsnorm import rmsnorm_block_n, rmsnorm_num_warps, rmsnorm_ref
 from mk.tasks.rope import rope_blocks, rope_num_warps, rope_ref
@@ -181,14 +180,9 @@ class _LinearShape:
         return self.stream(tma).waits
 
     def dot_waits(self, tma: int) -> bool:
-        """Whether a tl.dot tile (one a task, through the TMA ring) waits for x inside its
-        weight loop (:func:`mk.tasks.linear._linear_acc`'s WAIT; :data:`DOT_WAITS_IN_STREAM`):
-        weight-major tiles only (:func:`mk.tasks.linear.weight_major`), whose x chunks are a
-        few registers; an x-major tile's [16, block_k] float32 chunks held ahead spilled the
-        1B batch-8 kernel (26 -> 60 spills, step 1.155 -> 1.340 ms on an H200, bench/NOTES.md
-        session 24)."""
-        return (DOT_WAITS_IN_STREAM and tma > 0 and weight_major(self.bm, self.bn)
-                and not self.streams_in_run(tma))
+        """Whether a tl.dot tile waits for x inside its weight loop
+        (:func:`mk.tasks.linear.dot_waits_in_stream`)."""
+        return dot_waits_in_stream(self.bm, self.bn, tma, self.run)
 
     def task_waits(self, tma: int) -> bool:
         """Whether the task's body makes its dependency wait itself (:attr:`OpSpec.waits_in_body`)."""
@@ -270,7 +264,6 @@ class _LinearShape:
             col = self.N + a["pid_n"]
             regs += [Region(bind["ws"], *self.ws_rows(split, r0, r1), col, col + 1) for split in range(self.split_k)]
         return regs
-
 
     def _split_sum(self, b, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """VM: float32 sum over the splits of ws columns [c0, c1) of rows [r0, r1), in split order."""

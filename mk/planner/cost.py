@@ -29,7 +29,7 @@ import torch
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
-from mk.tasks.linear import (DOT_MIN, DOT_WAITS_IN_STREAM, SKINNY_MAX_M, LinearConfig, _tile_rows, linear_config,
+from mk.tasks.linear import (DOT_MIN, SKINNY_MAX_M, LinearConfig, _tile_rows, dot_waits_in_stream, linear_config,
                              linear_cost, gemv_stream, weight_major)
 
 from .device import DeviceSpec
@@ -250,26 +250,26 @@ def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, ta
     :attr:`DeviceSpec.load_latency_s`, which a wait inside the stream overlaps; and for a
     GEMV task :attr:`DeviceSpec.chunk_exposed_s` a chunk (measured on GEMV rings; tl.dot
     tiles' rates carry their work a chunk). Decode tl.dot tiles wait inside their stream
-    when weight-major (:func:`dot_waits_in_stream`)."""
+    when weight-major (:func:`dot_tile_waits_in_stream`)."""
     if node.kind != "linear" or not choice.tma_stages:
         return 0.0
     if decode_dot_tile(node):
         # A ring of one has nothing in flight before the wait (its prologue is empty).
-        return 0.0 if dot_waits_in_stream(node, choice) and choice.tma_stages > 1 else device.load_latency_s
+        return 0.0 if dot_tile_waits_in_stream(node, choice) and choice.tma_stages > 1 else device.load_latency_s
     if node.dims["M"] != 1:
         return 0.0
     ramp = 0.0 if _gemv_stream(node, choice, dtype_bytes).waits else device.load_latency_s
     return task_bytes / (choice.block_n * choice.block_k * dtype_bytes) * device.chunk_exposed_s + ramp
 
 
-def dot_waits_in_stream(node: OpNode, choice: OpChoice) -> bool:
+def dot_tile_waits_in_stream(node: OpNode, choice: OpChoice) -> bool:
     """Whether a linear's decode tl.dot tiles wait for x inside their TMA weight loop, the
-    ring's prologue in flight during the wait (weight-major tiles, one a task:
-    :meth:`mk.persistent.taskops._LinearShape.dot_waits`). Measured in the 1B batch-8 step
-    on an H200 (bench/NOTES.md, session 24), weight-major partials after their wait: QKV 5.6
-    -> 4.2 us, O projection 5.0 -> 3.6, gate/up 19.4 -> 17.5, down 12.8 -> 12.0."""
-    return (DOT_WAITS_IN_STREAM and decode_dot_tile(node) and choice.tma_stages > 0 and choice.tiles_per_task == 1
-            and weight_major(_tile_rows_for(node.dims["M"], choice.block_n), choice.block_n))
+    ring's prologue in flight during the wait (:func:`mk.tasks.linear.dot_waits_in_stream`).
+    Measured in the 1B batch-8 step on an H200 (bench/NOTES.md, session 24), weight-major
+    partials after their wait: QKV 5.6 -> 4.2 us, O projection 5.0 -> 3.6, gate/up 19.4 ->
+    17.5, down 12.8 -> 12.0."""
+    return decode_dot_tile(node) and dot_waits_in_stream(_tile_rows_for(node.dims["M"], choice.block_n),
+                                                         choice.block_n, choice.tma_stages, choice.tiles_per_task)
 
 
 def decode_dot_tile(node: OpNode) -> bool:
@@ -357,7 +357,7 @@ def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_
     waits for its inputs, where DRAM idles then (:func:`idle_wait_ops`): a GEMV
     task that waits inside its TMA stream has the ring's first chunks in flight before the
     wait (:func:`mk.tasks.linear.gemv_stream`), a whole-range ring all of them, and so does
-    a weight-major decode tl.dot tile (:func:`dot_waits_in_stream`). Where chunks
+    a weight-major decode tl.dot tile (:func:`dot_tile_waits_in_stream`). Where chunks
     are left to ask for, the next is asked for only after the wait (when the first frees its
     slot), so at least one :attr:`DeviceSpec.load_latency_s` stays after the wait. 0 for
     other tasks. Measured (1B on an H100, bench/NOTES.md session 19): the O projection's
@@ -365,7 +365,7 @@ def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_
     3.9 with 7, 3.1 with all 8."""
     if node.kind != "linear" or not choice.tma_stages:
         return 0.0
-    if dot_waits_in_stream(node, choice):
+    if dot_tile_waits_in_stream(node, choice):
         chunks = choice.tma_stages - 1  # Triton's pipeliner issues stages - 1 loads ahead
         if chunks == 0:
             return 0.0

@@ -86,6 +86,17 @@ def weight_major(rows: int, block_n: int) -> bool:
     """
     return 1 < rows <= SKINNY_MAX_M and block_n >= WEIGHT_MAJOR_MIN_N
 
+
+def dot_waits_in_stream(rows: int, block_n: int, tma_stages: int, tiles_per_task: int = 1) -> bool:
+    """Whether a decode tl.dot tile of ``rows`` x rows and ``block_n`` weight rows, one a task
+    through a TMA ring, waits for x inside its weight loop (:func:`_linear_acc`'s WAIT;
+    :data:`DOT_WAITS_IN_STREAM`): weight-major tiles only (:func:`weight_major`), whose x
+    chunks are a few registers. An x-major tile's [16, block_k] float32 chunks held ahead
+    spilled the 1B batch-8 kernel (26 -> 60 spills, step 1.155 -> 1.340 ms on an H200,
+    bench/NOTES.md session 24). The megakernel's lowering and the planner's cost model both
+    ask this."""
+    return DOT_WAITS_IN_STREAM and tma_stages > 0 and tiles_per_task == 1 and weight_major(rows, block_n)
+
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
 
