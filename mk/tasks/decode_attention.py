@@ -45,6 +45,7 @@ from .linear import _prefetch_l2
 
 from ._cost import TaskCost
 from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._team import last_to_arrive
 
 #: Most KV splits one call may use (the merge holds [num_splits, D] float32 in registers).
 MAX_NUM_SPLITS = 128
@@ -339,14 +340,8 @@ def decode_attention_tile(
             _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb,
                            stride_lh, stride_ls, out, lse,
                            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
-            # Every thread's partial is stored before the release: the last split's acquire
-            # then sees the whole workspace of the group.
-            tl.debug_barrier()
-            counter = arrivals_ptr + b * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == live - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                # From L2: this SM's L1 may hold the workspace of an earlier step.
+            if last_to_arrive(arrivals_ptr + b * num_kv_heads + kv_head, live):
+                # From L2 (.cg): this SM's L1 may hold the workspace of an earlier step.
                 decode_attention_merge_tile(
                     o_ptr, lse_ptr, out_ptr, b, kv_head * GROUP, live,
                     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,

@@ -1,0 +1,28 @@
+"""Teams of tasks that finish one another's work: the last member to arrive does it.
+
+Decode attention's KV splits (the last merges the group) and a split-K linear's partials
+(the last sums them and runs the epilogue) wait for no one: each stores its share, then
+counts itself, and the one that completes the count does the team's work. No member
+waits for another, so a team may run in any order, or all on one program.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, members):
+    """Count this program in the int32 at ``counter_ptr`` (0 before the team's first member)
+    and return whether it is the team's last of ``members``; the last sets the count back to
+    0 for the next use.
+
+    Call it after the member's stores: the barrier puts every thread's stores before the
+    release, and the last member's acquire then sees every member's. The last reads the
+    others' data past L1 (``.cg``): its SM's L1 may hold the same addresses from an earlier
+    use."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == members - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
