@@ -62,7 +62,12 @@ class OpSpec:
     #: and assigns ``ok, last_ev, last_need, t_ready`` from what that returns (see
     #: :func:`mk.tasks.linear.linear_run`'s WAIT). After a failed wait such a body still runs
     #: to its end (what it stores is garbage, as is every output of a failed launch); the
-    #: task then does not signal and the worker stops, as after any failed wait.
+    #: task then does not signal and the worker stops, as after any failed wait. A task that
+    #: finds, before its wait, that it will read and write nothing (an attention split past
+    #: the sequence) may skip the call; it must then set ``t_ready`` itself. Safe only where
+    #: each consumer also waits for a member of its team that did wait (see
+    #: :func:`mk.persistent.taskops.decode_attention_op`): the graph's waits count on
+    #: what their producers waited for.
     waits_in_body: bool = False
     constexprs: Mapping[str, int] = field(default_factory=dict)
     num_warps: int = 4

@@ -1238,7 +1238,10 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     ``[batch]`` and the length is pos[b] + 1 (:func:`mk.tasks.decode_attention.decode_length`,
     what the step's QKV tiles write to seqlens), read before the task's wait: positions
     change only between steps, so one memory round trip leaves the chain from the QKV tiles
-    to the O projection.
+    to the O projection. The splits past the live ones then skip their dependency wait too
+    (:attr:`OpSpec.waits_in_body`): they read and write nothing, and a consumer still waits
+    for split 0, which is always live and waits. (At a short context most of the splits
+    planned for the cache's length are past it: 1B batch 8, 3 of 4.)
     """
     op = "decode_attention"
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
@@ -1255,7 +1258,12 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
         preload += ("decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
                     "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
                     "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
-    body = ("decode_attention_tile(q, k_cache, v_cache, "
+    # With the exact length before the wait, only the live splits wait for their inputs.
+    wait = ("t_ready = now_ns(USE_TIMER & TRACE)\n"
+            "if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N):\n"
+            "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+            if from_positions else "")
+    body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
             + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
             "o_part, lse, arrivals, out, b.to(tl.int64), "
             "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
@@ -1297,10 +1305,10 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     operands = tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
     return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
                   imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
-                           "decode_length",),
+                           "decode_length, decode_live_splits",),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
                               "FROM_POSITIONS": int(from_positions)},
-                  num_warps=part.num_warps, run=run,
+                  num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))
 
 

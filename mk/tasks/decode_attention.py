@@ -108,6 +108,13 @@ def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr):
+    """How many of the ``num_splits`` slices of a ``seqlen``-key sequence hold a key (at
+    least one: seqlen 0, never valid, still gives split 0, which writes zeros)."""
+    return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
+
+
+@triton.jit
 def _attend_slice(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlen,
     b, kv_head, split, num_splits, sm_scale,
@@ -326,8 +333,7 @@ def decode_attention_tile(
     Splits past the live ones return at once. No split waits for another, so the splits may
     run in any order, or one after another on one program.
     """
-    # seqlen 0 (never valid) still gives one live split, which writes zeros.
-    live = tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
+    live = decode_live_splits(seqlen, num_splits, BLOCK_N)
     if split < live:
         out, lse = _attend_slice(
             q_ptr, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mk.persistent.graph import SCHEDULES, TaskGraph, lower
+from mk.persistent.graph import HEADER_WORDS, SCHEDULES, TaskGraph, lower
 from mk.persistent.ops import make_op
 from mk.persistent.runtime import Megakernel
 from mk.persistent.taskops import op_tiles
@@ -324,6 +324,55 @@ def test_decode_attention_ops(hq, hkv, num_splits, block_n, one_phase, _seed):
 
     run_kernel_and_vm(g, {"o_part": nan(batch, hq, num_splits * d), "lse": nan(batch, hq, num_splits),
                           "out": nan(batch, hq * d)}, check, _seed)
+
+
+def test_attention_splits_past_the_sequence_skip_their_wait():
+    """With the length from the positions, a split past the sequence's live ones reads and
+    writes nothing, so it does not wait for its inputs: given a wait that can never be met,
+    such a split still finishes (and the step is right), where a live split times out."""
+    from mk.persistent.runtime import MegakernelTimeout
+
+    batch, hq, hkv, d, max_seq, k = 2, 4, 2, 8, 48, 16
+    seqlens = [5, 37]  # 3 splits of 16 keys: sequence 0 has one live split, sequence 1 three
+    sizes = dict(batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_seq=max_seq, num_splits=3,
+                 block_n=16)
+
+    def build():
+        g = TaskGraph()
+        g.buffer("x", torch.randn(batch, k, device=DEV)), g.buffer("w", torch.randn(hq * d, k, device=DEV))
+        g.buffer("q", nan(batch, hq * d))
+        g.buffer("kc", torch.randn(batch, hkv, max_seq, d, device=DEV))
+        g.buffer("vc", torch.randn(batch, hkv, max_seq, d, device=DEV))
+        g.buffer("pos", torch.tensor(seqlens, dtype=torch.int32, device=DEV) - 1)
+        g.buffer("o_part", nan(batch, hq, 3 * d)), g.buffer("lse", nan(batch, hq, 3)), g.buffer("out", nan(batch, hq * d))
+        g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32, device=DEV))
+        add_all(g, make_op("linear", M=batch, N=hq * d, K=k, dtype=F32), x="x", w="w", out="q")
+        attention = add_all(g, make_op("decode_attention", **sizes, from_positions=True), q="q", k_cache="kc",
+                            v_cache="vc", pos="pos", o_part="o_part", lse="lse", arrivals="arrivals", out="out")
+        return g, attention
+
+    def never_met(program, task):  # its wait on q's producer, for more signals than there are
+        row = [i for q in program.queues for i in q].index(task)
+        assert int(program.desc[row, 2]) == 1 and int(program.desc[row, 3]) == task  # one wait
+        program.desc[row, HEADER_WORDS + 1] += 1000
+
+    g, attention = build()
+    program = lower(g, num_workers=1)
+    dead = [t for t in attention if g.tasks[t].args["b"] == 0 and g.tasks[t].args["split"] > 0]
+    for t in dead:
+        never_met(program, t)
+    Megakernel(program).run()
+    q3 = g.buffers["q"].view(batch, hq, d)
+    assert_close(q3, linear_ref(g.buffers["x"], g.buffers["w"]).view(batch, hq, d), F32, "q")
+    ref = decode_attention_ref(q3, g.buffers["kc"], g.buffers["vc"], torch.tensor(seqlens, device=DEV))
+    assert_close(g.buffers["out"], ref.reshape(batch, hq * d), F32, "out")
+
+    g, attention = build()
+    program = lower(g, num_workers=1)
+    live = next(t for t in attention if g.tasks[t].args["b"] == 1 and g.tasks[t].args["split"] == 2)
+    never_met(program, live)
+    with pytest.raises(MegakernelTimeout, match=rf"task {live} "):
+        Megakernel(program, interpret_polls=50).run()
 
 
 @pytest.mark.parametrize("block_v,out_dtype", [(256, torch.int64), (None, torch.int32)])
