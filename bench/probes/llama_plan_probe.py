@@ -250,10 +250,6 @@ VARIANTS = {
     # tiles are 1.9, split 2 of 128 rows 7.6 (session 24's next question).
     "lm256": tuned(("lm_head",), block_n=256, block_k=64, tma_stages=3),
     "lm128s2": tuned(("lm_head",), split_k=2),
-    # Split-K in one phase: a tile's last split to arrive reduces it, no reduce tasks (session
-    # 25: 2-3% slower on an H200); QKV's alone.
-    "last_split": tuned(last_split_reduces=True),
-    "last_split_qkv": tuned(("qkv",), last_split_reduces=True),
     "lm64_ring4": lambda p, g: tuned(tma_stages=4)(tuned(("lm_head",), block_n=64, block_k=128)(p, g), g),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),

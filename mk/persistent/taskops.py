@@ -732,128 +732,6 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes)
 
 
-# ---------------------------------------------------------------------------------------
-# split-K in one phase: the tile's last split to arrive reduces it
-# ---------------------------------------------------------------------------------------
-
-
-def _last_split_reduces(op: str, part: OpSpec, red: OpSpec) -> OpSpec:
-    """Task (pid_m, pid_n, split) runs the partial ``part``, counts itself in
-    ``arrivals[pid_m * TILES_N + pid_n]``, and the tile's last split to arrive runs the
-    reduce ``red`` (its preload, then its body): the partials summed in split order and the
-    epilogue, as decode attention's last split merges its group
-    (:func:`mk.tasks._team.last_to_arrive`). What reads the output then waits for the tile's
-    splits, where with reduce tasks it waited for a task that waited for them: one
-    dependency hop less on the chain.
-
-    The splits of a tile are a team (:attr:`OpSpec.team`): none waits for another, and each
-    declares the team's regions besides its own partial's (any of them may be the one that
-    reduces): the reduce's reads and writes, and the tile's counter (read and written).
-    Operands: the partial's, ``arrivals`` int32 ``[tiles_m * TILES_N]`` (zeros; left zero by
-    every complete launch), then the reduce's own. Tasks of one tile a task only.
-    """
-    c = dict(part.constexprs)
-    if c["TILES_PER_TASK"] != 1:
-        raise ValueError(f"{op}: the last split reduces one tile; runs of {c['TILES_PER_TASK']} tiles need "
-                         f"reduce tasks")
-    for key, value in red.constexprs.items():
-        if key in c and c[key] != value:
-            # The reduce's N_OUT (the epilogue's columns; the partial writes N), the
-            # partial's EPS (its RMSNorm; the reduce uses its own only with NORM_SQ).
-            if key == "N_OUT" or (key == "EPS" and not red.constexprs["NORM_SQ"]):
-                value = value if key == "N_OUT" else c[key]
-            else:
-                raise ValueError(f"{op}: partial and reduce disagree on {key} ({c[key]} vs {value})")
-        c[key] = value
-    tiles_m, tiles_n = _cdiv(c["M"], c["BLOCK_M"]), c["TILES_N"]
-    split_k = c["SPLIT_K"]
-    reduce_src = "\n".join(x for x in (red.preload, red.body) if x)
-    body = (f"{part.body}\n"
-            f"if last_to_arrive(arrivals + pid_m * TILES_N + pid_n, SPLIT_K):\n"
-            + "\n".join("    " + line for line in reduce_src.splitlines()))
-
-    def tile(a):
-        return {"pid_m": a["pid_m"], "pid_n": a["pid_n"]}
-
-    def counter(a, bind):
-        t = a["pid_m"] * tiles_n + a["pid_n"]
-        return Region(bind["arrivals"], 0, 1, t, t + 1)
-
-    def run(b, a):
-        part.run(b, a)
-        arrivals = _view(op, "arrivals", b["arrivals"], 1, tiles_m * tiles_n)[0]
-        t = a["pid_m"] * tiles_n + a["pid_n"]
-        arrivals[t] += 1
-        if int(arrivals[t]) == split_k:
-            arrivals[t] = 0
-            red.run(b, tile(a))
-
-    def reads(a, bind):
-        return part.reads(a, bind) + red.reads(tile(a), bind) + [counter(a, bind)]
-
-    def writes(a, bind):
-        return part.writes(a, bind) + [counter(a, bind)] + red.writes(tile(a), bind)
-
-    operands = part.operands + ("arrivals",) + tuple(r for r in red.operands if r not in part.operands)
-    return OpSpec(name=op, operands=operands, args=part.args, body=body, prefetch=part.prefetch,
-                  preload=part.preload, waits_in_body=part.waits_in_body,
-                  imports=part.imports + red.imports + ("from mk.tasks._team import last_to_arrive",),
-                  constexprs=c, num_warps=part.num_warps, run=run, reads=reads, writes=writes,
-                  team=lambda a: (a["pid_m"], a["pid_n"]), sync_operands=("arrivals",))
-
-
-@register("linear_splitk")
-def linear_splitk_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
-                     block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                     residual: bool = False, norm: bool = False, eps: float = 1e-6, silu_mul: bool = False,
-                     prefetch_k: int = 0, double_buffer: bool = True, tma_stages: int = 0,
-                     dtype: torch.dtype | None = None) -> OpSpec:
-    """A split-K linear in one phase: task (pid_m, pid_n, split) is :func:`linear_partial_op`'s,
-    and the tile's last split to arrive sums the partials and runs the epilogue as
-    :func:`linear_reduce_op` (:func:`_last_split_reduces`).
-
-    Operands: x, w, norm_w (with norm), ws as the partial's; arrivals int32
-    ``[cdiv(M, block_m) * cdiv(N, block_n)]`` (zeros); res (with residual) and out as the
-    reduce's. Args: pid_m, pid_n, split. Options as :func:`linear_partial_op` and
-    :func:`linear_reduce_op`.
-    """
-    tiles = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, dtype=dtype)
-    part = linear_partial_op(M, N, K, split_k, norm=norm, eps=eps, prefetch_k=prefetch_k,
-                             double_buffer=double_buffer, tma_stages=tma_stages, **tiles)
-    red = linear_reduce_op(M, N, K, split_k, residual=residual, silu_mul=silu_mul,
-                           norm_sq=bool(part.constexprs["NORM_SQ"]), eps=eps, **tiles)
-    return _last_split_reduces("linear_splitk", part, red)
-
-
-@register("qkv_rope_kv_splitk")
-def qkv_rope_kv_splitk_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int,
-                          split_k: int, *, block_m: int | None = None, block_n: int | None = None,
-                          block_k: int | None = None, num_warps: int | None = None, norm: bool = False,
-                          eps: float = 1e-6, write_seqlens: bool = False, prefetch_k: int = 0,
-                          double_buffer: bool = True, tma_stages: int = 0,
-                          dtype: torch.dtype | None = None) -> OpSpec:
-    """A split-K QKV projection + RoPE + KV append in one phase: :func:`linear_partial_op`'s
-    tasks over the ``(Hq + 2 Hkv) * D`` weight rows, and the tile's last split to arrive
-    runs :func:`qkv_rope_kv_reduce_op` (:func:`_last_split_reduces`).
-
-    Operands: x, w, norm_w (with norm), ws; arrivals int32 (zeros, one per tile); pos,
-    inv_freq, q, k_cache, v_cache (and seqlens with ``write_seqlens``) as
-    :func:`qkv_rope_kv_op`'s. Args: pid_m, pid_n, split.
-    """
-    tiles = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, dtype=dtype)
-    part = linear_partial_op(batch, (num_q_heads + 2 * num_kv_heads) * head_dim, K, split_k, norm=norm, eps=eps,
-                             prefetch_k=prefetch_k, double_buffer=double_buffer, tma_stages=tma_stages, **tiles)
-    red = qkv_rope_kv_reduce_op(batch, num_q_heads, num_kv_heads, head_dim, K, max_seq, split_k,
-                                write_seqlens=write_seqlens, norm_sq=bool(part.constexprs["NORM_SQ"]), eps=eps,
-                                **tiles)
-    return _last_split_reduces("qkv_rope_kv_splitk", part, red)
-
-
-#: The ops whose tasks are linear tiles (:func:`linear_tiles`).
-LINEAR_OPS = ("linear", "linear_partial", "linear_reduce", "linear_splitk", "qkv_rope_kv", "qkv_rope_kv_reduce",
-              "qkv_rope_kv_splitk")
-
-
 def linear_tiles(spec: OpSpec) -> list[dict]:
     """Descriptor args of every task of one whole linear / linear_partial / linear_reduce op.
 
@@ -861,11 +739,11 @@ def linear_tiles(spec: OpSpec) -> list[dict]:
     all splits of a tile together.
     """
     c = spec.constexprs
-    if spec.name not in LINEAR_OPS:
+    if spec.name not in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv", "qkv_rope_kv_reduce"):
         raise ValueError(f"not a linear op: {spec.name!r}")
     runs_n = _cdiv(_cdiv(c["N"], c["BLOCK_N"]), c.get("TILES_PER_TASK", 1))  # tasks along N
     tiles = [{"pid_m": m, "pid_n": n} for m in range(_cdiv(c["M"], c["BLOCK_M"])) for n in range(runs_n)]
-    if spec.name in ("linear_partial", "linear_splitk", "qkv_rope_kv_splitk"):
+    if spec.name == "linear_partial":
         return [{**t, "split": k} for t in tiles for k in range(c["SPLIT_K"])]
     return tiles
 
@@ -1541,7 +1419,7 @@ def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
     (b, kv_head, split) order, all splits of a head together.
     """
     c = spec.constexprs
-    if spec.name in LINEAR_OPS:
+    if spec.name in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv", "qkv_rope_kv_reduce"):
         return linear_tiles(spec)
     if spec.name in ("rmsnorm", "silu_mul"):
         if rows is None:

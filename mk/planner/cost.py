@@ -50,9 +50,6 @@ class OpChoice:
         one (:func:`mk.tasks.linear.linear_run`): a worker with several tiles of an op pays
         a task's overhead (setup, the stream's ramp) once. The split-K reduces stay one
         tile a task.
-    last_split_reduces: split-K tiles of one tile a task are summed by the tile's last split
-        to arrive (:func:`one_phase_split_k`) instead of a phase of reduce tasks. Not searched:
-        measured slower (bench/NOTES.md, session 25), kept for plans and probes that ask.
     """
 
     block_n: int = 0
@@ -64,7 +61,6 @@ class OpChoice:
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
     tiles_per_task: int = 1
-    last_split_reduces: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,20 +107,6 @@ def _tile_rows_for(M: int, block_n: int = DOT_MIN) -> int:
     GEMV body, else tl.dot tiles: 8 for weight-major ones)."""
     base = linear_config(M, DOT_MIN, DOT_MIN, torch.bfloat16)
     return _tile_rows(LinearConfig(base.block_m, max(block_n, DOT_MIN), base.block_k), M)
-
-
-def one_phase_split_k(choice: OpChoice) -> bool:
-    """Whether a split-K linear runs in one phase: the last of a tile's splits to arrive sums
-    the partials and runs the epilogue (:func:`mk.persistent.taskops.linear_splitk_op`), so
-    what reads the output waits for the splits themselves, where the choice asks for it
-    (:attr:`OpChoice.last_split_reduces`). Tasks of one tile only (a run's tiles would need
-    one counter each).
-
-    The model prices the reduce as the last split's tail and drops the reduce phase's wait;
-    on an H200 (1B and 8B, batch 8) the step measured 2-3% *slower* than with reduce tasks
-    (bench/NOTES.md, session 25): the counter's round trip, which every split waits for,
-    costs about what the hop it replaces did. So the search leaves it out."""
-    return choice.split_k > 1 and choice.tiles_per_task == 1 and choice.last_split_reduces
 
 
 def op_tasks(node: OpNode, choice: OpChoice) -> int:
@@ -314,17 +296,9 @@ def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
 def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
     """The op's dependency phases as (tasks, bytes of ``nbytes``): tasks of one phase run in
     parallel and the next phase waits for them. A split-K linear is its partial tiles, then
-    the reduces (reading the float32 workspace back), or in one phase its partials, the last
-    of each tile reducing it (:func:`one_phase_split_k`; :func:`phase_costs` prices the
-    reduce as that task's tail); decode attention one phase, its KV
+    the reduces (reading the float32 workspace back); decode attention one phase, its KV
     splits (each group's last split merges the group: :func:`phase_costs` prices that);
     argmax its chunk partials, the row reduce, and the token append."""
-    phases = _phases(node, choice, nbytes)
-    return phases[:1] if node.kind == "linear" and one_phase_split_k(choice) else phases
-
-
-def _phases(node: OpNode, choice: OpChoice, nbytes: int) -> list[tuple[int, int]]:
-    """:func:`op_phases` with a split-K linear's reduces as a phase of their own, always."""
     d = node.dims
     if node.kind == "linear":
         blocks, tiles_n = linear_tiles_n(node, choice)
@@ -358,16 +332,11 @@ class PhaseCost:
     task_s: float
     wait_s: float
     early_s: float = 0.0
-    #: What the last task of a team (``team`` consecutive tasks: a split-K tile's splits)
-    #: does after its own part: the tile's reduce (:func:`one_phase_split_k`).
-    tail_s: float = 0.0
-    team: int = 1
 
     def seconds(self, workers: int) -> float:
         """The phase alone on ``workers`` workers: one wait, in which the first tasks do their
-        early part, then its busiest worker's tasks and a team's tail."""
-        return (self.wait_s + math.ceil(self.tasks / workers) * self.task_s + self.tail_s
-                - min(self.early_s, self.wait_s))
+        early part, then its busiest worker's tasks."""
+        return self.wait_s + math.ceil(self.tasks / workers) * self.task_s - min(self.early_s, self.wait_s)
 
 
 def idle_wait_ops(graph) -> set[str]:
@@ -449,7 +418,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     # The weights' own limit in a TMA ring (bytes in flight, chunks): the partials' stream only.
     ring_s = ring_seconds_per_byte(node, choice, device, dtype_bytes)
     streams = []
-    for i, (phase_tasks, phase_bytes) in enumerate(_phases(node, choice, nbytes)):
+    for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
         task_bytes = max(phase_bytes, 0) / phase_tasks
         if node.kind == "linear" and i == 0 and choice.tiles_per_task > 1:
@@ -475,15 +444,8 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         streams.append((phase_tasks, waves, stream, early))
     memory_s = sum(waves * s for _, waves, s, _ in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0
-    costs = [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s, early)
-             for tasks, _, s, early in streams]
-    if node.kind == "linear" and one_phase_split_k(choice):
-        # The reduce task's time (its overhead standing for the counter's round trip) as the
-        # tail of the tile's last split; no wait of its own.
-        partials, reduce = costs
-        return [PhaseCost(partials.tasks, partials.task_s, partials.wait_s, partials.early_s,
-                          tail_s=reduce.task_s, team=choice.split_k)]
-    return costs
+    return [PhaseCost(tasks, device.task_overhead_s + s * stretch, device.wait_overhead_s, early)
+            for tasks, _, s, early in streams]
 
 
 def estimate_op(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int,

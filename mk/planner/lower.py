@@ -56,7 +56,6 @@ from mk.persistent.taskops import op_tiles
 
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
-from .cost import one_phase_split_k
 from .search import Plan
 from .simulate import simulate_step
 
@@ -250,8 +249,8 @@ def _layer_shared(shared: dict, name: str, shape: tuple, dt: torch.dtype, device
     Safe because every layer begins with an RMSNorm over whole rows of the residual: each
     task of layer L+1 that writes an activation depends, through that row, on every task of
     layer L that reads one (split-K reduces, attention merges and the residual adds all
-    feed the next layer's normed input); the arrivals counters (attention's, split-K's) are
-    left at zero by their team's last member. :func:`mk.persistent.vm.run_vm` checks this on the memory, not the
+    feed the next layer's normed input); the attention arrivals counters are left at zero
+    by their last user. :func:`mk.persistent.vm.run_vm` checks this on the memory, not the
     names."""
     m = _LAYER_PREFIX.match(name)
     if m is None:
@@ -283,10 +282,9 @@ def _streaming(choice, M: int, K: int) -> dict:
 
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
                   max_seq: int) -> None:
-    """One linear op and what is fused into it: full tiles, or split-K partials whose tile's
-    last split reduces it (:func:`mk.planner.cost.one_phase_split_k`), or partials and then
-    reduce tasks; with RoPE + KV append fused, qkv_rope_kv tiles (split-K: qkv_rope_kv_splitk,
-    or partials and qkv_rope_kv_reduce tiles)."""
+    """One linear op and what is fused into it: split-K partials and their reduce, full
+    tiles, or with RoPE + KV append fused, qkv_rope_kv tiles (split-K: partials, then
+    qkv_rope_kv_reduce tiles)."""
     d = node.dims
     M, N, K = d["M"], d["N"], d["K"]
     fused = [nodes[f] for f in choice.fuse]
@@ -331,18 +329,8 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None
                     else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run))
             add_op(node.name, spec, **bind, **epilogue)
-        elif one_phase_split_k(choice):
-            # Split-K in one phase: the tile's last split to arrive reduces it (RoPE's epilogue too).
-            spec = (make_op("qkv_rope_kv_splitk", batch=M, **heads, split_k=choice.split_k, **norm_kw, **tiles, **gemv)
-                    if rope is not None else
-                    make_op("linear_splitk", M=M, N=N, K=K, split_k=choice.split_k, **flags, **norm_kw, **tiles,
-                            **gemv))
-            c = spec.constexprs
-            ws = activation(f"{node.name}.ws", choice.split_k, M, c["WS_N"])
-            arrivals = activation(f"{node.name}.arrivals", -(-M // c["BLOCK_M"]) * c["TILES_N"], dt=torch.int32)
-            add_op(node.name, spec, **bind, ws=ws, arrivals=arrivals, **epilogue)
         else:
-            # Split-K in two phases: the partials, then reduce tiles that run the epilogue.
+            # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv, **run)
             # (NORM_SQ partials hand the RMSNorm's rstd to the reduce, with their x**2 sums in ws.)
             sq = dict(norm_sq=bool(part.constexprs["NORM_SQ"]), eps=eps)

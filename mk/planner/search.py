@@ -71,7 +71,6 @@ class Plan:
             tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
                     + (f"tma_ring={c.tma_stages}" if c.tma_stages else f"stages={c.stages}") + f" warps={c.num_warps}"
                     + (f" run={c.tiles_per_task}" if c.tiles_per_task > 1 else "")
-                    + (" last_split_reduces" if c.split_k > 1 and c.last_split_reduces else "")
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
                     else "the runtime's row tiles")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""

@@ -46,7 +46,7 @@ from mk.persistent.graph import SCHEDULES  # the planner chooses between them (t
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import linear_k_splits
 
-from .cost import PhaseCost, idle_wait_ops, linear_tiles_n, one_phase_split_k, phase_costs
+from .cost import PhaseCost, idle_wait_ops, linear_tiles_n, phase_costs
 from .device import DeviceSpec
 from .graph import OpGraph
 
@@ -120,13 +120,9 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
                 phases.append(SimPhase(node.name, costs[0], writes=(width * run, columns)))
                 continue
             # A split reads only its K range of x, unless an RMSNorm prologue needs whole rows.
+            # Reduce tile j waits for the splits of the run holding it (tasks run-major).
             norm = any(nodes[f].kind == "rmsnorm" for f in choice.fuse)
             ranges = None if norm else tuple((r,) for r in linear_k_splits(d["K"], choice.block_k, choice.split_k))
-            if one_phase_split_k(choice):  # a tile's splits write it together: the last reduces
-                phases.append(SimPhase(node.name, costs[0], reads=ranges, writes=(width, columns),
-                                       writers=choice.split_k))
-                continue
-            # Reduce tile j waits for the splits of the run holding it (tasks run-major).
             phases += [SimPhase(node.name, costs[0], reads=ranges),
                        SimPhase(node.name, costs[1], group=(run, choice.split_k), writes=(width, columns))]
         elif node.kind == "attention":
@@ -201,16 +197,12 @@ def simulate(phases: list[SimPhase], workers: int, schedule: str, launch_s: floa
         ready = _ready(p, prev, prev_finish)
         wait_s = p.cost.wait_s if prev is not None else 0.0
         finish = []
-        team = p.cost.team if p.cost.tail_s > 0 else 1
         for j in range(p.cost.tasks):
             index = len(worker_of)
             if schedule == "list":
                 # Workers free by the time the task is ready all start it then: take the
-                # one free longest; else the one free soonest. (An entry older than its
-                # worker's free time was superseded by a team's tail, below.)
+                # one free longest; else the one free soonest.
                 at, w = heapq.heappop(idle)
-                while at != free[w]:
-                    at, w = heapq.heappop(idle)
             else:
                 lap, pos = divmod(index, workers)
                 w = pos if schedule == "round_robin" or lap % 2 == 0 else workers - 1 - pos
@@ -223,14 +215,6 @@ def simulate(phases: list[SimPhase], workers: int, schedule: str, launch_s: floa
                 heapq.heappush(idle, (done, w))
             worker_of.append(w)
             finish.append(done)
-            if team > 1 and j % team == team - 1:
-                # The team's last to finish does its tail (a split-K tile's reduce).
-                last = max(range(j - team + 1, j + 1), key=finish.__getitem__)
-                finish[last] += p.cost.tail_s
-                w_last = worker_of[index - j + last]
-                free[w_last] = finish[last]
-                if schedule == "list":
-                    heapq.heappush(idle, (finish[last], w_last))
         prev, prev_finish = p, finish
         phase_end.append(max(finish))
     seconds = launch_s + (max(phase_end) if phase_end else 0.0)

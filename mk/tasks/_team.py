@@ -1,9 +1,10 @@
 """Teams of tasks that finish one another's work: the last member to arrive does it.
 
-Decode attention's KV splits (the last merges the group) and a split-K linear's partials
-(the last sums them and runs the epilogue) wait for no one: each stores its share, then
-counts itself, and the one that completes the count does the team's work. No member
-waits for another, so a team may run in any order, or all on one program.
+Decode attention's KV splits wait for no one: each stores its partial, then counts itself,
+and the one that completes the count merges the group. No member waits for another, so a
+team may run in any order, or all on one program. The count costs every member a round
+trip to L2 (the branch needs the atomic's value): split-K linears summed the same way
+measured 2-3% slower than reduce tasks (bench/NOTES.md, session 25).
 """
 
 import triton

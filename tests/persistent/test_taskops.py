@@ -112,9 +112,8 @@ class RandomDag:
                                                                residual=self.expected[res])
             self.kinds.append("rmsnorm+res")
 
-    def add_linear(self, variant: str, split_k: int | None = None, last: bool | None = None):
-        """variant: plain, residual, norm or silu_mul; split-K at random if not given, as
-        partials + reduce tasks, or (``last``, one tile a task) partials whose last reduces."""
+    def add_linear(self, variant: str, split_k: int | None = None):
+        """variant: plain, residual, norm or silu_mul; split-K (partial + reduce) at random if not given."""
         src = self.pick()
         K, M = self.width[src], self.M
         res = self.pick() if variant == "residual" else None
@@ -137,23 +136,11 @@ class RandomDag:
         # linear_config's tl.dot tiles keep block_k >= 16, so K must hold split_k such chunks.
         if split_k is None:
             split_k = self.rng.choice([s for s in (1, 1, 2, 3) if s <= -(-K // 16)])
-        if last is None:
-            last = split_k > 1 and self.rng.random() < 0.5
-        if last:
-            run["tiles_per_task"] = 1
         if split_k == 1:
             op = make_op("linear", M=M, N=N, K=K, norm=norm_w is not None, eps=EPS, dtype=F32, **flags, **tiles,
                          **run)
             for a in linear_tiles(op):
                 self.g.add(op, out=out, **operands, **({"res": res} if res else {}), **a)
-        elif last:
-            ws = self.tensor("ws", torch.full((split_k, M, N), float("nan")))
-            op = make_op("linear_splitk", M=M, N=N, K=K, split_k=split_k, norm=norm_w is not None, eps=EPS,
-                         dtype=F32, **flags, **tiles)
-            tiles_mn = -(-M // op.constexprs["BLOCK_M"]) * op.constexprs["TILES_N"]
-            arrivals = self.tensor("arrivals", torch.zeros(tiles_mn, dtype=torch.int32))
-            for a in linear_tiles(op):
-                self.g.add(op, ws=ws, arrivals=arrivals, out=out, **operands, **({"res": res} if res else {}), **a)
         else:
             ws = self.tensor("ws", torch.full((split_k, M, N), float("nan")))
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=split_k, norm=norm_w is not None, eps=EPS,
@@ -167,7 +154,7 @@ class RandomDag:
         self.expected[out] = linear_ref(self.expected[src], b[w], residual=self.expected[res] if res else None,
                                         norm_weight=b[norm_w] if norm_w else None, norm_eps=EPS,
                                         silu_mul=variant == "silu_mul")
-        self.kinds.append(f"linear/{variant}/split{split_k}{'last' if last else ''}/run{run['tiles_per_task']}")
+        self.kinds.append(f"linear/{variant}/split{split_k}/run{run['tiles_per_task']}")
 
     def add_silu_mul(self):
         gate = self.pick()
@@ -196,11 +183,9 @@ class RandomDag:
                 self.add_silu_mul()
             else:
                 self.add_rmsnorm()
-        # Every linear form at least once: full-K tiles, split-K partials + reduce tasks, and
-        # split-K partials whose last reduces.
-        for last in (False, True):
-            if not any("/split1/" not in k and ("last" in k) == last for k in self.kinds if k.startswith("linear")):
-                self.add_linear(self.rng.choice(["plain", "residual", "silu_mul"]), split_k=2, last=last)
+        # Both linear forms at least once: full-K tiles and split-K partials + reduce.
+        if not any("/split1/" not in k for k in self.kinds if k.startswith("linear")):
+            self.add_linear(self.rng.choice(["plain", "residual", "silu_mul"]), split_k=2)
         if not any("/split1/" in k for k in self.kinds if k.startswith("linear")):
             self.add_linear(self.rng.choice(["plain", "residual", "norm", "silu_mul"]), split_k=1)
         return self
@@ -235,10 +220,7 @@ def test_megakernel_equals_op_by_op_on_random_dags(M, rng):
         kernel.run()
         dag.check(f"launch {launch}")
     assert int(kernel.state[0]) == 2
-    assert {"linear", "linear_partial", "linear_reduce", "linear_splitk", "silu_mul", "rmsnorm"} <= {
-        t.op.name for t in dag.g.tasks}
-    arrivals = [b for n, b in dag.g.buffers.items() if n.startswith("arrivals")]
-    assert arrivals and all((b == 0).all() for b in arrivals)  # the last of each tile set its count back
+    assert {"linear", "linear_partial", "linear_reduce", "silu_mul", "rmsnorm"} <= {t.op.name for t in dag.g.tasks}
 
 
 # --- the VM: many workers ----------------------------------------------------------------

@@ -18,7 +18,7 @@ from mk.models.llama import Llama
 from mk.persistent.graph import lower
 from mk.persistent.runtime import Megakernel
 from mk.persistent.vm import run_vm
-from mk.planner.cost import OpChoice, one_phase_split_k, op_tasks
+from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
 from mk.planner.graph import llama_decode_graph
 from mk.planner.lower import WEIGHT, lower_decode_step, meta_buffers
@@ -43,9 +43,7 @@ def variants(graph):
     assert "l0.rope_kv" in best.choices["l0.qkv"].fuse, "the search fuses RoPE into QKV"
     for name in ("l0.down", "l1.qkv", "lm_head"):
         edited[name] = replace(edited[name], split_k=2, block_k=32, tma_stages=0)
-    # The split-K ops in one phase, each tile's last split reducing it (in `edited`: reduce tasks).
-    last_split = {n: replace(c, last_split_reduces=c.split_k > 1) for n, c in edited.items()}
-    # l1's split-K QKV carries RoPE in its reduce; in `own_rope`, RoPE is its own task.
+    # l1's split-K QKV carries RoPE in its reduce tiles; in `own_rope`, RoPE is its own task.
     assert "l1.rope_kv" in edited["l1.qkv"].fuse
     edited["l1.attention"] = OpChoice(kv_splits=3)
     own_rope = dict(edited)
@@ -56,8 +54,7 @@ def variants(graph):
     edited["l0.attn_norm"] = OpChoice()
     tma = {n: replace(c, tma_stages=2, block_n=16, block_k=32, split_k=1) if graph.node(n).kind == "linear" else c
            for n, c in best.choices.items()}
-    return plans + [replace(best, choices=edited), replace(best, choices=own_rope), replace(best, choices=tma),
-                    replace(best, choices=last_split)]
+    return plans + [replace(best, choices=edited), replace(best, choices=own_rope), replace(best, choices=tma)]
 
 
 @pytest.fixture(scope="module")
@@ -141,23 +138,6 @@ def test_layers_share_their_activation_memory(setup):
             assert bufs[name] is bufs[twin], name
     assert bufs["l1.k_cache"].data_ptr() != bufs["l0.k_cache"].data_ptr()  # the caches stay the caller's
     assert bufs["x0"].data_ptr() not in {bufs[n].data_ptr() for n in layer1}
-
-
-def test_split_k_runs_in_one_phase_where_the_plan_asks():
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
-    edited, last_split = variants(graph)[2], variants(graph)[-1]
-    for plan, ops in ((last_split, {"l0.down": {"linear_splitk"}, "l1.qkv": {"qkv_rope_kv_splitk"}}),
-                      (edited, {"l0.down": {"linear_partial", "linear_reduce"},
-                                "l1.qkv": {"linear_partial", "qkv_rope_kv_reduce"}})):
-        step = lower_decode_step(plan, graph, meta_buffers(graph, S), eps=1e-5)
-        for name, want in ops.items():
-            got = {t.op.name for t in step.graph.tasks if t.bind.get("ws") == name + ".ws"}
-            assert got == want, name
-            assert step.tasks_per_op[name] == op_tasks(graph.node(name), plan.choices[name])
-    # Runs of tiles keep their reduce tasks (a counter per tile, not per run).
-    runs = replace(last_split.choices["l0.down"], tiles_per_task=2)
-    assert not one_phase_split_k(runs) and one_phase_split_k(last_split.choices["l0.down"])
-    assert step.graph.buffers["l1.qkv.ws"] is not None and "l1.qkv.arrivals" not in step.graph.buffers
 
 
 def test_missing_or_misshapen_buffers_are_named(setup):

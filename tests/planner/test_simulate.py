@@ -24,29 +24,21 @@ from mk.planner.search import Plan, search
 from mk.planner.simulate import simulate, simulate_step, step_phases
 
 
-def run_exact(step_graph, queues, cost, wait_s, early=None, tail=None):
+def run_exact(step_graph, queues, cost, wait_s, early=None):
     """Each worker runs its queue in order; a task starts when its worker is free and, one
     wait after, every task it depends on (from the lowered regions) has finished; its
-    ``early`` part runs from when its worker is free, inputs or not. The member of a team
-    (the lowered tasks' own, :attr:`mk.persistent.ops.OpSpec.team`) that finishes last
-    then runs the team's ``tail``."""
-    tasks = step_graph.tasks
+    ``early`` part runs from when its worker is free, inputs or not."""
     deps = drop_implied(step_graph.dependency_intervals())
     worker = {i: w for w, q in enumerate(queues) for i in q}
     free = [0.0] * len(queues)
     early = early or [0.0] * len(cost)
-    tail = tail or [0.0] * len(cost)
     finish = []
-    for i in range(len(tasks)):  # program order: dependencies and queue order both respected
+    for i in range(len(step_graph.tasks)):  # program order: dependencies and queue order both respected
         ready = max((finish[t] + wait_s for a, b in deps[i] for t in range(a, b)), default=0.0)
         at = free[worker[i]]
         pre = min(early[i], max(0.0, ready - at))  # done while waiting for the inputs
         finish.append(max(at, ready) + cost[i] - pre)
         free[worker[i]] = finish[-1]
-        if i + 1 == len(tasks) or tasks[i + 1].team_start != tasks[i].team_start:  # a team's end
-            last = max(range(tasks[i].team_start, i + 1), key=finish.__getitem__)
-            finish[last] += tail[last]
-            free[worker[last]] = max(free[worker[last]], finish[last])
     return finish
 
 
@@ -66,9 +58,8 @@ def random_case(rng):
             # A split-K QKV carries RoPE in its reduce tiles, or (half the time) RoPE runs as
             # its own task.
             ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv" and rng.random() < 0.5]
-            # Reduce tasks sum its tiles, or (half the time) each tile's last split does.
             choices[name] = replace(c, block_n=16, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0,
-                                    fuse=tuple(f for f in c.fuse if f not in ropes), last_split_reduces=rng.random() < 0.5)
+                                    fuse=tuple(f for f in c.fuse if f not in ropes))
             choices.update({f: OpChoice() for f in ropes})
         elif kind == "attention":
             choices[name] = OpChoice(kv_splits=rng.choice([1, 2, 3]))
@@ -91,11 +82,10 @@ def test_simulation_matches_a_run_over_the_exact_dependencies(case):
     phases = step_phases(graph, plan.choices, spec, workers, next_token)
     cost = [p.cost.task_s for p in phases for _ in range(p.cost.tasks)]
     early = [p.cost.early_s for p in phases for _ in range(p.cost.tasks)]
-    tail = [p.cost.tail_s for p in phases for _ in range(p.cost.tasks)]
     assert len(cost) == len(step.graph.tasks)
     for schedule in SCHEDULES:
         sim = simulate(phases, workers, schedule)
-        finish = run_exact(step.graph, sim.queues(), cost, spec.wait_overhead_s, early, tail)
+        finish = run_exact(step.graph, sim.queues(), cost, spec.wait_overhead_s, early)
         assert sim.seconds == pytest.approx(max(finish), rel=1e-12), (schedule, workers)
         ends, i = [], 0
         for p in phases:
