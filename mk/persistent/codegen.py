@@ -72,7 +72,10 @@ def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]
         # The body calls task_wait itself, after issuing what does not depend on its inputs.
         lines.append(f"task_wait_args = ({', '.join(_wait_words(program))}, counters_ptr, error_ptr, epoch, worker, "
                      f"timeout)")
-        lines.append("task_wait_state = (ok, last_ev, last_need, tl.zeros([], dtype=tl.int64))")
+        # (t_ready: when the task's inputs were ready; the body's task_wait replaces it, and a
+        # body that needs no input skips the wait and keeps it.)
+        lines.append("t_ready = now_ns(USE_TIMER & TRACE)")
+        lines.append("task_wait_state = (ok, last_ev, last_need, t_ready)")
         lines.append("TASK_WAIT_FLAGS: tl.constexpr = (USE_TIMER, BACKOFF_NS, TRACE)")
         lines.append(textwrap.dedent(spec.body).strip("\n"))
     else:

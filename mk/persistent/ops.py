@@ -64,7 +64,7 @@ class OpSpec:
     #: to its end (what it stores is garbage, as is every output of a failed launch); the
     #: task then does not signal and the worker stops, as after any failed wait. A task that
     #: finds, before its wait, that it will read and write nothing (an attention split past
-    #: the sequence) may skip the call; it must then set ``t_ready`` itself. Safe only where
+    #: the sequence) may skip the call (``t_ready`` then stays the body's start). Safe only where
     #: each consumer also waits for a member of its team that did wait (see
     #: :func:`mk.persistent.taskops.decode_attention_op`): the graph's waits count on
     #: what their producers waited for.

@@ -1137,8 +1137,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                     "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
                     "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
     # With the exact length before the wait, only the live splits wait for their inputs.
-    wait = ("t_ready = now_ns(USE_TIMER & TRACE)\n"
-            "if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N):\n"
+    wait = ("if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N):\n"
             "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
             if from_positions else "")
     body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
