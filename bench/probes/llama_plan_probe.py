@@ -119,6 +119,17 @@ def unfused_rope(plan, graph):
     return replace(plan, choices=choices)
 
 
+def unfused_argmax(plan, graph):
+    """The plan with the argmax's chunk partials as their own tasks after the LM head (as
+    before session 26), not written by the LM head's tiles."""
+    choices = {}
+    for name, c in plan.choices.items():
+        mine = [f for f in c.fuse if graph.node(f).kind == "argmax"]
+        choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in mine))
+        choices.update({f: OpChoice() for f in mine})
+    return replace(plan, choices=choices)
+
+
 def unfused_norm(*ops):
     """The plan with the RMSNorm of the named linears (op-name suffixes) as its own task again."""
     def transform(plan, graph):
@@ -250,6 +261,10 @@ VARIANTS = {
     # tiles are 1.9, split 2 of 128 rows 7.6 (session 24's next question).
     "lm256": tuned(("lm_head",), block_n=256, block_k=64, tma_stages=3),
     "lm128s2": tuned(("lm_head",), split_k=2),
+    # Session 26: the argmax partials in the LM head's epilogue (the search's) or their own
+    # tasks; batch 8's LM head as runs of four 128-row tiles (251 tasks: one wave).
+    "unfused_argmax": unfused_argmax,
+    "lm128r4": tuned(("lm_head",), tiles_per_task=4),
     "lm64_ring4": lambda p, g: tuned(tma_stages=4)(tuned(("lm_head",), block_n=64, block_k=128)(p, g), g),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),

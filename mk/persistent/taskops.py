@@ -237,6 +237,11 @@ class _LinearShape:
         out = _2d(b["out"])
         out[r0:r1, c0:c1] = y.to(out.dtype)
 
+    def run_tiles(self, a) -> tuple[int, int]:
+        """[t0, t1): the tiles along N of task (pid_m, pid_n)'s run."""
+        t0 = a["pid_n"] * self.run
+        return t0, min(t0 + self.run, self.tiles_n)
+
     def out_regions(self, a, bind) -> list:
         r0, r1, _, _, c0, c1 = self.tile(a)
         return [Region(bind["out"], r0, r1, c0, c1)]
@@ -340,7 +345,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
-              tiles_per_task: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
+              tiles_per_task: int = 1, argmax: bool = False, dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -354,27 +359,41 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     loads instead (GEMV body; aligned rows, chunks of at most 256 elements). ``prefetch_k``
     weight columns are pulled into L2 before the dependency wait (never under the
     interpreter). ``tiles_per_task`` > 1: a task is that many adjacent tiles along N (pid_n
-    counts runs), streamed as one (:func:`mk.tasks.linear.linear_run`).
+    counts runs), streamed as one (:func:`mk.tasks.linear.linear_run`). ``argmax``: an LM
+    head whose tiles also write each x row's max over their columns, part_val float32 and
+    part_idx int32 ``[M, TILES_N]`` (operands; :func:`mk.tasks.argmax.argmax_tile_partial`),
+    the chunk partials :func:`argmax_reduce_op` combines (its ``n_chunks`` = TILES_N).
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
+    if argmax and (residual or silu_mul):
+        raise ValueError("linear: argmax partials come from an LM head's logits; no residual or silu_mul epilogue")
     tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
-    operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
+    operands = (("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
+                + (("part_val", "part_idx") if argmax else ()))
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
     eps_src = "EPS" if norm else "0.0"
     body = (f"linear_tile(x, w, {norm_w}, {res}, out, pid_m, pid_n, M, N, K, 0, K, K, K, N_OUT, N_OUT, {eps_src}, "
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
-            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''}"
+            f"{', argmax_args=(part_val, part_idx, TILES_N)' if argmax else ''})")
     body = s.waiting(body, tma)
     if s.streams_in_run(tma):
-        body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
-                          "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
+        if argmax:
+            epilogue = s.run_body(norm, "0, K", "linear_argmax_epilogue", "out, M, N, N, part_val, part_idx, TILES_N",
+                                  wait=s.waits_in_body(tma))
+        else:
+            epilogue = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
+                                  "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
+        body = epilogue
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   **s.stream_constexprs(tma),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
+    if argmax:
+        constexprs["ARGMAX"] = 1
     if norm:
         constexprs["EPS"] = float(eps)
 
@@ -382,6 +401,14 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         r0, r1, n0, n1, _, _ = s.tile(a)
         h = _prologue_ref(_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
         s.store(b, a, h @ _2d(b["w"])[n0:n1].float().T, residual)
+        if argmax:  # each tile's row maxima over the logits as stored
+            logits = _2d(b["out"])[r0:r1].float()
+            part_val, part_idx = _2d(b["part_val"]), _2d(b["part_idx"])
+            for t in range(*s.run_tiles(a)):
+                c0, c1 = t * s.bn, min((t + 1) * s.bn, N)
+                best = logits[:, c0:c1].argmax(dim=1)  # the first of equal maxima; NaN wins
+                part_val[r0:r1, t] = logits[:, c0:c1].gather(1, best[:, None])[:, 0]
+                part_idx[r0:r1, t] = (c0 + best).to(part_idx.dtype)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
@@ -393,15 +420,19 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         return regs
 
     def writes(a, bind):
-        return s.out_regions(a, bind)
+        regs = s.out_regions(a, bind)
+        if argmax:
+            r0, r1 = s.tile(a)[:2]
+            regs += [Region(bind[r], r0, r1, *s.run_tiles(a)) for r in ("part_val", "part_idx")]
+        return regs
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src, waits_in_body=s.task_waits(tma),
-                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_store_epilogue, "
-                           "linear_tile, linear_weights_first",),
+                  imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
+                           "linear_store_epilogue, linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
 
 
@@ -1235,7 +1266,7 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
 class _ArgmaxShape:
     """Chunking of argmax over ``[rows, vocab]`` logits, as :func:`mk.tasks.argmax.argmax` cuts it."""
 
-    def __init__(self, op: str, rows: int, vocab: int, block_v: int | None):
+    def __init__(self, op: str, rows: int, vocab: int, block_v: int | None, n_chunks: int | None = None):
         _check_sizes(op, rows=rows, vocab=vocab)
         try:
             self.block_v = argmax_block_v(vocab) if block_v is None else check_block_v(block_v)
@@ -1243,6 +1274,11 @@ class _ArgmaxShape:
             raise ValueError(f"{op}: {e}") from None
         self.rows, self.vocab, self.op = rows, vocab, op
         self.chunks = _cdiv(vocab, self.block_v)
+        if n_chunks is not None:  # partials from elsewhere: an LM head's tiles
+            _check_sizes(op, n_chunks=n_chunks)
+            if n_chunks > vocab:
+                raise ValueError(f"{op}: n_chunks={n_chunks} partials of a vocabulary of {vocab}")
+            self.chunks = n_chunks
 
     def row(self, a) -> int:
         _check_tile(self.op, "row", a["row"], self.rows)
@@ -1295,15 +1331,17 @@ def argmax_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_
 
 
 @register("argmax_reduce")
-def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, n_chunks: int | None = None,
+                     num_warps: int = 4) -> OpSpec:
     """Combine row ``row``'s chunk partials: out_idx[row] and out_val[row] (deterministic).
 
     Operands: part_val float32 and part_idx int32 ``[rows, n_chunks]`` (from
-    :func:`argmax_partial_op` with the same sizes), out_idx int32/int64 ``[rows]`` (1-D: it
+    :func:`argmax_partial_op` with the same sizes, or, with ``n_chunks`` given, from an LM
+    head's tiles: :func:`linear_op`'s ``argmax``), out_idx int32/int64 ``[rows]`` (1-D: it
     can be the next step's token ids of :func:`embedding_op`), out_val float32 ``[rows]``.
-    Args: row.
+    Args: row. Chunks must cover increasing columns (ties go to the lowest index).
     """
-    s = _ArgmaxShape("argmax_reduce", rows, vocab, block_v)
+    s = _ArgmaxShape("argmax_reduce", rows, vocab, block_v, n_chunks)
 
     def run(bufs, a):
         row = s.row(a)

@@ -293,20 +293,22 @@ def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     return math.ceil(d["M"] / _tile_rows_for(d["M"], choice.block_n)), math.ceil(d["N"] / choice.block_n)
 
 
-def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0) -> list[tuple[int, int]]:
+def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNode] = ()) -> list[tuple[int, int]]:
     """The op's dependency phases as (tasks, bytes of ``nbytes``): tasks of one phase run in
     parallel and the next phase waits for them. A split-K linear is its partial tiles, then
     the reduces (reading the float32 workspace back); decode attention one phase, its KV
     splits (each group's last split merges the group: :func:`phase_costs` prices that);
-    argmax its chunk partials, the row reduce, and the token append."""
+    argmax its chunk partials, the row reduce, and the token append. An argmax in ``fused``
+    (its partials in the LM head's epilogue) leaves its reduce and append after the LM head."""
     d = node.dims
     if node.kind == "linear":
         blocks, tiles_n = linear_tiles_n(node, choice)
         tasks = blocks * math.ceil(tiles_n / choice.tiles_per_task)  # runs of tiles along N
+        tail = [(d["M"], 0), (d["M"], 0)] if any(f.kind == "argmax" for f in fused) else []
         if choice.split_k == 1:
-            return [(tasks, nbytes)]
+            return [(tasks, nbytes)] + tail
         workspace = d["M"] * d["N"] * choice.split_k * 4
-        return [(tasks * choice.split_k, nbytes - workspace), (blocks * tiles_n, workspace)]
+        return [(tasks * choice.split_k, nbytes - workspace), (blocks * tiles_n, workspace)] + tail
     if node.kind == "attention":
         return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes)]
     if node.kind == "argmax":
@@ -392,8 +394,15 @@ def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[in
         # - SiLU·mul: the host writes the I-wide product instead of the 2I-wide gate/up,
         #   so - I = writes - reads;
         # - RoPE + KV append: the host writes rotated q and the cache rows instead of q/k/v
-        #   (the same elements), so about + 0 = reads - writes.
-        nbytes += (f.bytes_written - f.bytes_read) if f.kind == "silu_mul" else (f.bytes_read - f.bytes_written)
+        #   (the same elements), so about + 0 = reads - writes;
+        # - argmax partials: the host writes them (and the reduce reads them) from its tiles,
+        #   and nothing reads the logits back, so + what the argmax writes.
+        if f.kind == "argmax":
+            nbytes += f.bytes_written
+        elif f.kind == "silu_mul":
+            nbytes += f.bytes_written - f.bytes_read
+        else:
+            nbytes += f.bytes_read - f.bytes_written
         flops += f.flops
     return max(nbytes, 0), flops
 
@@ -418,7 +427,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     # The weights' own limit in a TMA ring (bytes in flight, chunks): the partials' stream only.
     ring_s = ring_seconds_per_byte(node, choice, device, dtype_bytes)
     streams = []
-    for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
+    for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes, fused)):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
         task_bytes = max(phase_bytes, 0) / phase_tasks
         if node.kind == "linear" and i == 0 and choice.tiles_per_task > 1:

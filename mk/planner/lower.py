@@ -180,10 +180,10 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         step.tasks_per_op[node_name] = step.tasks_per_op.get(node_name, 0) + len(tiles)
 
     for node in graph.nodes:
-        if node.name in fused_into:
+        if node.name in fused_into and node.kind != "argmax":  # (the argmax's reduce has tasks of its own)
             continue
         choice = plan.choices.get(node.name)
-        if choice is None:
+        if choice is None and node.name not in fused_into:
             raise ValueError(f"lower_decode_step: op {node.name} has no choice in the plan")
         kind = node.kind
         if kind == "embedding":
@@ -193,7 +193,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=WEIGHT + node.name,
                    out=activation(node.outputs[0], B, m.hidden))
         elif kind == "linear":
-            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps, S)
+            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps, S, next_token)
         elif kind == "rope_kv":
             layer = node.name.rsplit(".", 1)[0]
             first = layer == "l0"  # one layer publishes the lengths attention reads
@@ -218,18 +218,24 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         elif kind == "argmax":
             if next_token == "logits":
                 continue
-            if next_token == "sample":
-                part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
-                extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
+            if argmax_in_lm_head(plan, node.name, next_token):
+                # The LM head's tiles wrote the partials (_lower_linear): a chunk = a tile.
+                host = nodes[fused_into[node.name]]
+                reduce = make_op("argmax_reduce", rows=B, vocab=m.vocab,
+                                 n_chunks=-(-host.dims["N"] // plan.choices[host.name].block_n))
             else:
-                part = make_op("argmax_partial", rows=B, vocab=m.vocab)
-                extra = {}
-            chunks = part.constexprs["N_CHUNKS"]
-            pv = activation("argmax.val", B, chunks)
-            pi = activation("argmax.idx", B, chunks, dt=torch.int32)
-            add_op(node.name, part, logits=node.inputs[0], part_val=pv, part_idx=pi, **extra)
-            add_op(node.name, make_op("argmax_reduce", rows=B, vocab=m.vocab), part_val=pv, part_idx=pi,
-                   out_idx="ids", out_val=activation("next_val", B))
+                if next_token == "sample":
+                    part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
+                    extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
+                else:
+                    part = make_op("argmax_partial", rows=B, vocab=m.vocab)
+                    extra = {}
+                chunks = part.constexprs["N_CHUNKS"]
+                add_op(node.name, part, logits=node.inputs[0], part_val=activation("argmax.val", B, chunks),
+                       part_idx=activation("argmax.idx", B, chunks, dt=torch.int32), **extra)
+                reduce = make_op("argmax_reduce", rows=B, vocab=m.vocab)
+            add_op(node.name, reduce, part_val="argmax.val", part_idx="argmax.idx", out_idx="ids",
+                   out_val=activation("next_val", B))
             add_op("append_token", make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos",
                    tokens="tokens")
         else:
@@ -280,14 +286,23 @@ def _streaming(choice, M: int, K: int) -> dict:
     return dict(tma_stages=choice.tma_stages)
 
 
+def argmax_in_lm_head(plan: Plan, argmax: str, next_token: str) -> bool:
+    """Whether the LM head's tiles write the argmax chunk partials themselves: the plan fuses
+    op ``argmax`` into the LM head and the step ends in a greedy choice. (Temperature sampling
+    runs its own partial tasks whatever the plan: they add noise to every logit.)"""
+    return next_token == "argmax" and any(argmax in c.fuse for c in plan.choices.values())
+
+
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
-                  max_seq: int) -> None:
+                  max_seq: int, next_token: str) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
     tiles, or with RoPE + KV append fused, qkv_rope_kv tiles (split-K: partials, then
-    qkv_rope_kv_reduce tiles)."""
+    qkv_rope_kv_reduce tiles); an LM head with the argmax fused also writes the argmax's
+    chunk partials, one a tile and row (``next_token="argmax"`` only)."""
     d = node.dims
     M, N, K = d["M"], d["N"], d["K"]
-    fused = [nodes[f] for f in choice.fuse]
+    fused = [nodes[f] for f in choice.fuse if nodes[f].kind != "argmax"]
+    argmax = next_token == "argmax" and any(nodes[f].kind == "argmax" for f in choice.fuse)
     norm = next((f for f in fused if f.kind == "rmsnorm"), None)
     add = next((f for f in fused if f.kind == "add"), None)
     silu = next((f for f in fused if f.kind == "silu_mul"), None)
@@ -324,6 +339,15 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)
     flags = dict(residual=add is not None, silu_mul=silu is not None)
+    if argmax:
+        if choice.split_k != 1 or rope is not None:
+            raise ValueError(f"lower_decode_step: op {node.name} fuses the argmax with split_k={choice.split_k}"
+                             f"{' and RoPE' if rope is not None else ''}: only whole-K LM head tiles write its "
+                             f"partials")
+        tiles_n = -(-N // choice.block_n)
+        flags["argmax"] = True
+        epilogue.update(part_val=activation("argmax.val", M, tiles_n),
+                        part_idx=activation("argmax.idx", M, tiles_n, dt=torch.int32))
     try:
         if choice.split_k == 1:
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None

@@ -25,8 +25,11 @@ from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
 
 #: (kind of the fused op, kind of its host): what the task bodies can do in one tile. RoPE
-#: + KV append fuses into a QKV linear's tiles, or its split-K reduce (:mod:`mk.tasks.qkv_rope`).
-SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear"), ("rope_kv", "linear")}
+#: + KV append fuses into a QKV linear's tiles, or its split-K reduce (:mod:`mk.tasks.qkv_rope`);
+#: the argmax's chunk partials into the LM head's whole-K tiles
+#: (:func:`mk.tasks.argmax.argmax_tile_partial`), leaving its row reduce.
+SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear"), ("rope_kv", "linear"),
+                     ("argmax", "linear")}
 
 #: Kinds that have no task of their own in a decode step and so must fuse into their host:
 #: the residual add (the runtime's epilogue), and SiLU·mul (the gate/up weights are
@@ -409,7 +412,8 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
         for state in beam:
             # 1. Fuse this op into its host, already chosen (epilogue fusions), budget permitting.
             hc = _find(state.choices, host) if host is not None else None
-            if hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm":
+            if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"
+                    and (node.kind != "argmax" or hc.split_k == 1)):
                 old = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse)
                 new = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse + (node.name,))
                 choices = tuple((n, replace(c, fuse=c.fuse + (node.name,)) if n == host else c)

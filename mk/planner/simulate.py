@@ -46,7 +46,7 @@ from mk.persistent.graph import SCHEDULES  # the planner chooses between them (t
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import linear_k_splits
 
-from .cost import PhaseCost, idle_wait_ops, linear_tiles_n, phase_costs
+from .cost import OpChoice, PhaseCost, idle_wait_ops, linear_tiles_n, phase_costs
 from .device import DeviceSpec
 from .graph import OpGraph
 
@@ -104,11 +104,16 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
     idle = idle_wait_ops(graph)
     phases: list[SimPhase] = []
     for node in graph.nodes:
-        if node.name in fused or (node.kind == "argmax" and next_token == "logits"):
+        if node.kind == "argmax" and next_token == "logits":
             continue
-        choice = plan[node.name]
-        costs = phase_costs(node, choice, device, workers, [nodes[f] for f in choice.fuse],
-                            graph.model.dtype_bytes, node.name in idle)
+        # An argmax fused into the LM head is its own op again where the step samples
+        # (the lowering runs the sampler's partial tasks then: lower.argmax_in_lm_head).
+        unfused_argmax = node.kind == "argmax" and next_token != "argmax"
+        if node.name in fused and not unfused_argmax:
+            continue
+        choice = plan.get(node.name, OpChoice()) if unfused_argmax else plan[node.name]
+        host_fused = [nodes[f] for f in choice.fuse if next_token == "argmax" or nodes[f].kind != "argmax"]
+        costs = phase_costs(node, choice, device, workers, host_fused, graph.model.dtype_bytes, node.name in idle)
         d = node.dims
         if node.kind == "linear":
             silu = any(nodes[f].kind == "silu_mul" for f in choice.fuse)
@@ -116,6 +121,17 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
             if run > 1 and linear_tiles_n(node, choice)[0] > 1:
                 raise ValueError(f"op {node.name}: runs of tiles need one row block (M <= the tile's rows)")
             width, columns = (choice.block_n // 2, d["N"] // 2) if silu else (choice.block_n, d["N"])
+            if any(f.kind == "argmax" for f in host_fused):
+                # The LM head's tiles write the argmax partials: each row's reduce waits for
+                # every task, the append for its row's reduce.
+                if choice.split_k != 1:
+                    raise ValueError(f"op {node.name}: the argmax fuses into whole-K tiles only, got split_k="
+                                     f"{choice.split_k}")
+                lm_tasks = costs[0].tasks
+                phases += [SimPhase(node.name, costs[0], writes=(width * run, columns)),
+                           SimPhase(node.name, costs[-2], group=(d["M"], lm_tasks)),
+                           SimPhase(node.name, costs[-1], group=(1, 1))]
+                continue
             if choice.split_k == 1:
                 phases.append(SimPhase(node.name, costs[0], writes=(width * run, columns)))
                 continue

@@ -5,7 +5,9 @@
 with torch.argmax's conventions: the lowest index wins a tie, NaN counts as larger than
 everything, -0.0 equals +0.0. Inside the megakernel the LM head's output tiles can feed
 ``argmax_partial_tile`` chunk by chunk (one (row, chunk) pair per call, writing one
-value and one index), and one ``argmax_reduce_tile`` per row combines the chunks. The
+value and one index), or the LM head's tiles write those partials themselves from their
+accumulators (``argmax_tile_partial``, a chunk = a tile), and one ``argmax_reduce_tile``
+per row combines the chunks. The
 result is exact and deterministic: values are compared through an order-preserving
 integer image of their float32 bits (:func:`order_key`), so no rounding or scheduling
 order can change which index wins.
@@ -44,20 +46,41 @@ def order_key(x):
 
 
 @triton.jit
-def argmax_block(x, cols, valid, SENTINEL):
-    """(value, index) of the largest valid element of block ``x`` (float32), lowest index on ties.
+def argmax_block(x, cols, valid, SENTINEL, AXIS: tl.constexpr = 0):
+    """(value, index) of the largest valid element of block ``x`` (float32) along ``AXIS``,
+    lowest index on ties: scalars for a 1-D block, one a row for a 2-D block and AXIS=1.
 
-    ``cols`` are the elements' global indices (int32). With no valid element the result
-    is (-inf, SENTINEL); pick SENTINEL above every real index so that any real
-    candidate, even a -inf one, wins over it in :func:`argmax_reduce_tile`.
+    ``cols`` are the elements' global indices (int32) and ``valid`` their mask, both
+    broadcast against x. With no valid element the result is (-inf, SENTINEL); pick
+    SENTINEL above every real index so that any real candidate, even a -inf one, wins over
+    it in :func:`argmax_reduce_tile`.
     """
     key = tl.where(valid, order_key(x), _INT32_MIN)  # real keys are > INT32_MIN (-inf's is not)
-    best = tl.max(key, axis=0)
-    idx = tl.min(tl.where(valid & (key == best), cols, SENTINEL), axis=0)
+    best = tl.max(key, axis=AXIS, keep_dims=True)
+    idx = tl.min(tl.where(valid & (key == best), cols, SENTINEL), axis=AXIS, keep_dims=True)
     # Exactly one element matches idx, so the sum is that element's value, NaN or inf included.
-    val = tl.sum(tl.where(cols == idx, x, 0.0), axis=0)
+    val = tl.sum(tl.where(cols == idx, x, 0.0), axis=AXIS)
+    idx = tl.min(idx, axis=AXIS)  # drops the kept axis (one element)
     val = tl.where(idx == SENTINEL, float("-inf"), val)
     return val, idx
+
+
+@triton.jit
+def argmax_tile_partial(y, pid_m, tile, M, V, part_val_ptr, part_idx_ptr, stride_part):
+    """Each row's max of output tile (pid_m, tile) of the logits, ``y`` (float32
+    ``[BLOCK_M, BLOCK_N]``: rows pid_m*BLOCK_M.., columns tile*BLOCK_N..): part_val[row, tile]
+    and part_idx[row, tile], the chunk partials of :func:`argmax_partial_tile` with a chunk
+    of BLOCK_N columns. The LM head's epilogue (:func:`mk.tasks.linear.linear_argmax_epilogue`):
+    the partials come from the tile in registers, so no task reads the logits back.
+    Rows past M and columns past V are left out.
+    """
+    BLOCK_M: tl.constexpr = y.shape[0]
+    BLOCK_N: tl.constexpr = y.shape[1]
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    val, idx = argmax_block(y, cols[None, :], (cols < V)[None, :], V, AXIS=1)
+    tl.store(part_val_ptr + rows * stride_part + tile, val, mask=rows < M)
+    tl.store(part_idx_ptr + rows * stride_part + tile, idx, mask=rows < M)
 
 
 @triton.jit

@@ -49,11 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dot import fold_weight_major, mma, mma_weight_major
-
 from ._cost import TaskCost
 from ._device import (SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype, check_tensor,
                       smem_per_block, use_pdl)
+from ._dot import fold_weight_major, mma, mma_weight_major
+from .argmax import argmax_tile_partial
 
 #: Largest M served by the skinny (decode) configs; above it, prefill tiles.
 SKINNY_MAX_M = 16
@@ -454,8 +454,9 @@ def _linear_epilogue(
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     res=None,
 ):
-    """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows).
-    ``res``: the tile's residual, when the caller loaded it already (:func:`_load_residual`)."""
+    """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows); returns
+    the tile as stored (out's dtype). ``res``: the tile's residual, when the caller loaded it
+    already (:func:`_load_residual`)."""
     offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     if SILU_MUL:
         # Interleaved rows (2i = gate_i, 2i+1 = up_i): adjacent accumulator columns pair up,
@@ -469,7 +470,9 @@ def _linear_epilogue(
             res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M,
                                  BLOCK_N=BLOCK_N)
         y += res
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_o[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_o[None, :], y, mask=mask)
+    return y
 
 
 @triton.jit
@@ -481,6 +484,7 @@ def linear_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
     w_first=None, TMA_STAGES: tl.constexpr = 0,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
+    argmax_args=None,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -495,7 +499,9 @@ def linear_tile(
     body) streams weights through a shared-memory ring filled by TMA (needs an allocator for
     on-device descriptors: :func:`mk.tasks.enable_device_descriptors`). ``WAIT``: the caller's
     dependency wait, made inside the weight stream (tl.dot TMA tiles: :func:`_linear_acc`);
-    the wait's new state is returned.
+    the wait's new state is returned. ``argmax_args`` = (part_val_ptr, part_idx_ptr,
+    stride_part): an LM head's tile also writes each row's max over its columns
+    (:func:`mk.tasks.argmax.argmax_tile_partial`).
     """
     WAITS: tl.constexpr = WAIT is not None
     res = None
@@ -513,8 +519,11 @@ def linear_tile(
                           HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                           DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
                           TMA_STAGES=TMA_STAGES)
-    _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+    y = _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+                         HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+    if argmax_args is not None:
+        part_val_ptr, part_idx_ptr, stride_part = argmax_args
+        argmax_tile_partial(y.to(tl.float32), pid_m, pid_n, M, N, part_val_ptr, part_idx_ptr, stride_part)
     if WAITS:
         return state
     else:
@@ -765,6 +774,17 @@ def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     res_ptr, out_ptr, M, N, stride_rm, stride_om = args
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                      HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+
+
+@triton.jit
+def linear_argmax_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
+    """:func:`linear_run`'s epilogue for an LM head: the store, then each row's max over the
+    tile's columns (:func:`mk.tasks.argmax.argmax_tile_partial`, from the values as stored).
+    ``args``: (out_ptr, M, N, stride_om, part_val_ptr, part_idx_ptr, stride_part); FLAGS: None."""
+    out_ptr, M, N, stride_om, part_val_ptr, part_idx_ptr, stride_part = args
+    y = _linear_epilogue(acc, out_ptr, out_ptr, pid_m, pid_n, M, N, stride_om, stride_om, HAS_RESIDUAL=False,
+                         SILU_MUL=False, BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+    argmax_tile_partial(y.to(tl.float32), pid_m, pid_n, M, N, part_val_ptr, part_idx_ptr, stride_part)
 
 
 @triton.jit

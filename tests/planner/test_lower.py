@@ -41,8 +41,12 @@ def variants(graph):
     best = plans[0]
     edited = dict(best.choices)
     assert "l0.rope_kv" in best.choices["l0.qkv"].fuse, "the search fuses RoPE into QKV"
+    assert "argmax" in best.choices["lm_head"].fuse, "the search puts the argmax partials in the LM head"
     for name in ("l0.down", "l1.qkv", "lm_head"):
         edited[name] = replace(edited[name], split_k=2, block_k=32, tma_stages=0)
+    # A split-K LM head leaves the argmax's partials to their own tasks.
+    edited["lm_head"] = replace(edited["lm_head"], fuse=("final_norm",))
+    edited["argmax"] = OpChoice()
     # l1's split-K QKV carries RoPE in its reduce tiles; in `own_rope`, RoPE is its own task.
     assert "l1.rope_kv" in edited["l1.qkv"].fuse
     edited["l1.attention"] = OpChoice(kv_splits=3)
@@ -155,6 +159,9 @@ def test_missing_or_misshapen_buffers_are_named(setup):
     with pytest.raises(ValueError, match=r"l1.v_cache has shape"):
         lower_decode_step(plan, graph, bufs, eps=1e-5)
     bufs["l1.v_cache"] = model.v_cache[1]
+    split_head = dict(plan.choices, lm_head=replace(plan.choices["lm_head"], split_k=2))
+    with pytest.raises(ValueError, match="lm_head fuses the argmax with split_k=2"):
+        lower_decode_step(replace(plan, choices=split_head), graph, bufs, eps=1e-5)
     unfused = dict(plan.choices)
     unfused["l0.down"] = replace(unfused["l0.down"], fuse=())
     with pytest.raises(ValueError, match="l0.mlp_residual"):

@@ -69,6 +69,11 @@ def random_case(rng):
         choices["l1.qkv"] = replace(choices["l1.qkv"],
                                     fuse=tuple(f for f in choices["l1.qkv"].fuse if f == "l1.rope_kv"))
         choices["l1.attn_norm"] = OpChoice()
+    head = choices["lm_head"]
+    assert "argmax" in head.fuse, "the search puts the argmax partials in the LM head"
+    if head.split_k > 1 or rng.random() < 0.5:  # (a split-K LM head must) leave them to their own tasks
+        choices["lm_head"] = replace(head, fuse=tuple(f for f in head.fuse if f != "argmax"))
+        choices["argmax"] = OpChoice()
     return graph, spec, replace(plan, choices=choices), max_seq
 
 

@@ -2,9 +2,12 @@ import importlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mk.tasks import TaskCost
-from mk.tasks.argmax import argmax, argmax_cost, argmax_reduce_kernel, argmax_ref, argmax_smem_bytes
+from mk.tasks.argmax import (argmax, argmax_cost, argmax_reduce_kernel, argmax_ref, argmax_smem_bytes,
+                             argmax_tile_partial)
 from tests.conftest import DTYPES
 
 argmax_mod = importlib.import_module("mk.tasks.argmax")  # the module: mk.tasks.argmax is the op
@@ -92,6 +95,47 @@ def test_argmax_reduce_tile_partials(device):
         argmax_reduce_kernel[(2,)](part_val, part_idx, out, out_val, 7, part_val.stride(0), BLOCK_C=block_c)
         assert out.cpu().tolist() == [17, 21]   # a real -inf candidate beats the empty-chunk sentinel
         assert out_val.cpu().tolist() == [3.0, -inf]
+
+
+@triton.jit
+def _tile_partial_kernel(y_ptr, part_val_ptr, part_idx_ptr, M, V, stride_part,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program t is output tile (0, t) of [M, V] logits, held as an LM head tile holds it.
+    tile = tl.program_id(0)
+    rows, cols = tl.arange(0, BLOCK_M), tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = tl.load(y_ptr + rows[:, None] * V + cols[None, :], mask=(rows < M)[:, None] & (cols < V)[None, :],
+                other=12345.0)  # what a tile holds past V must not win
+    argmax_tile_partial(y, 0, tile, M, V, part_val_ptr, part_idx_ptr, stride_part)
+
+
+def test_argmax_tile_partial_is_each_rows_chunk_partial(device):
+    # An LM head tile's row maxima (argmax_tile_partial) are the chunk partials of its
+    # columns, special values as torch.argmax orders them; the reduce over them (a chunk = a
+    # tile) is torch.argmax of the whole rows.
+    inf, nan = float("inf"), float("nan")
+    M, V, block_n = 5, 70, 16
+    logits = torch.randn(M, V, device=device)
+    logits[0, [20, 35, 69]] = 6.0                # ties across tiles, one in the clipped last tile
+    logits[1] = -inf                             # all -inf: each tile's first column
+    logits[2, [3, 50]] = nan                     # NaN wins, the first one
+    logits[3] = 0.0
+    logits[3, 0] = -0.0                          # -0.0 equals +0.0
+    logits[4, [66, 64]] = inf
+    tiles = -(-V // block_n)
+    part_val = torch.full((M + 1, tiles), 7.0, device=device)  # a row past M stays untouched
+    part_idx = torch.full((M + 1, tiles), -1, dtype=torch.int32, device=device)
+    _tile_partial_kernel[(tiles,)](logits, part_val, part_idx, M, V, part_val.stride(0), BLOCK_M=8, BLOCK_N=block_n)
+    for t in range(tiles):
+        chunk = logits[:, t * block_n:(t + 1) * block_n].cpu()
+        best = argmax_ref(chunk)
+        assert part_idx[:M, t].cpu().tolist() == (best + t * block_n).tolist(), t
+        torch.testing.assert_close(part_val[:M, t].cpu(), chunk.gather(1, best[:, None])[:, 0], rtol=0, atol=0,
+                                   equal_nan=True)
+    assert (part_val[M] == 7.0).all() and (part_idx[M] == -1).all()
+    out = torch.empty(M, dtype=torch.int64, device=device)
+    out_val = torch.empty(M, dtype=torch.float32, device=device)
+    argmax_reduce_kernel[(M,)](part_val, part_idx, out, out_val, tiles, part_val.stride(0), BLOCK_C=8)
+    assert out.cpu().tolist() == [20, 0, 3, 0, 64] == argmax_ref(logits).cpu().tolist()
 
 
 def test_argmax_rejects_bad_input(device):
