@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mk.tasks._device import INTERPRET, default_dtype
-from mk.tasks.argmax import argmax_block_c, argmax_block_v, check_block_v
+from mk.tasks.argmax import argmax_block_c, argmax_block_v, argmax_pack_ref, argmax_unpack_ref, check_block_v
 from mk.tasks.decode_attention import MAX_NUM_SPLITS, MIN_DOT_DIM, decode_attention_config
 from mk.tasks.embedding import embedding_block_h, embedding_num_warps
 
@@ -237,11 +237,6 @@ class _LinearShape:
         out = _2d(b["out"])
         out[r0:r1, c0:c1] = y.to(out.dtype)
 
-    def run_tiles(self, a) -> tuple[int, int]:
-        """[t0, t1): the tiles along N of task (pid_m, pid_n)'s run."""
-        t0 = a["pid_n"] * self.run
-        return t0, min(t0 + self.run, self.tiles_n)
-
     def out_regions(self, a, bind) -> list:
         r0, r1, _, _, c0, c1 = self.tile(a)
         return [Region(bind["out"], r0, r1, c0, c1)]
@@ -360,17 +355,18 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     weight columns are pulled into L2 before the dependency wait (never under the
     interpreter). ``tiles_per_task`` > 1: a task is that many adjacent tiles along N (pid_n
     counts runs), streamed as one (:func:`mk.tasks.linear.linear_run`). ``argmax``: an LM
-    head whose tiles also write each x row's max over their columns, part_val float32 and
-    part_idx int32 ``[M, TILES_N]`` (operands; :func:`mk.tasks.argmax.argmax_tile_partial`),
-    the chunk partials :func:`argmax_reduce_op` combines (its ``n_chunks`` = TILES_N).
+    head whose tiles also fold each x row's max over their columns into operand best int64
+    ``[M]`` (zero before the step; :func:`mk.tasks.argmax.argmax_tile_into`), which
+    :func:`append_token_op` with ``from_best`` takes. Its tasks of one row block are then a
+    team (:attr:`OpSpec.team`): they all write best's rows, in any order.
     """
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
     if argmax and (residual or silu_mul):
         raise ValueError("linear: argmax partials come from an LM head's logits; no residual or silu_mul epilogue")
     tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
-    operands = (("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
-                + (("part_val", "part_idx") if argmax else ()))
+    operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
+    operands += ("best",) if argmax else ()
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
     eps_src = "EPS" if norm else "0.0"
@@ -378,11 +374,11 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''}"
-            f"{', argmax_args=(part_val, part_idx, TILES_N)' if argmax else ''})")
+            f"{', argmax_best=best' if argmax else ''})")
     body = s.waiting(body, tma)
     if s.streams_in_run(tma):
         if argmax:
-            epilogue = s.run_body(norm, "0, K", "linear_argmax_epilogue", "out, M, N, N, part_val, part_idx, TILES_N",
+            epilogue = s.run_body(norm, "0, K", "linear_argmax_epilogue", "out, M, N, N, best",
                                   wait=s.waits_in_body(tma))
         else:
             epilogue = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
@@ -401,14 +397,10 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         r0, r1, n0, n1, _, _ = s.tile(a)
         h = _prologue_ref(_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
         s.store(b, a, h @ _2d(b["w"])[n0:n1].float().T, residual)
-        if argmax:  # each tile's row maxima over the logits as stored
-            logits = _2d(b["out"])[r0:r1].float()
-            part_val, part_idx = _2d(b["part_val"]), _2d(b["part_idx"])
-            for t in range(*s.run_tiles(a)):
-                c0, c1 = t * s.bn, min((t + 1) * s.bn, N)
-                best = logits[:, c0:c1].argmax(dim=1)  # the first of equal maxima; NaN wins
-                part_val[r0:r1, t] = logits[:, c0:c1].gather(1, best[:, None])[:, 0]
-                part_idx[r0:r1, t] = (c0 + best).to(part_idx.dtype)
+        if argmax:  # the run's columns of the logits as stored, folded into best
+            packed = argmax_pack_ref(_2d(b["out"])[r0:r1, n0:n1], torch.arange(n0, n1)).amax(dim=1)
+            best = b["best"].view(-1)
+            best[r0:r1] = torch.maximum(best[r0:r1], packed.to(best.device))
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
@@ -423,7 +415,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         regs = s.out_regions(a, bind)
         if argmax:
             r0, r1 = s.tile(a)[:2]
-            regs += [Region(bind[r], r0, r1, *s.run_tiles(a)) for r in ("part_val", "part_idx")]
+            regs.append(Region(bind["best"], 0, 1, r0, r1))
         return regs
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
@@ -431,6 +423,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     constexprs["PRELOAD"] = int(preload)
     return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
                   preload=preload_src, waits_in_body=s.task_waits(tma),
+                  team=(lambda a: a["pid_m"]) if argmax else None, sync_operands=("best",) if argmax else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
                            "linear_store_epilogue, linear_tile, linear_weights_first",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes)
@@ -1266,7 +1259,7 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
 class _ArgmaxShape:
     """Chunking of argmax over ``[rows, vocab]`` logits, as :func:`mk.tasks.argmax.argmax` cuts it."""
 
-    def __init__(self, op: str, rows: int, vocab: int, block_v: int | None, n_chunks: int | None = None):
+    def __init__(self, op: str, rows: int, vocab: int, block_v: int | None):
         _check_sizes(op, rows=rows, vocab=vocab)
         try:
             self.block_v = argmax_block_v(vocab) if block_v is None else check_block_v(block_v)
@@ -1274,11 +1267,6 @@ class _ArgmaxShape:
             raise ValueError(f"{op}: {e}") from None
         self.rows, self.vocab, self.op = rows, vocab, op
         self.chunks = _cdiv(vocab, self.block_v)
-        if n_chunks is not None:  # partials from elsewhere: an LM head's tiles
-            _check_sizes(op, n_chunks=n_chunks)
-            if n_chunks > vocab:
-                raise ValueError(f"{op}: n_chunks={n_chunks} partials of a vocabulary of {vocab}")
-            self.chunks = n_chunks
 
     def row(self, a) -> int:
         _check_tile(self.op, "row", a["row"], self.rows)
@@ -1331,17 +1319,15 @@ def argmax_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_
 
 
 @register("argmax_reduce")
-def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, n_chunks: int | None = None,
-                     num_warps: int = 4) -> OpSpec:
+def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
     """Combine row ``row``'s chunk partials: out_idx[row] and out_val[row] (deterministic).
 
     Operands: part_val float32 and part_idx int32 ``[rows, n_chunks]`` (from
-    :func:`argmax_partial_op` with the same sizes, or, with ``n_chunks`` given, from an LM
-    head's tiles: :func:`linear_op`'s ``argmax``), out_idx int32/int64 ``[rows]`` (1-D: it
+    :func:`argmax_partial_op` with the same sizes), out_idx int32/int64 ``[rows]`` (1-D: it
     can be the next step's token ids of :func:`embedding_op`), out_val float32 ``[rows]``.
-    Args: row. Chunks must cover increasing columns (ties go to the lowest index).
+    Args: row.
     """
-    s = _ArgmaxShape("argmax_reduce", rows, vocab, block_v, n_chunks)
+    s = _ArgmaxShape("argmax_reduce", rows, vocab, block_v)
 
     def run(bufs, a):
         row = s.row(a)
@@ -1413,12 +1399,15 @@ def sample_gumbel_partial_op(rows: int, vocab: int, *, block_v: int | None = Non
 
 
 @register("append_token")
-def append_token_op(batch: int, max_seq: int) -> OpSpec:
+def append_token_op(batch: int, max_seq: int, from_best: bool = False) -> OpSpec:
     """Sequence b's new token into its history, and its position advanced (see
     :mod:`mk.tasks.append_token`). Operands: next_ids ``[batch]``, pos ``[batch]``, tokens
     ``[batch, max_seq]`` (int32/int64). Args: b. The history row is written at a runtime
     position, so the task declares the whole row; reading and writing ``pos[b]`` orders it
-    after every task of the step that reads the position."""
+    after every task of the step that reads the position. ``from_best``: the token is the
+    argmax an LM head folded into operand best int64 ``[batch]`` (:func:`linear_op`'s
+    ``argmax``); the task writes it to next_ids[b] and zeroes best[b] for the next step
+    (:func:`mk.tasks.argmax.argmax_take`)."""
     _check_sizes("append_token", batch=batch, max_seq=max_seq)
 
     def seq(a):
@@ -1427,25 +1416,38 @@ def append_token_op(batch: int, max_seq: int) -> OpSpec:
 
     def run(bufs, a):
         b = seq(a)
+        next_ids = _view("append_token", "next_ids", bufs["next_ids"], 1, batch)[0]
+        if from_best:
+            best = _view("append_token", "best", bufs["best"], 1, batch)[0]
+            next_ids[b] = argmax_unpack_ref(best[b])
+            best[b] = 0
         pos = _view("append_token", "pos", bufs["pos"], 1, batch)[0]
         tokens = _view("append_token", "tokens", bufs["tokens"], batch, max_seq)
         p = int(pos[b])
         if p + 1 < max_seq:
-            tokens[b, p + 1] = _view("append_token", "next_ids", bufs["next_ids"], 1, batch)[0, b]
+            tokens[b, p + 1] = next_ids[b]
             pos[b] = p + 1
 
     def reads(a, bind):
         b = seq(a)
-        return [Region(bind["next_ids"], 0, 1, b, b + 1), Region(bind["pos"], 0, 1, b, b + 1)]
+        return [Region(bind["best" if from_best else "next_ids"], 0, 1, b, b + 1), Region(bind["pos"], 0, 1, b, b + 1)]
 
     def writes(a, bind):
         b = seq(a)
-        return [Region(bind["pos"], 0, 1, b, b + 1), Region(bind["tokens"], b, b + 1, 0, max_seq)]
+        regs = [Region(bind["pos"], 0, 1, b, b + 1), Region(bind["tokens"], b, b + 1, 0, max_seq)]
+        if from_best:
+            regs += [Region(bind["next_ids"], 0, 1, b, b + 1), Region(bind["best"], 0, 1, b, b + 1)]
+        return regs
 
-    return OpSpec(name="append_token", operands=("next_ids", "pos", "tokens"), args=("b",),
-                  body="append_token_tile(next_ids, pos, tokens, b, MAX_SEQ, MAX_SEQ)",
-                  imports=("from mk.tasks.append_token import append_token_tile",),
-                  constexprs={"BATCH": batch, "MAX_SEQ": max_seq}, num_warps=1, run=run, reads=reads, writes=writes)
+    body = "append_token_tile(next_ids, pos, tokens, b, MAX_SEQ, MAX_SEQ)"
+    if from_best:
+        body = "append_token_tile(next_ids, pos, tokens, b, MAX_SEQ, MAX_SEQ, tok=argmax_take(best, b)[0])"
+    return OpSpec(name="append_token", operands=("next_ids", "pos", "tokens") + (("best",) if from_best else ()),
+                  args=("b",), body=body,
+                  imports=("from mk.tasks.append_token import append_token_tile",
+                           "from mk.tasks.argmax import argmax_take"),
+                  constexprs={"BATCH": batch, "MAX_SEQ": max_seq, **({"FROM_BEST": 1} if from_best else {})},
+                  num_warps=1, run=run, reads=reads, writes=writes, sync_operands=("best",) if from_best else ())
 
 
 def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:

@@ -299,12 +299,12 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNod
     the reduces (reading the float32 workspace back); decode attention one phase, its KV
     splits (each group's last split merges the group: :func:`phase_costs` prices that);
     argmax its chunk partials, the row reduce, and the token append. An argmax in ``fused``
-    (its partials in the LM head's epilogue) leaves its reduce and append after the LM head."""
+    (folded into one word a row by the LM head's epilogue) leaves the token append."""
     d = node.dims
     if node.kind == "linear":
         blocks, tiles_n = linear_tiles_n(node, choice)
         tasks = blocks * math.ceil(tiles_n / choice.tiles_per_task)  # runs of tiles along N
-        tail = [(d["M"], 0), (d["M"], 0)] if any(f.kind == "argmax" for f in fused) else []
+        tail = [(d["M"], 0)] if any(f.kind == "argmax" for f in fused) else []
         if choice.split_k == 1:
             return [(tasks, nbytes)] + tail
         workspace = d["M"] * d["N"] * choice.split_k * 4
@@ -395,10 +395,10 @@ def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[in
         #   so - I = writes - reads;
         # - RoPE + KV append: the host writes rotated q and the cache rows instead of q/k/v
         #   (the same elements), so about + 0 = reads - writes;
-        # - argmax partials: the host writes them (and the reduce reads them) from its tiles,
-        #   and nothing reads the logits back, so + what the argmax writes.
+        # - the argmax: the host folds its tiles into a word a row (atomics, in L2) and
+        #   nothing reads the logits back, so - what the argmax reads and writes.
         if f.kind == "argmax":
-            nbytes += f.bytes_written
+            pass
         elif f.kind == "silu_mul":
             nbytes += f.bytes_written - f.bytes_read
         else:

@@ -180,7 +180,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         step.tasks_per_op[node_name] = step.tasks_per_op.get(node_name, 0) + len(tiles)
 
     for node in graph.nodes:
-        if node.name in fused_into and node.kind != "argmax":  # (the argmax's reduce has tasks of its own)
+        if node.name in fused_into and node.kind != "argmax":  # (a fused argmax leaves the token append)
             continue
         choice = plan.choices.get(node.name)
         if choice is None and node.name not in fused_into:
@@ -219,23 +219,22 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             if next_token == "logits":
                 continue
             if argmax_in_lm_head(plan, node.name, next_token):
-                # The LM head's tiles wrote the partials (_lower_linear): a chunk = a tile.
-                host = nodes[fused_into[node.name]]
-                reduce = make_op("argmax_reduce", rows=B, vocab=m.vocab,
-                                 n_chunks=-(-host.dims["N"] // plan.choices[host.name].block_n))
+                # The LM head folded each row's argmax into argmax.best (_lower_linear).
+                add_op("append_token", make_op("append_token", batch=B, max_seq=S, from_best=True), next_ids="ids",
+                       pos="pos", tokens="tokens", best="argmax.best")
+                continue
+            if next_token == "sample":
+                part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
+                extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
             else:
-                if next_token == "sample":
-                    part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
-                    extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
-                else:
-                    part = make_op("argmax_partial", rows=B, vocab=m.vocab)
-                    extra = {}
-                chunks = part.constexprs["N_CHUNKS"]
-                add_op(node.name, part, logits=node.inputs[0], part_val=activation("argmax.val", B, chunks),
-                       part_idx=activation("argmax.idx", B, chunks, dt=torch.int32), **extra)
-                reduce = make_op("argmax_reduce", rows=B, vocab=m.vocab)
-            add_op(node.name, reduce, part_val="argmax.val", part_idx="argmax.idx", out_idx="ids",
-                   out_val=activation("next_val", B))
+                part = make_op("argmax_partial", rows=B, vocab=m.vocab)
+                extra = {}
+            chunks = part.constexprs["N_CHUNKS"]
+            pv = activation("argmax.val", B, chunks)
+            pi = activation("argmax.idx", B, chunks, dt=torch.int32)
+            add_op(node.name, part, logits=node.inputs[0], part_val=pv, part_idx=pi, **extra)
+            add_op(node.name, make_op("argmax_reduce", rows=B, vocab=m.vocab), part_val=pv, part_idx=pi,
+                   out_idx="ids", out_val=activation("next_val", B))
             add_op("append_token", make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos",
                    tokens="tokens")
         else:
@@ -287,9 +286,10 @@ def _streaming(choice, M: int, K: int) -> dict:
 
 
 def argmax_in_lm_head(plan: Plan, argmax: str, next_token: str) -> bool:
-    """Whether the LM head's tiles write the argmax chunk partials themselves: the plan fuses
-    op ``argmax`` into the LM head and the step ends in a greedy choice. (Temperature sampling
-    runs its own partial tasks whatever the plan: they add noise to every logit.)"""
+    """Whether the LM head's tiles fold each row's argmax into one word themselves
+    (:func:`mk.tasks.argmax.argmax_tile_into`), which the token append then takes: the plan
+    fuses op ``argmax`` into the LM head and the step ends in a greedy choice. (Temperature
+    sampling runs its own partial tasks whatever the plan: they add noise to every logit.)"""
     return next_token == "argmax" and any(argmax in c.fuse for c in plan.choices.values())
 
 
@@ -297,8 +297,8 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
                   max_seq: int, next_token: str) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
     tiles, or with RoPE + KV append fused, qkv_rope_kv tiles (split-K: partials, then
-    qkv_rope_kv_reduce tiles); an LM head with the argmax fused also writes the argmax's
-    chunk partials, one a tile and row (``next_token="argmax"`` only)."""
+    qkv_rope_kv_reduce tiles); an LM head with the argmax fused also folds each row's
+    argmax into ``argmax.best`` (``next_token="argmax"`` only)."""
     d = node.dims
     M, N, K = d["M"], d["N"], d["K"]
     fused = [nodes[f] for f in choice.fuse if nodes[f].kind != "argmax"]
@@ -342,12 +342,10 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     if argmax:
         if choice.split_k != 1 or rope is not None:
             raise ValueError(f"lower_decode_step: op {node.name} fuses the argmax with split_k={choice.split_k}"
-                             f"{' and RoPE' if rope is not None else ''}: only whole-K LM head tiles write its "
-                             f"partials")
-        tiles_n = -(-N // choice.block_n)
+                             f"{' and RoPE' if rope is not None else ''}: only whole-K LM head tiles fold "
+                             f"the argmax")
         flags["argmax"] = True
-        epilogue.update(part_val=activation("argmax.val", M, tiles_n),
-                        part_idx=activation("argmax.idx", M, tiles_n, dt=torch.int32))
+        epilogue["best"] = activation("argmax.best", M, dt=torch.int64)
     try:
         if choice.split_k == 1:
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None

@@ -46,7 +46,7 @@ from mk.persistent.graph import SCHEDULES  # the planner chooses between them (t
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import linear_k_splits
 
-from .cost import OpChoice, PhaseCost, idle_wait_ops, linear_tiles_n, phase_costs
+from .cost import OpChoice, PhaseCost, _tile_rows_for, idle_wait_ops, linear_tiles_n, phase_costs
 from .device import DeviceSpec
 from .graph import OpGraph
 
@@ -122,15 +122,15 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
                 raise ValueError(f"op {node.name}: runs of tiles need one row block (M <= the tile's rows)")
             width, columns = (choice.block_n // 2, d["N"] // 2) if silu else (choice.block_n, d["N"])
             if any(f.kind == "argmax" for f in host_fused):
-                # The LM head's tiles write the argmax partials: each row's reduce waits for
-                # every task, the append for its row's reduce.
+                # The LM head's tiles fold each row's argmax into a word: the token append of
+                # row b waits for every task of b's row block.
                 if choice.split_k != 1:
                     raise ValueError(f"op {node.name}: the argmax fuses into whole-K tiles only, got split_k="
                                      f"{choice.split_k}")
-                lm_tasks = costs[0].tasks
+                tasks_per_block = -(-linear_tiles_n(node, choice)[1] // run)
                 phases += [SimPhase(node.name, costs[0], writes=(width * run, columns)),
-                           SimPhase(node.name, costs[-2], group=(d["M"], lm_tasks)),
-                           SimPhase(node.name, costs[-1], group=(1, 1))]
+                           SimPhase(node.name, costs[1], group=(_tile_rows_for(d["M"], choice.block_n),
+                                                                tasks_per_block))]
                 continue
             if choice.split_k == 1:
                 phases.append(SimPhase(node.name, costs[0], writes=(width * run, columns)))

@@ -20,12 +20,18 @@ from ._device import check_same_device, check_tensor
 
 
 @triton.jit
-def append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, stride_tokens, max_seq):
-    """Sequence ``b``: tokens[b, pos[b] + 1] = next_ids[b], then pos[b] += 1 (when in range)."""
+def append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, stride_tokens, max_seq, tok=None):
+    """Sequence ``b``: tokens[b, pos[b] + 1] = next_ids[b], then pos[b] += 1 (when in range).
+    ``tok``: the token, when the caller has it (it then also stores next_ids[b] = tok)."""
+    if tok is not None:
+        tl.store(next_ids_ptr + b, tok.to(next_ids_ptr.dtype.element_ty))
     pos = tl.load(pos_ptr + b)
     if pos + 1 < max_seq:
-        tok = tl.load(next_ids_ptr + b)
-        tl.store(tokens_ptr + b.to(tl.int64) * stride_tokens + pos + 1, tok.to(tokens_ptr.dtype.element_ty))
+        if tok is None:
+            value = tl.load(next_ids_ptr + b)
+        else:
+            value = tok
+        tl.store(tokens_ptr + b.to(tl.int64) * stride_tokens + pos + 1, value.to(tokens_ptr.dtype.element_ty))
         tl.store(pos_ptr + b, pos + 1)
 
 

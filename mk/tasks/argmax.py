@@ -5,9 +5,9 @@
 with torch.argmax's conventions: the lowest index wins a tie, NaN counts as larger than
 everything, -0.0 equals +0.0. Inside the megakernel the LM head's output tiles can feed
 ``argmax_partial_tile`` chunk by chunk (one (row, chunk) pair per call, writing one
-value and one index), or the LM head's tiles write those partials themselves from their
-accumulators (``argmax_tile_partial``, a chunk = a tile), and one ``argmax_reduce_tile``
-per row combines the chunks. The
+value and one index), and one ``argmax_reduce_tile`` per row combines the chunks. Or the
+LM head's tiles fold their rows into one packed int64 a row by atomic max
+(``argmax_tile_into``) and the step's last task takes it (``argmax_take``). The
 result is exact and deterministic: values are compared through an order-preserving
 integer image of their float32 bits (:func:`order_key`), so no rounding or scheduling
 order can change which index wins.
@@ -46,41 +46,62 @@ def order_key(x):
 
 
 @triton.jit
-def argmax_block(x, cols, valid, SENTINEL, AXIS: tl.constexpr = 0):
-    """(value, index) of the largest valid element of block ``x`` (float32) along ``AXIS``,
-    lowest index on ties: scalars for a 1-D block, one a row for a 2-D block and AXIS=1.
+def argmax_block(x, cols, valid, SENTINEL):
+    """(value, index) of the largest valid element of block ``x`` (float32), lowest index on ties.
 
-    ``cols`` are the elements' global indices (int32) and ``valid`` their mask, both
-    broadcast against x. With no valid element the result is (-inf, SENTINEL); pick
-    SENTINEL above every real index so that any real candidate, even a -inf one, wins over
-    it in :func:`argmax_reduce_tile`.
+    ``cols`` are the elements' global indices (int32). With no valid element the result
+    is (-inf, SENTINEL); pick SENTINEL above every real index so that any real
+    candidate, even a -inf one, wins over it in :func:`argmax_reduce_tile`.
     """
     key = tl.where(valid, order_key(x), _INT32_MIN)  # real keys are > INT32_MIN (-inf's is not)
-    best = tl.max(key, axis=AXIS, keep_dims=True)
-    idx = tl.min(tl.where(valid & (key == best), cols, SENTINEL), axis=AXIS, keep_dims=True)
+    best = tl.max(key, axis=0)
+    idx = tl.min(tl.where(valid & (key == best), cols, SENTINEL), axis=0)
     # Exactly one element matches idx, so the sum is that element's value, NaN or inf included.
-    val = tl.sum(tl.where(cols == idx, x, 0.0), axis=AXIS)
-    idx = tl.min(idx, axis=AXIS)  # drops the kept axis (one element)
+    val = tl.sum(tl.where(cols == idx, x, 0.0), axis=0)
     val = tl.where(idx == SENTINEL, float("-inf"), val)
     return val, idx
 
 
 @triton.jit
-def argmax_tile_partial(y, pid_m, tile, M, V, part_val_ptr, part_idx_ptr, stride_part):
-    """Each row's max of output tile (pid_m, tile) of the logits, ``y`` (float32
-    ``[BLOCK_M, BLOCK_N]``: rows pid_m*BLOCK_M.., columns tile*BLOCK_N..): part_val[row, tile]
-    and part_idx[row, tile], the chunk partials of :func:`argmax_partial_tile` with a chunk
-    of BLOCK_N columns. The LM head's epilogue (:func:`mk.tasks.linear.linear_argmax_epilogue`):
-    the partials come from the tile in registers, so no task reads the logits back.
-    Rows past M and columns past V are left out.
-    """
+def argmax_pack(x, cols):
+    """int64 candidates that order as torch.argmax picks: by x (:func:`order_key`), then the
+    lower index. The key, biased to be non-negative, sits above ``2**31 - 1 - cols``, so
+    every real candidate packs above 0 and zeroed memory is the empty best."""
+    key = order_key(x).to(tl.int64) + 2147483648
+    return (key << 31) | (2147483647 - cols).to(tl.int64)
+
+
+@triton.jit
+def argmax_unpack(packed):
+    """(index int32, value float32) of a packed candidate (:func:`argmax_pack`); a NaN stays a NaN."""
+    idx = (2147483647 - (packed & 2147483647)).to(tl.int32)
+    key = ((packed >> 31) - 2147483648).to(tl.int32)
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)  # order_key is its own inverse on the bits it keeps
+    return idx, bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def argmax_tile_into(y, pid_m, tile, M, V, best_ptr):
+    """Fold output tile (pid_m, tile) of the logits, ``y`` (float32 ``[BLOCK_M, BLOCK_N]``:
+    rows pid_m*BLOCK_M.., columns tile*BLOCK_N..), into each row's best candidate: one atomic
+    max of packed (value, index) pairs (:func:`argmax_pack`) into int64 ``best[row]``. The LM
+    head's epilogue (:func:`mk.tasks.linear.linear_argmax_epilogue`): no task reads the logits
+    back and no reduce task runs; the max is the same in any order the tiles arrive.
+    ``best`` must start at 0 (:func:`argmax_take` leaves it so). Rows past M and columns past
+    V are left out."""
     BLOCK_M: tl.constexpr = y.shape[0]
     BLOCK_N: tl.constexpr = y.shape[1]
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    val, idx = argmax_block(y, cols[None, :], (cols < V)[None, :], V, AXIS=1)
-    tl.store(part_val_ptr + rows * stride_part + tile, val, mask=rows < M)
-    tl.store(part_idx_ptr + rows * stride_part + tile, idx, mask=rows < M)
+    packed = tl.where((cols < V)[None, :], argmax_pack(y, cols[None, :]), 0)
+    tl.atomic_max(best_ptr + rows, tl.max(packed, axis=1), mask=rows < M, sem="relaxed")
+
+
+@triton.jit
+def argmax_take(best_ptr, row):
+    """(index int32, value float32) of row's best candidate (:func:`argmax_tile_into`), and
+    best[row] back to 0 for the next step, in one atomic exchange."""
+    return argmax_unpack(tl.atomic_xchg(best_ptr + row, tl.zeros([], tl.int64)))
 
 
 @triton.jit
@@ -214,6 +235,20 @@ def argmax(logits: torch.Tensor, *, block_v: int | None = None) -> torch.Tensor:
         BLOCK_C=argmax_block_c(n_chunks), num_warps=4,
     )
     return out
+
+
+def argmax_pack_ref(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """:func:`argmax_pack` in torch: int64 candidates of float32 ``x`` at int ``cols``."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    bits = torch.where(bits == -2**31, 0, bits)  # -0.0
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = torch.where(torch.isnan(x), 2**31 - 1, key)
+    return ((key + 2**31) << 31) | (2**31 - 1 - cols.long())
+
+
+def argmax_unpack_ref(packed: int) -> int:
+    """The index of a packed candidate (:func:`argmax_unpack`)."""
+    return 2**31 - 1 - (int(packed) & (2**31 - 1))
 
 
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:

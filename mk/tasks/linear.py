@@ -53,7 +53,7 @@ from ._cost import TaskCost
 from ._device import (SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype, check_tensor,
                       smem_per_block, use_pdl)
 from ._dot import fold_weight_major, mma, mma_weight_major
-from .argmax import argmax_tile_partial
+from .argmax import argmax_tile_into
 
 #: Largest M served by the skinny (decode) configs; above it, prefill tiles.
 SKINNY_MAX_M = 16
@@ -484,7 +484,7 @@ def linear_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
     w_first=None, TMA_STAGES: tl.constexpr = 0,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
-    argmax_args=None,
+    argmax_best=None,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -499,9 +499,8 @@ def linear_tile(
     body) streams weights through a shared-memory ring filled by TMA (needs an allocator for
     on-device descriptors: :func:`mk.tasks.enable_device_descriptors`). ``WAIT``: the caller's
     dependency wait, made inside the weight stream (tl.dot TMA tiles: :func:`_linear_acc`);
-    the wait's new state is returned. ``argmax_args`` = (part_val_ptr, part_idx_ptr,
-    stride_part): an LM head's tile also writes each row's max over its columns
-    (:func:`mk.tasks.argmax.argmax_tile_partial`).
+    the wait's new state is returned. ``argmax_best``: an LM head's tile also folds each
+    row's max over its columns into best[row] (:func:`mk.tasks.argmax.argmax_tile_into`).
     """
     WAITS: tl.constexpr = WAIT is not None
     res = None
@@ -521,9 +520,8 @@ def linear_tile(
                           TMA_STAGES=TMA_STAGES)
     y = _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                          HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
-    if argmax_args is not None:
-        part_val_ptr, part_idx_ptr, stride_part = argmax_args
-        argmax_tile_partial(y.to(tl.float32), pid_m, pid_n, M, N, part_val_ptr, part_idx_ptr, stride_part)
+    if argmax_best is not None:
+        argmax_tile_into(y.to(tl.float32), pid_m, pid_n, M, N, argmax_best)
     if WAITS:
         return state
     else:
@@ -779,12 +777,12 @@ def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
 @triton.jit
 def linear_argmax_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for an LM head: the store, then each row's max over the
-    tile's columns (:func:`mk.tasks.argmax.argmax_tile_partial`, from the values as stored).
-    ``args``: (out_ptr, M, N, stride_om, part_val_ptr, part_idx_ptr, stride_part); FLAGS: None."""
-    out_ptr, M, N, stride_om, part_val_ptr, part_idx_ptr, stride_part = args
+    tile's columns into best[row] (:func:`mk.tasks.argmax.argmax_tile_into`, from the values
+    as stored). ``args``: (out_ptr, M, N, stride_om, best_ptr); FLAGS: None."""
+    out_ptr, M, N, stride_om, best_ptr = args
     y = _linear_epilogue(acc, out_ptr, out_ptr, pid_m, pid_n, M, N, stride_om, stride_om, HAS_RESIDUAL=False,
                          SILU_MUL=False, BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
-    argmax_tile_partial(y.to(tl.float32), pid_m, pid_n, M, N, part_val_ptr, part_idx_ptr, stride_part)
+    argmax_tile_into(y.to(tl.float32), pid_m, pid_n, M, N, best_ptr)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """Compile a decoder-layer megakernel (embedding, rope_kv, the fused QKV + RoPE, split-KV
-attention, argmax and the linear ops) for sm_90 in bfloat16 without a GPU. Run by test_model_ops.py in a subprocess,
+attention, argmax, the LM head folding the argmax, the token append and the linear ops) for sm_90 in bfloat16 without a GPU. Run by test_model_ops.py in a subprocess,
 because the interpreter switch is read when Triton decorates kernels."""
 
 import os
@@ -31,7 +31,8 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                     ("h2", z(B, H)), ("h2n", z(B, H)), ("wlm", z(V, H)), ("logits", z(B, V)),
                     ("pv", z(B, 4, dt=torch.float32)), ("pi", z(B, 4, dt=torch.int32)),
                     ("val", z(B, dt=torch.float32)), ("arrivals", z(B * HKV, dt=torch.int32)),
-                    ("wsq", z(2, B, qkv_n, dt=torch.float32))):
+                    ("wsq", z(2, B, qkv_n, dt=torch.float32)), ("best", z(B, dt=torch.int64)),
+                    ("tokens", z(B, S, dt=torch.int32))):
         g.buffer(name, t)
 
     def add(op, **bind):
@@ -75,6 +76,15 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("argmax_partial", rows=B, vocab=V, block_v=256), logits="logits", part_val="pv", part_idx="pi")
     add(make_op("argmax_reduce", rows=B, vocab=V, block_v=256), part_val="pv", part_idx="pi", out_idx="ids",
         out_val="val")
+    add(make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos", tokens="tokens")
+    # The LM head folding each row's argmax into one word (tl.dot tiles; a GEMV run through
+    # the TMA ring), which the token append then takes.
+    add(make_op("linear", M=B, N=V, K=H, block_n=128, tma_stages=3, argmax=True, dtype=BF16), x="h2n", w="wlm",
+        out="logits", best="best")
+    add(make_op("linear", M=1, N=V, K=H, block_n=32, block_k=128, tma_stages=3, tiles_per_task=4, argmax=True,
+                dtype=BF16), x="h2n", w="wlm", out="logits", best="best")
+    add(make_op("append_token", batch=B, max_seq=S, from_best=True), next_ids="ids", pos="pos", tokens="tokens",
+        best="best")
     return g
 
 
@@ -82,12 +92,14 @@ def main() -> None:
     program = lower(decoder_graph(), num_workers=8)
     names = {spec.name for spec, _ in program.variants}
     assert {"embedding", "rope_kv", "qkv_rope_kv", "qkv_rope_kv_reduce", "decode_attention_partial", "decode_attention_merge",
-            "decode_attention", "argmax_partial", "argmax_reduce"} <= names, names
+            "decode_attention", "argmax_partial", "argmax_reduce", "append_token"} <= names, names
+    assert sum(spec.name == "append_token" for spec, _ in program.variants) == 2  # with and without the argmax word
     compiled = compile_for_target(program, num_warps=4)
     ptx = compiled.asm["ptx"]
     # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), the acquire of the waits,
     # the arrival count of the one-phase attention and its merge's loads from L2.
-    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg"):
+    # The LM head's argmax words: 64-bit atomic max, and the append's exchange.
+    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg", "max.s64", "exch.b64"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
     print("ok")
 

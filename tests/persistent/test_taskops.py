@@ -583,54 +583,55 @@ def test_vm_checks_buffers_that_are_the_same_memory():
     run_vm(program, interleave="round_robin")
 
 
-@pytest.mark.parametrize("M,tma,run,block_n", [(1, 3, 2, 16), (1, 0, 1, 16), (3, 2, 1, 16), (3, 0, 1, 32), (3, 2, 2, 16)])
-def test_lm_head_tiles_write_the_argmax_partials(M, tma, run, block_n):
-    """An LM head with ``argmax=True`` stores its logits and, for each x row and tile, the
-    max over the tile's columns and its index (the lowest of equal maxima); the row reduce
-    over those partials (n_chunks = the tiles) is torch.argmax of the stored logits. Small
-    integers make the products exact, so the planted ties (two equal best rows, in two
-    tiles; a tie inside one tile) are real ties. GEMV runs through the TMA ring, register
-    GEMV tiles, decode tl.dot tiles; the vocabulary (45) clips the last tile. The VM runs
-    the op's torch semantics against the same regions."""
-    N, K = 45, 64
+@pytest.mark.parametrize("M,tma,run,block_n", [(1, 3, 2, 16), (1, 0, 1, 16), (3, 2, 1, 16), (3, 0, 1, 32),
+                                                (3, 2, 2, 16)])
+def test_lm_head_tiles_fold_the_argmax_and_the_append_takes_it(M, tma, run, block_n):
+    """An LM head with ``argmax=True`` stores its logits and folds each row's best (value,
+    index) into best[row] by atomic max; the token append with ``from_best`` takes it as the
+    row's next token (torch.argmax of the stored logits: the lowest of equal maxima), appends
+    it and leaves best at zero for the next step. Small integers make the products exact, so
+    the planted ties (two equal best rows in one tile, one in another; across the clipped
+    last tile) are real ties. GEMV runs through the TMA ring, register GEMV tiles, decode
+    tl.dot tiles and their runs; the LM head's tasks are a team (no task waits for another).
+    The VM runs the ops' torch semantics against the same regions in random orders."""
+    N, K, S = 45, 64, 6
     gen = torch.Generator().manual_seed(M * 100 + tma * 10 + run + block_n)
     x = torch.randint(-2, 3, (M, K), generator=gen).float()
     w = torch.randint(-2, 3, (N, K), generator=gen).float()
     w[[9, 12, 40]] = 3 * x[0].sign()  # row 0's best: 9 and 12 in one tile, 40 in the last
-    w[[20, 33]] = 3 * x[-1].sign()  # the last row's best (row 0's too when M = 1): tiles 1 and 2
-    tiles_n = -(-N // block_n)
+    w[[20, 33]] = 3 * x[-1].sign()  # the last row's best (row 0's too when M = 1)
     op = make_op("linear", M=M, N=N, K=K, block_n=block_n, block_k=32, tma_stages=tma, tiles_per_task=run,
                  argmax=True, dtype=F32)
-    reduce = make_op("argmax_reduce", rows=M, vocab=N, n_chunks=tiles_n)
-    assert op.operands[-2:] == ("part_val", "part_idx") and reduce.constexprs["N_CHUNKS"] == tiles_n
+    append = make_op("append_token", batch=M, max_seq=S, from_best=True)
+    assert op.operands[-1] == "best" and op.sync_operands == append.sync_operands == ("best",)
     want = linear_ref(x, w)
     for engine in ("megakernel", "vm"):
         g = TaskGraph()
         g.buffer("x", x.clone()), g.buffer("w", w.clone()), g.buffer("y", torch.full((M, N), float("nan")))
-        g.buffer("pv", torch.full((M, tiles_n), float("nan"))), g.buffer("pi", torch.full((M, tiles_n), -1, dtype=torch.int32))
-        g.buffer("idx", torch.full((M,), -1, dtype=torch.int64)), g.buffer("val", torch.full((M,), float("nan")))
-        for a in linear_tiles(op):
-            g.add(op, x="x", w="w", out="y", part_val="pv", part_idx="pi", **a)
-        for r in range(M):
-            g.add(reduce, part_val="pv", part_idx="pi", out_idx="idx", out_val="val", row=r)
+        g.buffer("best", torch.zeros(M, dtype=torch.int64)), g.buffer("ids", torch.full((M,), -1, dtype=torch.int32))
+        g.buffer("pos", torch.tensor([1, 4, S - 1][:M], dtype=torch.int32))
+        g.buffer("tokens", torch.zeros(M, S, dtype=torch.int32))
+        lm = [g.add(op, x="x", w="w", out="y", best="best", **a) for a in linear_tiles(op)]
+        for b in range(M):
+            g.add(append, next_ids="ids", pos="pos", tokens="tokens", best="best", b=b)
+        program = lower(g, num_workers=1 if engine == "megakernel" else 5)
+        assert all(program.task_waits[t] == [] for t in lm)  # a team: no LM head task waits for another
         if engine == "megakernel":
-            Megakernel(lower(g, 1)).run()
+            Megakernel(program).run()
         else:
-            run_vm(lower(g, num_workers=5), interleave="random", seed=M + run)
+            run_vm(program, interleave="random", seed=M + run)
         b = g.buffers
         assert torch.equal(b["y"], want), engine
-        chunks = torch.nn.functional.pad(want, (0, tiles_n * block_n - N), value=float("-inf"))
-        chunks = chunks.view(M, tiles_n, block_n)
-        assert torch.equal(b["pv"], chunks.max(dim=2).values), engine
-        assert torch.equal(b["pi"].long(), chunks.argmax(dim=2) + torch.arange(tiles_n) * block_n), engine
-        assert b["idx"].tolist() == want.argmax(dim=1).tolist(), engine
-        assert torch.equal(b["val"], want.max(dim=1).values), engine
+        best = want.argmax(dim=1)
+        assert b["ids"].tolist() == best.tolist(), engine
+        assert b["best"].tolist() == [0] * M, engine
+        for r, p in enumerate([1, 4, S - 1][:M]):  # the last position has no room: nothing appended
+            assert b["pos"][r] == min(p + 1, S - 1) and b["tokens"][r].tolist() == [
+                int(best[r]) if (c == p + 1) else 0 for c in range(S)], engine
     # The planted ties decided the answers (with M = 1 all five rows tie).
     assert want[0].argmax() == 9 and want[-1].argmax() == (20 if M > 1 else 9)
 
 
-def test_argmax_partials_need_an_lm_head_epilogue():
+def test_argmax_folds_only_into_an_lm_head_epilogue():
     with pytest.raises(ValueError, match="no residual or silu_mul"):
         make_op("linear", M=1, N=32, K=16, residual=True, argmax=True, dtype=F32)
-    with pytest.raises(ValueError, match="n_chunks=40 partials of a vocabulary of 32"):
-        make_op("argmax_reduce", rows=1, vocab=32, n_chunks=40)

@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 from mk.tasks import TaskCost
-from mk.tasks.argmax import (argmax, argmax_cost, argmax_reduce_kernel, argmax_ref, argmax_smem_bytes,
-                             argmax_tile_partial)
+from mk.tasks.argmax import (argmax, argmax_cost, argmax_pack_ref, argmax_reduce_kernel, argmax_ref,
+                             argmax_smem_bytes, argmax_take, argmax_tile_into, argmax_unpack_ref)
 from tests.conftest import DTYPES
 
 argmax_mod = importlib.import_module("mk.tasks.argmax")  # the module: mk.tasks.argmax is the op
@@ -98,44 +98,54 @@ def test_argmax_reduce_tile_partials(device):
 
 
 @triton.jit
-def _tile_partial_kernel(y_ptr, part_val_ptr, part_idx_ptr, M, V, stride_part,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Program t is output tile (0, t) of [M, V] logits, held as an LM head tile holds it.
+def _fold_tiles_kernel(y_ptr, best_ptr, M, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program t folds output tile (0, t) of [M, V] logits, held as an LM head tile holds it.
     tile = tl.program_id(0)
     rows, cols = tl.arange(0, BLOCK_M), tile * BLOCK_N + tl.arange(0, BLOCK_N)
     y = tl.load(y_ptr + rows[:, None] * V + cols[None, :], mask=(rows < M)[:, None] & (cols < V)[None, :],
-                other=12345.0)  # what a tile holds past V must not win
-    argmax_tile_partial(y, 0, tile, M, V, part_val_ptr, part_idx_ptr, stride_part)
+                other=float("nan"))  # what a tile holds past V must not win
+    argmax_tile_into(y, 0, tile, M, V, best_ptr)
 
 
-def test_argmax_tile_partial_is_each_rows_chunk_partial(device):
-    # An LM head tile's row maxima (argmax_tile_partial) are the chunk partials of its
-    # columns, special values as torch.argmax orders them; the reduce over them (a chunk = a
-    # tile) is torch.argmax of the whole rows.
+@triton.jit
+def _take_kernel(best_ptr, idx_ptr, val_ptr):
+    idx, val = argmax_take(best_ptr, tl.program_id(0))
+    tl.store(idx_ptr + tl.program_id(0), idx)
+    tl.store(val_ptr + tl.program_id(0), val)
+
+
+def test_lm_head_tiles_fold_into_one_packed_word_a_row(device):
+    # LM head tiles fold their rows into best[row] (argmax_tile_into: atomic max of packed
+    # (value, index)), whatever order they arrive in; argmax_take is torch.argmax of the
+    # whole row, special values ordered as torch orders them, and zeroes best again.
     inf, nan = float("inf"), float("nan")
-    M, V, block_n = 5, 70, 16
-    logits = torch.randn(M, V, device=device)
+    M, V, block_n = 6, 70, 16
+    logits = torch.randn(M, V)
     logits[0, [20, 35, 69]] = 6.0                # ties across tiles, one in the clipped last tile
-    logits[1] = -inf                             # all -inf: each tile's first column
-    logits[2, [3, 50]] = nan                     # NaN wins, the first one
+    logits[1] = -inf                             # all -inf
+    logits[2, [50, 3]] = nan                     # NaN wins, the first one
     logits[3] = 0.0
     logits[3, 0] = -0.0                          # -0.0 equals +0.0
     logits[4, [66, 64]] = inf
+    logits[5] = -1e-30                           # tiny negatives against the empty word (0)
+    logits[5, 33] = -1e-31
+    logits = logits.to(device)
     tiles = -(-V // block_n)
-    part_val = torch.full((M + 1, tiles), 7.0, device=device)  # a row past M stays untouched
-    part_idx = torch.full((M + 1, tiles), -1, dtype=torch.int32, device=device)
-    _tile_partial_kernel[(tiles,)](logits, part_val, part_idx, M, V, part_val.stride(0), BLOCK_M=8, BLOCK_N=block_n)
-    for t in range(tiles):
-        chunk = logits[:, t * block_n:(t + 1) * block_n].cpu()
-        best = argmax_ref(chunk)
-        assert part_idx[:M, t].cpu().tolist() == (best + t * block_n).tolist(), t
-        torch.testing.assert_close(part_val[:M, t].cpu(), chunk.gather(1, best[:, None])[:, 0], rtol=0, atol=0,
-                                   equal_nan=True)
-    assert (part_val[M] == 7.0).all() and (part_idx[M] == -1).all()
-    out = torch.empty(M, dtype=torch.int64, device=device)
-    out_val = torch.empty(M, dtype=torch.float32, device=device)
-    argmax_reduce_kernel[(M,)](part_val, part_idx, out, out_val, tiles, part_val.stride(0), BLOCK_C=8)
-    assert out.cpu().tolist() == [20, 0, 3, 0, 64] == argmax_ref(logits).cpu().tolist()
+    best = torch.zeros(M + 1, dtype=torch.int64, device=device)  # the row past M stays 0
+    _fold_tiles_kernel[(tiles,)](logits, best, M, V, BLOCK_M=8, BLOCK_N=block_n)
+    want = argmax_ref(logits).cpu()
+    assert want.tolist() == [20, 0, 3, 0, 64, 33]
+    # The torch twin (the VM's) packs the same words.
+    cols = torch.arange(V)
+    assert best[:M].cpu().tolist() == argmax_pack_ref(logits.cpu(), cols).amax(dim=1).tolist()
+    assert [argmax_unpack_ref(p) for p in best[:M].tolist()] == want.tolist() and best[M] == 0
+    idx = torch.full((M,), -1, dtype=torch.int32, device=device)
+    val = torch.zeros(M, device=device)
+    _take_kernel[(M,)](best, idx, val)
+    assert idx.cpu().tolist() == want.tolist() and best.cpu().tolist() == [0] * (M + 1)
+    want_val = logits.cpu().gather(1, want[:, None])[:, 0]
+    want_val[3] = 0.0  # -0.0 is packed as +0.0
+    torch.testing.assert_close(val.cpu(), want_val, rtol=0, atol=0, equal_nan=True)
 
 
 def test_argmax_rejects_bad_input(device):
