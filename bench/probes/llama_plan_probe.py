@@ -109,25 +109,18 @@ def skinny(bn, bk, ring, workers=None):
     return transform
 
 
-def unfused_rope(plan, graph):
-    """The plan with RoPE + KV append as its own task after each QKV linear (as before the fusion)."""
-    choices = {}
-    for name, c in plan.choices.items():
-        ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv"]
-        choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in ropes))
-        choices.update({f: OpChoice() for f in ropes})
-    return replace(plan, choices=choices)
-
-
-def unfused_argmax(plan, graph):
-    """The plan with the argmax's chunk partials as their own tasks after the LM head (as
-    before session 26), not written by the LM head's tiles."""
-    choices = {}
-    for name, c in plan.choices.items():
-        mine = [f for f in c.fuse if graph.node(f).kind == "argmax"]
-        choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in mine))
-        choices.update({f: OpChoice() for f in mine})
-    return replace(plan, choices=choices)
+def unfused(kind):
+    """The plan with every op of ``kind`` fused into a host run as its own tasks again:
+    ``rope_kv`` (RoPE + KV append after each QKV linear, as before session 9), ``argmax``
+    (its chunk partials and reduce after the LM head, as before session 26)."""
+    def transform(plan, graph):
+        choices = {}
+        for name, c in plan.choices.items():
+            mine = [f for f in c.fuse if graph.node(f).kind == kind]
+            choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in mine))
+            choices.update({f: OpChoice() for f in mine})
+        return replace(plan, choices=choices)
+    return transform
 
 
 def unfused_norm(*ops):
@@ -214,7 +207,7 @@ VARIANTS = {
     "kv4": kv_splits(4),
     "kv8": kv_splits(8),
     # RoPE + KV append as its own task again (fused into the QKV tiles since session 9).
-    "unfused_rope": unfused_rope,
+    "unfused_rope": unfused("rope_kv"),
     # 8-row GEMV tiles for the 2048-row projections: 256 tasks instead of 128.
     "bn8_o_down": tuned(("o_proj", "down"), block_n=8),
     # Deeper rings for the 2048-row projections (128 tasks: more bytes in flight a worker).
@@ -263,7 +256,7 @@ VARIANTS = {
     "lm128s2": tuned(("lm_head",), split_k=2),
     # Session 26: the argmax partials in the LM head's epilogue (the search's) or their own
     # tasks; batch 8's LM head as runs of four 128-row tiles (251 tasks: one wave).
-    "unfused_argmax": unfused_argmax,
+    "unfused_argmax": unfused("argmax"),
     "lm128r4": tuned(("lm_head",), tiles_per_task=4),
     "lm64_ring4": lambda p, g: tuned(tma_stages=4)(tuned(("lm_head",), block_n=64, block_k=128)(p, g), g),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
@@ -314,7 +307,7 @@ VARIANTS = {
     # What a batch-1 QKV task spends its ~0.6 us a chunk on (session 23's open question): run
     # these traced at 4 warps a worker (``unfused_norm_qkv@w4n264``: the rmsnorm op's own 8
     # warps would halve the workers) and compare the QKV tasks' time after their wait.
-    "unfused_norm_rope_qkv": lambda p, g: unfused_rope(unfused_norm("qkv")(p, g), g),
+    "unfused_norm_rope_qkv": lambda p, g: unfused("rope_kv")(unfused_norm("qkv")(p, g), g),
     # Grouped GEMV streams (session 18, mk.tasks.linear.gemv_stream): rings of 9 stream two
     # groups of 4 chunks in flight; ring4 is the plans before them.
     "ring4": tuned(tma_stages=4),
