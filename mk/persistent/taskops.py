@@ -363,7 +363,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     s = _LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
     if argmax and (residual or silu_mul):
-        raise ValueError("linear: argmax partials come from an LM head's logits; no residual or silu_mul epilogue")
+        raise ValueError("linear: the argmax folds an LM head's logits; no residual or silu_mul epilogue")
     tma, double_buffer, preload = _weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     operands += ("best",) if argmax else ()
@@ -378,18 +378,16 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     body = s.waiting(body, tma)
     if s.streams_in_run(tma):
         if argmax:
-            epilogue = s.run_body(norm, "0, K", "linear_argmax_epilogue", "out, M, N, N, best",
-                                  wait=s.waits_in_body(tma))
+            body = s.run_body(norm, "0, K", "linear_argmax_epilogue", "out, M, N, N, best", wait=s.waits_in_body(tma))
         else:
-            epilogue = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
-                                  "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
-        body = epilogue
+            body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
+                              "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     prefetch = _FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   **s.stream_constexprs(tma),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
     if argmax:
-        constexprs["ARGMAX"] = 1
+        constexprs["ARGMAX"] = 1  # its own branch (a branch's key is its name and constexprs)
     if norm:
         constexprs["EPS"] = float(eps)
 

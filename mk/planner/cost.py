@@ -397,11 +397,9 @@ def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[in
         #   (the same elements), so about + 0 = reads - writes;
         # - the argmax: the host folds its tiles into a word a row (atomics, in L2) and
         #   nothing reads the logits back, so - what the argmax reads and writes.
-        if f.kind == "argmax":
-            pass
-        elif f.kind == "silu_mul":
+        if f.kind == "silu_mul":
             nbytes += f.bytes_written - f.bytes_read
-        else:
+        elif f.kind != "argmax":
             nbytes += f.bytes_read - f.bytes_written
         flops += f.flops
     return max(nbytes, 0), flops

@@ -26,8 +26,8 @@ from .simulate import SCHEDULES, simulate_step
 
 #: (kind of the fused op, kind of its host): what the task bodies can do in one tile. RoPE
 #: + KV append fuses into a QKV linear's tiles, or its split-K reduce (:mod:`mk.tasks.qkv_rope`);
-#: the argmax's chunk partials into the LM head's whole-K tiles
-#: (:func:`mk.tasks.argmax.argmax_tile_partial`), leaving its row reduce.
+#: the argmax into the LM head's whole-K tiles, which fold each row's best into one word
+#: (:func:`mk.tasks.argmax.argmax_tile_into`), leaving only the token append.
 SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear"), ("rope_kv", "linear"),
                      ("argmax", "linear")}
 
