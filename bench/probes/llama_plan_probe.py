@@ -258,6 +258,10 @@ VARIANTS = {
     # tasks; batch 8's LM head as runs of four 128-row tiles (251 tasks: one wave).
     "unfused_argmax": unfused("argmax"),
     "lm128r4": tuned(("lm_head",), tiles_per_task=4),
+    # Session 27: split-K reduce tiles as wide as the partials' (before: the search cuts each
+    # partial tile into as many reduce tasks as one wave of workers takes), or 64 columns.
+    "wide_reduce": tuned(reduce_block_n=0),
+    "reduce64": tuned(reduce_block_n=64),
     "lm64_ring4": lambda p, g: tuned(tma_stages=4)(tuned(("lm_head",), block_n=64, block_k=128)(p, g), g),
     # Runs of tiles a task (session 11): the session-10 tiles one a task and as runs; uniform tiles as runs.
     "session10": tiles(False, **SESSION10[KEY]),

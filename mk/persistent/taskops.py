@@ -143,6 +143,9 @@ class _LinearShape:
         self.n_out = N // 2 if silu_mul else N
         self.silu_mul = silu_mul
         self.tiles_m, self.tiles_n = _cdiv(M, self.bm), _cdiv(N, self.bn)
+        # Width of the partial tiles whose sums of x**2 a split-K reduce reads (NORM_SQ): its
+        # own, unless a reduce cuts each partial tile into several (:meth:`narrow_reduce`).
+        self.sq_bn = self.bn
         # A task is a run of tiles_per_task adjacent tiles along N (mk.tasks.linear.linear_run),
         # so for regions and the VM it is one tile of tiles_per_task * bn weight rows.
         self.run = tiles_per_task
@@ -252,8 +255,19 @@ class _LinearShape:
         return bool(norm) and self.bm > 1 and tma > 0 and not self.streams_in_run(tma)
 
     def ws_cols(self, norm_sq: bool) -> int:
-        """Columns of the workspace: N, and with norm_sq a sum-of-squares column per tile."""
-        return self.N + (self.tiles_n if norm_sq else 0)
+        """Columns of the workspace: N, and with norm_sq a sum-of-squares column per partial tile."""
+        return self.N + (_cdiv(self.N, self.sq_bn) if norm_sq else 0)
+
+    def narrow_reduce(self, part_block_n: int | None) -> int:
+        """A reduce op's tiles within partial tiles of ``part_block_n`` columns (None: as wide
+        as its own): returns the PART_BLOCK_N constexpr (0 where the widths match)."""
+        if part_block_n is None or part_block_n == self.bn:
+            return 0
+        if isinstance(part_block_n, bool) or not isinstance(part_block_n, int) or part_block_n % self.bn:
+            raise ValueError(f"{self.op}: a reduce tile of {self.bn} columns must lie within one partial tile: "
+                             f"part_block_n must be a multiple of {self.bn}, got {part_block_n!r}")
+        self.sq_bn = part_block_n
+        return part_block_n
 
     def ws_regions(self, a, bind, norm_sq: bool = False) -> list:
         """The workspace boxes a split-K reduce of tile ``a`` reads: its tile in every split
@@ -261,7 +275,7 @@ class _LinearShape:
         r0, r1, n0, n1, _, _ = self.tile(a)
         regs = [Region(bind["ws"], *self.ws_rows(split, r0, r1), n0, n1) for split in range(self.split_k)]
         if norm_sq:
-            col = self.N + a["pid_n"]
+            col = self.N + n0 // self.sq_bn
             regs += [Region(bind["ws"], *self.ws_rows(split, r0, r1), col, col + 1) for split in range(self.split_k)]
         return regs
 
@@ -280,7 +294,7 @@ class _LinearShape:
         r0, r1, n0, n1, _, _ = self.tile(a)
         acc = self._split_sum(b, r0, r1, n0, n1)
         if norm_sq:
-            col = self.N + a["pid_n"]
+            col = self.N + n0 // self.sq_bn
             acc = acc * torch.rsqrt(self._split_sum(b, r0, r1, col, col + 1) / self.K + eps)
         return acc
 
@@ -519,7 +533,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
 def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                      residual: bool = False, silu_mul: bool = False, norm_sq: bool = False, eps: float = 1e-6,
-                     dtype: torch.dtype | None = None) -> OpSpec:
+                     part_block_n: int | None = None, dtype: torch.dtype | None = None) -> OpSpec:
     """Sum the split_k float32 partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
     Operands: ws float32 ``[split_k, M, N]``, res ``[M, N]`` (with residual), out ``[M, N]``
@@ -527,17 +541,20 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     :func:`linear_partial_op` it pairs with (K and block_k only pick the same default tiles).
     ``norm_sq``: the partials' ``NORM_SQ`` (ws then has their sums of x**2 after its N
     columns); the sum is scaled by the RMSNorm's rstd (``eps``) here.
+    ``part_block_n``: the partials' block_n, where the reduce's tiles (``block_n``) are
+    narrower, each partial tile then reduced by several tasks (a multiple of block_n).
     """
     s = _LinearShape("linear_reduce", M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      0, dtype)
+    part_bn = s.narrow_reduce(part_block_n)
     operands = ("ws",) + (("res",) if residual else ()) + ("out",)
     res = "res" if residual else "out"
     body = (f"linear_splitk_reduce_tile(ws, {res}, out, pid_m, pid_n, M, N, SPLIT_K, M * WS_N, WS_N, N_OUT, N_OUT, "
             f"HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, "
-            f"NORM_SQ=NORM_SQ)")
+            f"NORM_SQ=NORM_SQ, PART_BLOCK_N=PART_BLOCK_N)")
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul), NORM_SQ=int(norm_sq),
-                      WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
+                      WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0, PART_BLOCK_N=part_bn)
 
     def run(b, a):
         s.store(b, a, s.reduce(b, a, norm_sq, eps), residual)
@@ -715,14 +732,15 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
 def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int,
                           split_k: int, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int | None = None, num_warps: int | None = None, write_seqlens: bool = False,
-                          norm_sq: bool = False, eps: float = 1e-6, dtype: torch.dtype | None = None) -> OpSpec:
+                          norm_sq: bool = False, eps: float = 1e-6, part_block_n: int | None = None,
+                          dtype: torch.dtype | None = None) -> OpSpec:
     """Tile (pid_m, pid_n) of a split-K QKV projection: sum its float32 partials (from a
     :func:`linear_partial_op` of the same sizes, N = (Hq + 2 Hkv) * D, q/k rows interleaved),
     then RoPE + KV append as :func:`qkv_rope_kv_op` does.
 
     Operands: ws float32 ``[split_k, batch, N]``, pos, inv_freq, q, k_cache, v_cache (and
     seqlens with ``write_seqlens``) as in :func:`qkv_rope_kv_op`. Args: pid_m, pid_n.
-    ``norm_sq``: as :func:`linear_reduce_op` (the RMSNorm's rstd applied here).
+    ``norm_sq``, ``part_block_n``: as :func:`linear_reduce_op` (the RMSNorm's rstd applied here).
     """
     op = "qkv_rope_kv_reduce"
     _check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
@@ -734,14 +752,17 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
                      0, dtype)
     if s.bn % 2:
         raise ValueError(f"{op}: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
+    part_bn = s.narrow_reduce(part_block_n)
     rope = _QkvRope(op, s, batch, hq, hkv, d, max_seq, write_seqlens)
     operands = ("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
     body = (f"qkv_rope_kv_reduce_tile(ws, pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, "
             f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * WS_N, WS_N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, "
-            f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ, pre=rope_pre)")
+            f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ, pre=rope_pre, "
+            f"PART_BLOCK_N=PART_BLOCK_N)")
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
     constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens),
-                      NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0)
+                      NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0,
+                      PART_BLOCK_N=part_bn)
 
     def run(b, a):
         rope.store(b, a, s.reduce(b, a, norm_sq, eps))

@@ -50,6 +50,9 @@ class OpChoice:
         one (:func:`mk.tasks.linear.linear_run`): a worker with several tiles of an op pays
         a task's overhead (setup, the stream's ramp) once. The split-K reduces stay one
         tile a task.
+    reduce_block_n: split-K only: the width of the reduce tasks' tiles, a divisor of
+        block_n (0: block_n). A reduce reads its tile's float32 partials from L2 on the
+        layer's critical path; narrower tiles spread that over more (idle) workers.
     """
 
     block_n: int = 0
@@ -61,6 +64,7 @@ class OpChoice:
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
     tiles_per_task: int = 1
+    reduce_block_n: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -293,6 +297,15 @@ def linear_tiles_n(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     return math.ceil(d["M"] / _tile_rows_for(d["M"], choice.block_n)), math.ceil(d["N"] / choice.block_n)
 
 
+def reduce_width(node: OpNode, choice: OpChoice) -> int:
+    """Columns of a split-K linear's reduce tiles (:attr:`OpChoice.reduce_block_n`)."""
+    width = choice.reduce_block_n or choice.block_n
+    if width < 1 or choice.block_n % width:
+        raise ValueError(f"op {node.name}: reduce_block_n must divide block_n={choice.block_n}, "
+                         f"got {choice.reduce_block_n}")
+    return width
+
+
 def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNode] = ()) -> list[tuple[int, int]]:
     """The op's dependency phases as (tasks, bytes of ``nbytes``): tasks of one phase run in
     parallel and the next phase waits for them. A split-K linear is its partial tiles, then
@@ -308,7 +321,8 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNod
         if choice.split_k == 1:
             return [(tasks, nbytes)] + tail
         workspace = d["M"] * d["N"] * choice.split_k * 4
-        return [(tasks * choice.split_k, nbytes - workspace), (blocks * tiles_n, workspace)] + tail
+        reduces = blocks * math.ceil(d["N"] / reduce_width(node, choice))
+        return [(tasks * choice.split_k, nbytes - workspace), (reduces, workspace)] + tail
     if node.kind == "attention":
         return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes)]
     if node.kind == "argmax":

@@ -54,6 +54,7 @@ from mk.persistent.graph import TaskGraph
 from mk.persistent.ops import make_op
 from mk.persistent.taskops import op_tiles
 
+from .cost import reduce_width
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .search import Plan
@@ -356,9 +357,11 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             part = make_op("linear_partial", M=M, N=N, K=K, split_k=choice.split_k, **norm_kw, **tiles, **gemv, **run)
             # (NORM_SQ partials hand the RMSNorm's rstd to the reduce, with their x**2 sums in ws.)
             sq = dict(norm_sq=bool(part.constexprs["NORM_SQ"]), eps=eps)
-            red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **tiles)
+            # (Reduce tiles may be narrower than the partials': several a partial tile.)
+            red_tiles = dict(tiles, block_n=reduce_width(node, choice), part_block_n=choice.block_n)
+            red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **red_tiles)
                    if rope is not None else
-                   make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **tiles))
+                   make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **red_tiles))
             ws = activation(f"{node.name}.ws", choice.split_k, M, part.constexprs["WS_N"])
             add_op(node.name, part, **bind, ws=ws)
             add_op(node.name, red, ws=ws, **epilogue)

@@ -18,8 +18,8 @@ from typing import Callable
 
 from mk.tasks.linear import X_GROUP, gemv_stream
 
-from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_wait_ops, whole_range_stages,
-                   xmajor_decode_tile)
+from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_wait_ops, linear_tiles_n,
+                   whole_range_stages, xmajor_decode_tile)
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
@@ -74,6 +74,7 @@ class Plan:
             tile = (f"BN={c.block_n} BK={c.block_k} split_k={c.split_k} "
                     + (f"tma_ring={c.tma_stages}" if c.tma_stages else f"stages={c.stages}") + f" warps={c.num_warps}"
                     + (f" run={c.tiles_per_task}" if c.tiles_per_task > 1 else "")
+                    + (f" reduce_bn={c.reduce_block_n}" if c.reduce_block_n else "")
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
                     else "the runtime's row tiles")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
@@ -130,6 +131,26 @@ def gemv_chunk_fits(block_n: int, block_k: int, dtype_bytes: int = 2, num_warps:
     return block_n * block_k * dtype_bytes <= GEMV_REG_CHUNK_BYTES * 32 * num_warps
 
 
+#: The narrowest split-K reduce tile (columns): [8 rows, 32 columns] is two floats a thread.
+REDUCE_MIN_COLS = 32
+
+
+def _narrow_reduce(node: OpNode, c: OpChoice, workers: int) -> OpChoice | None:
+    """A split-K choice with its reduce tiles as narrow as one wave of ``workers`` allows
+    (:attr:`OpChoice.reduce_block_n`, down to :data:`REDUCE_MIN_COLS`), or None where they
+    cannot be narrower. A reduce reads split_k float32 partials a column: the 1B batch-8
+    O projection's 16 reduce tasks of 128 columns (split 16, 64 KiB each) took 2.9 us, the
+    gate_up's 128 of 64 (split 2) 1.4 (H200 trace, bench/NOTES.md session 27)."""
+    if c.split_k == 1:
+        return None
+    blocks = linear_tiles_n(node, c)[0]
+    width = c.block_n
+    while (width // 2 >= REDUCE_MIN_COLS and c.block_n % (width // 2) == 0
+           and blocks * math.ceil(node.dims["N"] / (width // 2)) <= workers):
+        width //= 2
+    return replace(c, reduce_block_n=width) if width < c.block_n else None
+
+
 def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: int | None = None) -> list[OpChoice]:
     """Every choice the search tries for ``node`` (before the shared-memory check). With
     ``workers``, a TMA-fed GEMV (M = 1) with more tasks than workers also gets each tile as
@@ -140,7 +161,10 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: 
     d = node.dims
     if node.kind == "linear":
         singles = _linear_candidates(node, device, dtype_bytes)
-        if workers is None or d["M"] > 1:
+        if workers is None:
+            return singles
+        singles += [c for c in map(lambda c: _narrow_reduce(node, c, workers), singles) if c is not None]
+        if d["M"] > 1:
             return singles
         runs = []
         for c in singles:

@@ -46,7 +46,8 @@ from mk.persistent.graph import SCHEDULES  # the planner chooses between them (t
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.linear import linear_k_splits
 
-from .cost import OpChoice, PhaseCost, _tile_rows_for, idle_wait_ops, linear_tiles_n, phase_costs
+from .cost import (OpChoice, PhaseCost, _tile_rows_for, idle_wait_ops, linear_tiles_n, phase_costs,
+                   reduce_width)
 from .device import DeviceSpec
 from .graph import OpGraph
 
@@ -139,8 +140,11 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
             # Reduce tile j waits for the splits of the run holding it (tasks run-major).
             norm = any(nodes[f].kind == "rmsnorm" for f in choice.fuse)
             ranges = None if norm else tuple((r,) for r in linear_k_splits(d["K"], choice.block_k, choice.split_k))
+            # A partial tile may have several (narrower) reduce tiles.
+            per_tile = choice.block_n // reduce_width(node, choice)
             phases += [SimPhase(node.name, costs[0], reads=ranges),
-                       SimPhase(node.name, costs[1], group=(run, choice.split_k), writes=(width, columns))]
+                       SimPhase(node.name, costs[1], group=(run * per_tile, choice.split_k),
+                                writes=(width // per_tile, columns))]
         elif node.kind == "attention":
             # Sequence b's splits wait for b's RoPE task, or, with RoPE in the QKV tiles, KV
             # group g's splits for the tiles of g's q, k and v heads (and in the layer that

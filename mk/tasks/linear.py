@@ -911,11 +911,14 @@ def linear_partial_tile(
 
 @triton.jit
 def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False,
+                      PART_BLOCK_N: tl.constexpr = 0):
     """float32 [BLOCK_M, BLOCK_N]: the split_k partials of tile (pid_m, pid_n) summed in split
     order (bitwise repeatable), read with ``.cg`` (past L1: other SMs wrote them). NORM_SQ:
     the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`) and stored their
-    rows' sums of x**2 at ws[split, row, N + pid_n]; the sum is scaled by the whole rows' rstd.
+    rows' sums of x**2 at ws[split, row, N + t], t the partial tile holding this tile's
+    columns (tiles of PART_BLOCK_N columns; 0: this tile's width); the sum is scaled by the
+    whole rows' rstd.
 
     One unrolled pass issues every load (partials and sums of squares) before the first add:
     a reduce runs on the layer's critical path, and the compiled loop otherwise waited for the
@@ -925,7 +928,10 @@ def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k: tl.constexpr, stride_
     mask_m = offs_m < M
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     ptrs = ws_ptr + offs_m[:, None] * stride_ws_m + offs_n[None, :]
-    sq_ptrs = ws_ptr + offs_m * stride_ws_m + N + pid_n
+    if PART_BLOCK_N:
+        sq_ptrs = ws_ptr + offs_m * stride_ws_m + N + (pid_n * BLOCK_N) // PART_BLOCK_N
+    else:
+        sq_ptrs = ws_ptr + offs_m * stride_ws_m + N + pid_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for s in tl.static_range(split_k):
@@ -943,18 +949,27 @@ def linear_splitk_reduce_tile(
     pid_m, pid_n, M, N, split_k: tl.constexpr,
     stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    K=0, eps=0.0, NORM_SQ: tl.constexpr = False,
+    K=0, eps=0.0, NORM_SQ: tl.constexpr = False, PART_BLOCK_N: tl.constexpr = 0,
 ):
     """Sum the split_k partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
     The fixed order makes the result bitwise repeatable run to run. Partials are read with
     ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs. NORM_SQ:
     the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scale by it here.
+    PART_BLOCK_N: the partials' tile width where this tile is narrower (one of several
+    reduce tiles of a partial tile: :func:`linear_splitk_sum`).
     """
+    res = None
+    if HAS_RESIDUAL:
+        # Asked for before the partials: compiled after them, its round trip came after the
+        # sum's (sm_90 SASS), on the layer's critical path.
+        res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M,
+                             BLOCK_N=BLOCK_N)
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
-                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ)
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ,
+                            PART_BLOCK_N=PART_BLOCK_N)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
 
 
 @triton.jit

@@ -81,14 +81,17 @@ def qkv_rope_kv_reduce_tile(
     pid_m, pid_n, M, max_seq, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False, pre=None,
+    PART_BLOCK_N: tl.constexpr = 0,
 ):
     """Tile (pid_m, pid_n) of a split-K QKV: sum its ``split_k`` float32 partials (written by
     :func:`mk.tasks.linear.linear_partial_tile`, read in split order, from L2), then rotate
     and store as :func:`qkv_rope_kv_tile` does. NORM_SQ: scale by the RMSNorm's rstd, which
-    the partials left out (:func:`mk.tasks.linear.linear_splitk_sum`). ``pre``: the tile's
-    :func:`qkv_rope_operands`, when the caller loaded them before waiting for the partials."""
+    the partials left out (:func:`mk.tasks.linear.linear_splitk_sum`; PART_BLOCK_N as there).
+    ``pre``: the tile's :func:`qkv_rope_operands`, when the caller loaded them before waiting
+    for the partials."""
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, (HQ + 2 * HKV) * HEAD_DIM, split_k, stride_ws_split,
-                            stride_ws_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ)
+                            stride_ws_m, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ,
+                            PART_BLOCK_N=PART_BLOCK_N)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
                          WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, pre=pre)

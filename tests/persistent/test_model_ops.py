@@ -142,19 +142,25 @@ def test_rope_kv_op(hq, hkv, pos_dtype, _seed):
                           "seqlens": torch.full((batch,), -7, dtype=torch.int32)}, check, _seed)
 
 
-@pytest.mark.parametrize("block_n", [32, 128], ids=["x-major", "weight-major"])
-def test_batch_split_k_partials_leave_the_rmsnorm_to_their_reduce(block_n, _seed):
+@pytest.mark.parametrize("block_n,reduce_n", [(32, 32), (128, 128), (128, 32), (32, 16)],
+                         ids=["x-major", "weight-major", "weight-major-4-reduces-a-tile", "x-major-2-reduces-a-tile"])
+def test_batch_split_k_partials_leave_the_rmsnorm_to_their_reduce(block_n, reduce_n, _seed):
     # Decode-batch tl.dot partials through the TMA ring with an RMSNorm prologue (NORM_SQ)
     # read only their K range of x and store its sums of squares beside their tile; the
-    # reduces (residual add, and QKV + RoPE + KV append) scale by the whole rows' rstd.
+    # reduces (residual add, and QKV + RoPE + KV append) scale by the whole rows' rstd, as
+    # tiles of the partials' width or narrower (each reading its partial tile's squares).
     batch, hq, hkv, d, K, max_seq, split_k = 5, 2, 1, 64, 96, 16, 3
     N = (hq + 2 * hkv) * d
     tiles = dict(block_n=block_n, block_k=16, dtype=F32)
     part = make_op("linear_partial", M=batch, N=N, K=K, split_k=split_k, norm=True, eps=EPS, tma_stages=3, **tiles)
     assert part.constexprs["NORM_SQ"] == 1 and part.constexprs["WS_N"] == N + N // block_n
-    red = make_op("linear_reduce", M=batch, N=N, K=K, split_k=split_k, residual=True, norm_sq=True, eps=EPS, **tiles)
+    red_tiles = dict(tiles, block_n=reduce_n, part_block_n=block_n)
+    red = make_op("linear_reduce", M=batch, N=N, K=K, split_k=split_k, residual=True, norm_sq=True, eps=EPS,
+                  **red_tiles)
     rope_red = make_op("qkv_rope_kv_reduce", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, K=K,
-                       max_seq=max_seq, split_k=split_k, norm_sq=True, eps=EPS, **tiles)
+                       max_seq=max_seq, split_k=split_k, norm_sq=True, eps=EPS, **red_tiles)
+    assert red.constexprs["WS_N"] == rope_red.constexprs["WS_N"] == part.constexprs["WS_N"]
+    assert len(op_tiles(red)) == -(-batch // red.constexprs["BLOCK_M"]) * N // reduce_n
     w_hf = torch.randn(N, K, device=DEV) * 0.2
     wq, wk, wv = w_hf.split([hq * d, hkv * d, hkv * d])
     g = TaskGraph()

@@ -56,10 +56,11 @@ def random_case(rng):
         kind = graph.node(name).kind
         if kind == "linear" and rng.random() < 0.5:
             # A split-K QKV carries RoPE in its reduce tiles, or (half the time) RoPE runs as
-            # its own task.
+            # its own task; the reduce tiles as wide as the partials' or half as wide.
             ropes = [f for f in c.fuse if graph.node(f).kind == "rope_kv" and rng.random() < 0.5]
-            choices[name] = replace(c, block_n=16, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0,
-                                    fuse=tuple(f for f in c.fuse if f not in ropes))
+            choices[name] = replace(c, block_n=32, block_k=16, split_k=rng.choice([2, 3]), tma_stages=0,
+                                    fuse=tuple(f for f in c.fuse if f not in ropes),
+                                    reduce_block_n=rng.choice([0, 16]))
             choices.update({f: OpChoice() for f in ropes})
         elif kind == "attention":
             choices[name] = OpChoice(kv_splits=rng.choice([1, 2, 3]))
