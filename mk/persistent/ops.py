@@ -69,12 +69,6 @@ class OpSpec:
     #: :func:`mk.persistent.taskops.decode_attention_op`): the graph's waits count on
     #: what their producers waited for.
     waits_in_body: bool = False
-    #: a device expression over the body's names, true where the task turned out to write
-    #: nothing (an attention split past the sequence): its signal then publishes nothing and
-    #: is a relaxed add, without the block barrier and the fence of a release (a fence costs
-    #: more than an L2 round trip, bench/NOTES.md session 19). Counting still completes: the
-    #: writers' release adds head the counter's release sequence, which relaxed adds extend.
-    quiet: str = ""
     constexprs: Mapping[str, int] = field(default_factory=dict)
     num_warps: int = 4
     #: run(buffers_by_role, args) executes one tile with torch ops (the VM's semantics).

@@ -99,18 +99,9 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
 
 
 @triton.jit
-def signal_event(ev, counters_ptr, count=1, fence=None):
+def signal_event(ev, counters_ptr, count=1):
     """Publish this worker's writes: block barrier, then one release add of ``count`` to event
-    ``ev`` (the signals of ``count`` tasks at once, see the megakernel's deferred signals).
-    ``fence`` (runtime, None: always): 0 where the tasks wrote nothing (:attr:`OpSpec.quiet`),
-    then a relaxed add alone."""
-    if fence is None:
-        tl.debug_barrier()
-        if ev >= 0:
-            tl.atomic_add(counters_ptr + ev, count, sem="release", scope="gpu")
-    elif fence != 0:
-        tl.debug_barrier()
-        if ev >= 0:
-            tl.atomic_add(counters_ptr + ev, count, sem="release", scope="gpu")
-    elif ev >= 0:
-        tl.atomic_add(counters_ptr + ev, count, sem="relaxed", scope="gpu")
+    ``ev`` (the signals of ``count`` tasks at once, see the megakernel's deferred signals)."""
+    tl.debug_barrier()
+    if ev >= 0:
+        tl.atomic_add(counters_ptr + ev, count, sem="release", scope="gpu")

@@ -1190,8 +1190,6 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
             "BLOCK_GROUP=BLOCK_GROUP)")
 
-    # A split past the sequence writes nothing: its signal needs no fence.
-    quiet = "split >= decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N)" if from_positions else ""
     tile = _attention_tile(op, batch, hkv, S)
 
     def run(bufs, a):
@@ -1230,7 +1228,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                            "decode_length, decode_live_splits",),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
                               "FROM_POSITIONS": int(from_positions)},
-                  num_warps=part.num_warps, run=run, waits_in_body=from_positions, quiet=quiet,
+                  num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",))
 
 
