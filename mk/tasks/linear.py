@@ -962,7 +962,8 @@ def linear_splitk_reduce_tile(
     res = None
     if HAS_RESIDUAL:
         # Asked for before the partials: compiled after them, its round trip came after the
-        # sum's (sm_90 SASS), on the layer's critical path.
+        # sum's (sm_90 SASS of a lone reduce). Alone this measured within the noise (1B
+        # batch 8, H200, bench/NOTES.md session 27); it costs nothing.
         res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M,
                              BLOCK_N=BLOCK_N)
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,

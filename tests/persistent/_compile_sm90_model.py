@@ -58,6 +58,18 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
         ws="wsq")
     add(make_op("qkv_rope_kv_reduce", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, K=H, max_seq=S,
                 split_k=2, dtype=BF16), ws="wsq", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc")
+    # As the decode batches run it: tl.dot partials through the TMA ring leave the RMSNorm's
+    # rstd to their reduces (NORM_SQ), whose tiles are narrower than theirs (PART_BLOCK_N).
+    part = make_op("linear_partial", M=B, N=qkv_n, K=H, split_k=2, norm=True, block_n=128, block_k=64,
+                   tma_stages=3, dtype=BF16)
+    assert part.constexprs["NORM_SQ"] == 1
+    g.buffer("wsn", z(2, B, part.constexprs["WS_N"], dt=torch.float32))
+    add(part, x="x", w="wqkv", norm_w="ln", ws="wsn")
+    add(make_op("qkv_rope_kv_reduce", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, K=H, max_seq=S,
+                split_k=2, norm_sq=True, block_n=32, part_block_n=128, dtype=BF16),
+        ws="wsn", pos="pos", inv_freq="inv_freq", q="q", k_cache="kc", v_cache="vc")
+    add(make_op("linear_reduce", M=B, N=qkv_n, K=H, split_k=2, norm_sq=True, residual=True, block_n=32,
+                part_block_n=128, dtype=BF16), ws="wsn", res="qkv", out="qkv")
     # The one-phase attention (each KV group's last split merges it), after the two-phase pair.
     add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
                 num_splits=splits), q="q", k_cache="kc", v_cache="vc", seqlens="seqlens", o_part="o_part", lse="lse",
