@@ -63,7 +63,7 @@ def test_decode_step(benchmark, record, gpu_env, llama, batch):
     key, model = llama
     prompts = [[128000 + b, 791, 6864, 315] for b in range(batch)]
     list(model.stream(prompts, max_new_tokens=2))  # prefill, compile, two steps
-    dec = model._decoders[(batch, "argmax")]
+    dec = model.last_decoder
     mk_ms = bench_graph(benchmark, [dec.kernel.launch]) / 1e3
     dec.kernel.check()
     peer = TorchLlamaStep(model, batch)

@@ -73,7 +73,7 @@ def run_generate(args) -> int:
           f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} (KV cache "
           f"{str(model.kv_dtype).replace('torch.', '')}) on {where} "
           f"(ready in {time.perf_counter() - t0:.1f} s)")
-    plan, _ = model.plan(args.batch)
+    plan, _ = model.plan(args.batch, model.plan_length(len(ids) + new))
     print(f"plan: {plan.predicted_s * 1e6:.1f} us predicted per step on {plan.device}, "
           f"{sum(1 for c in plan.choices.values() for _ in c.fuse)} fusions, peak shared memory "
           f"{plan.peak_smem_bytes / 1024:.1f} KiB")

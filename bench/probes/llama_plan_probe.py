@@ -422,7 +422,11 @@ def main():
     res["floor_ms"] = model.shape.weight_bytes / res["copy_Bps"] * 1e3
     MODEL_SPEC.append(model.device_spec)
     res["device_spec"] = model.device_spec.to_dict()
-    base_plan, graph = model.plan(B)
+    # Planned for the length the probe's requests reach (4 prompt + 8 new tokens), as
+    # Llama.stream plans them (PROBE_KV_LEN: another planned length, e.g. the cache's).
+    kv_len = int(os.environ.get("PROBE_KV_LEN", 0)) or model.plan_length(4 + 8)
+    res["kv_len"] = kv_len
+    base_plan, graph = model.plan(B, kv_len)
     res["search_explain"] = base_plan.explain()
     prompts = [[128000 + b, 791, 6864, 315] for b in range(B)]
     names = os.environ.get("PROBE_VARIANTS", ",".join(VARIANTS)).split(",")
@@ -442,13 +446,13 @@ def main():
             r["phase_sum_ms"] = est.seconds * 1e3  # each phase spread evenly, summed
             r["model_smem"] = est.peak_smem_bytes
             r["plan"] = json.loads(plan.to_json())
-            model.plan = lambda batch, plan=plan: (plan, graph)
+            model.plan = lambda batch, kv_len=None, plan=plan: (plan, graph)
             model._decoders.clear()
             t = time.time()
             out = model.generate(prompts, max_new_tokens=8)
             r["build_s"] = time.time() - t
             r["tokens"] = [o[-8:] for o in out]
-            dec = model._decoders[(B, "argmax")]
+            dec = model.last_decoder
             res_ = dec.kernel.residency()
             r["residency"] = dict(n_regs=res_.n_regs, n_spills=res_.n_spills, smem=res_.shared_bytes,
                                   blocks_per_sm=res_.blocks_per_sm)

@@ -94,7 +94,7 @@ def run_shape(key):
     out = model.generate(prompts, max_new_tokens=16)
     r["first_generate_s"] = time.time() - t0
     mark(key, "generated")
-    dec = model._decoders[(len(prompts), "argmax")]
+    dec = model.last_decoder
     r["tasks"] = len(dec.step.graph.tasks)
     r["workers"] = dec.kernel.program.num_workers
     r["plan_predicted_ms"] = dec.step.plan.predicted_s * 1e3
@@ -139,7 +139,7 @@ def time_shape(key, cfg, model, r):
     for B in [int(b) for b in os.environ.get("PROBE_BATCHES", "1").split(",")]:
         prompts = [[128000 + b, 791, 6864, 315] for b in range(B)]
         list(model.stream(prompts, max_new_tokens=2))
-        dec = model._decoders[(B, "argmax")]
+        dec = model.last_decoder
         r[f"mk_b{B}_ms"] = timed(dec.kernel.launch, reps=50)
         dec.kernel.check()
         peer = TorchLlamaStep(model, B)

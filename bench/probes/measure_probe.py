@@ -36,9 +36,10 @@ def main():
     prompts = [[128000 + b, 791, 6864, 315] for b in range(B)]
     t = time.time()
     model.generate(prompts, max_new_tokens=8)
-    pick, graph = model.plan(B)
+    kv_len = model.plan_length(4 + 8)  # what the generate call above was planned for
+    pick, graph = model.plan(B, kv_len)
     model.plan_mode = "predict"
-    predicted, _ = model.plan(B)
+    predicted, _ = model.plan(B, kv_len)
     res = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("MK_COMMIT"), "shape": KEY, "batch": B,
            "measure_s": time.time() - t, "timed": timed, "pick_measured_ms": pick.measured_s * 1e3,
            "pick_predicted_ms": pick.predicted_s * 1e3,

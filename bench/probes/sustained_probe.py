@@ -34,7 +34,7 @@ def main():
     model = Llama(cfg, w, device="cuda", dtype=torch.bfloat16, max_batch_size=B, max_seq_len=1024)
     del w
     model.generate([[128000 + b, 791, 6864, 315] for b in range(B)], max_new_tokens=8)
-    dec = model._decoders[(B, "argmax")]
+    dec = model.last_decoder
     knobs = [int(k) for k in os.environ.get("PROBE_KNOBS", "0,100,300").split(",")]
     kernels = {k: (dec.kernel if k == 0 else Megakernel(dec.kernel.program, backoff_ns=k)) for k in knobs}
     for kern in kernels.values():

@@ -43,7 +43,7 @@ def main():
     del w
     prompts = [[128000 + b, 791, 6864, 315] for b in range(B)]
     model.generate(prompts, max_new_tokens=8)
-    dec = model._decoders[(B, "argmax")]
+    dec = model.last_decoder
     st = dec.state
     saved = {k: v.clone() for k, v in st.items()}
     logits = dec.step.graph.buffers[dec.step.logits]

@@ -55,6 +55,12 @@ PREFILL_ACTIVATION_BYTES = 24 * 2**20
 
 #: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
 MEASURE_BURST, MEASURE_REPS = 20, 3
+#: The sequence lengths decode steps are planned for: a request's step is planned for the
+#: first of these (or max_seq_len) that its longest sequence can reach. Decode attention is
+#: cut into KV splits for the planned length, and the splits a shorter sequence leaves empty
+#: still cost a task each: the 1B batch-8 step at 6-60 positions measured 1.233 ms with the
+#: 4 splits planned for 1024 and 1.214 with 1 (H100, bench/NOTES.md session 27).
+PLAN_LENGTHS = (64, 256, 1024, 4096, 16384, 65536)
 
 
 @dataclass
@@ -79,6 +85,9 @@ class Llama:
     random-weight Llama-3-8B the bf16 cache alone puts the logits ~2% off float32).
     ``plan_mode="measure"`` times the planner's top plans on the device the first time a
     batch size decodes and keeps the fastest (cached on disk like predicted plans).
+    A request's steps are planned for the length its sequences can reach (the first of
+    :data:`PLAN_LENGTHS` at or above prompt + new tokens, at most ``max_seq_len``): one
+    compiled step per batch size, way of choosing the next token and planned length.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
@@ -98,7 +107,8 @@ class Llama:
         self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self._device_spec = device_spec
-        self._decoders: dict[tuple[int, bool], _Decoder] = {}
+        self._decoders: dict[tuple[int, str, int], _Decoder] = {}
+        self.last_decoder: _Decoder | None = None  # the step the last stream() ran
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------ construction
@@ -201,26 +211,37 @@ class Llama:
                                  else DeviceSpec.interpreter())
         return self._device_spec
 
-    def plan(self, batch: int):
-        """The plan of one decode step at ``batch`` (cached on disk) and its op graph: the
-        planner's best predicted plan, or with ``plan_mode="measure"`` the fastest of its
-        top plans timed on this device (:func:`mk.planner.search.pick_measured`)."""
+    def plan_length(self, tokens: int) -> int:
+        """The length a step is planned for when sequences reach ``tokens`` tokens: the first
+        of :data:`PLAN_LENGTHS` at or above it, at most ``max_seq_len``."""
+        return min(next((n for n in PLAN_LENGTHS if n >= tokens), self.max_seq_len), self.max_seq_len)
+
+    def plan(self, batch: int, kv_len: int | None = None):
+        """The plan of one decode step at ``batch`` for sequences of up to ``kv_len`` tokens
+        (default ``max_seq_len``; cached on disk) and its op graph: the planner's best
+        predicted plan, or with ``plan_mode="measure"`` the fastest of its top plans timed on
+        this device (:func:`mk.planner.search.pick_measured`). Any plan decodes every length
+        up to ``max_seq_len`` correctly; ``kv_len`` is what it is fastest for."""
         from mk.planner.cache import cached_plan
         from mk.planner.graph import llama_decode_graph
 
-        graph = llama_decode_graph(self.shape, batch, self.max_seq_len)
+        kv_len = self.max_seq_len if kv_len is None else kv_len
+        if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= self.max_seq_len:
+            raise ValueError(f"kv_len must be an int in [1, max_seq_len={self.max_seq_len}], got {kv_len!r}")
+        graph = llama_decode_graph(self.shape, batch, kv_len)
         if self.plan_mode == "measure":
             plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch))
         else:
             plan, _ = cached_plan(graph, self.device_spec)
         return plan, graph
 
-    def _decoder(self, batch: int, next_token: str) -> _Decoder:
+    def _decoder(self, batch: int, next_token: str, kv_len: int | None = None) -> _Decoder:
         """The lowered, compiled step for ``batch`` ending in ``next_token`` (see
-        :func:`mk.planner.lower.lower_decode_step`), built once."""
-        key = (batch, next_token)
+        :func:`mk.planner.lower.lower_decode_step`), planned for ``kv_len`` (default
+        ``max_seq_len``), built once."""
+        key = (batch, next_token, self.max_seq_len if kv_len is None else kv_len)
         if key not in self._decoders:
-            plan, graph = self.plan(batch)
+            plan, graph = self.plan(batch, key[2])
             self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
         return self._decoders[key]
 
@@ -253,14 +274,16 @@ class Llama:
     def _time_plan(self, plan, graph, batch: int) -> float:
         """Seconds one greedy decode step of ``plan`` takes here (median of a few bursts).
 
-        The timing steps write only the last cache rows (their positions start at
-        ``max_seq_len - 1 - burst``), which a request reaches only at its very end and then
-        overwrites before reading: plans are measured before the prompt is prefilled.
+        The timing steps run at the end of the planned length (the graph's ``kv_len``: their
+        positions start at ``kv_len - 1 - burst``) and write only cache rows there, which a
+        request reaches only later and then overwrites before reading: plans are measured
+        before the prompt is prefilled.
         Resetting the positions is one tiny copy per burst, timed with it.
         """
         dec = self._build_decoder(plan, graph, batch, "argmax")
+        top = min(graph.kv_len, self.max_seq_len)
         if self.device.type != "cuda":  # the interpreter: one step is slow enough to time
-            dec.state["pos"].fill_(max(self.max_seq_len - 2, 0))
+            dec.state["pos"].fill_(max(top - 2, 0))
             t0 = time.perf_counter()
             dec.kernel.launch()
             seconds = time.perf_counter() - t0
@@ -268,8 +291,8 @@ class Llama:
             return seconds
         from mk.timing import event_time_us
 
-        burst = max(1, min(MEASURE_BURST, self.max_seq_len - 1))
-        start = max(self.max_seq_len - 1 - burst, 0)
+        burst = max(1, min(MEASURE_BURST, top - 1))
+        start = max(top - 1 - burst, 0)
 
         def steps():
             dec.state["pos"].fill_(start)
@@ -420,7 +443,7 @@ class Llama:
                       "sample" if top_k is None and top_p is None else "logits")
         eos = self._eos_ids(eos_token_id)
         B = ids.shape[0]
-        dec = self._decoder(B, next_token)
+        dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))
         st = dec.state
         t0 = time.perf_counter()
         logits = self._prefill(ids, lengths)

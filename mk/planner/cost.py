@@ -123,14 +123,25 @@ def _attention_workspace(d: dict, kv_splits: int) -> int:
     return d["batch"] * d["heads"] * kv_splits * (d["head_dim"] + 1) * 4
 
 
+def attention_live_splits(d: dict, kv_splits: int) -> int:
+    """KV splits of decode attention that hold a key at the op's planned length ``kv_len``,
+    as the kernel cuts them (:func:`mk.tasks.decode_attention.decode_live_splits`): each
+    split ceil(kv_len / kv_splits) keys rounded up to whole KV blocks, so at a short length
+    the last splits hold none (they still run a task each, and return at once)."""
+    block_n = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"]).block_n
+    split_len = -(-(-(-d["kv_len"] // kv_splits)) // block_n) * block_n
+    return max(-(-d["kv_len"] // split_len), 1)
+
+
 def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:
     """Bytes and flops of the op under the choice (split-K workspace traffic included)."""
     if node.kind == "linear" and choice.split_k > 1:
         d = node.dims
         plain, split = linear_cost(d["M"], d["N"], d["K"]), linear_cost(d["M"], d["N"], d["K"], split_k=choice.split_k)
         return node.bytes + split.bytes - plain.bytes, node.flops + split.flops - plain.flops
-    if node.kind == "attention":  # the partials go through the workspace even unsplit
-        return node.bytes + 2 * _attention_workspace(node.dims, choice.kv_splits), node.flops
+    if node.kind == "attention":  # several live splits merge their partials through the workspace
+        live = attention_live_splits(node.dims, choice.kv_splits)
+        return node.bytes + (2 * _attention_workspace(node.dims, live) if live > 1 else 0), node.flops
     return node.bytes, node.flops
 
 
@@ -451,9 +462,14 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         # weight chunk, which halved what each worker's ring carried of weights (1B: 2.19 ms
         # with 32-row tiles, 1.51 with 128-row; 8B: 15.8 and 6.2; bench/NOTES.md, session 8).
         reread = _x_task_bytes(node, choice) if node.kind == "linear" and i == 0 else 0
-        if node.kind == "attention":  # the group's partials, read back by its merging split
+        if node.kind == "attention":
+            # The live splits carry the bytes (a split past the length returns at once, but is
+            # priced as a live one: its task still takes a worker's turn); the group's merging
+            # split reads the live partials back.
             d = node.dims
-            reread = _attention_workspace(d, choice.kv_splits) // (d["batch"] * d["kv_heads"])
+            live = attention_live_splits(d, choice.kv_splits)
+            task_bytes = max(phase_bytes, 0) / (d["batch"] * d["kv_heads"] * live)
+            reread = _attention_workspace(d, live) // (d["batch"] * d["kv_heads"]) if live > 1 else 0
         stream = max(task_bytes / (device.dram_bandwidth / busy), (task_bytes + reread) / rate,
                      task_bytes * ring_s if i == 0 else 0.0)
         if i == 0 and decode_dot_tile(node):

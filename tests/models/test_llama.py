@@ -111,7 +111,7 @@ def test_top_k_tokens_come_from_the_top_k(pair):
 def test_one_decode_step_is_one_kernel_launch(pair, monkeypatch):
     model, _ = pair
     list(model.stream(PROMPTS, max_new_tokens=1))  # prefill, state set up, decoder built
-    dec = model._decoders[(3, "argmax")]
+    dec = model.last_decoder
     launched, inside = [], []
     for cls in {type(dec.kernel.kernel), triton.runtime.jit.JITFunction}:
         original = cls.run
@@ -192,7 +192,7 @@ def test_from_pretrained_folder_decodes_like_the_same_weights(pair, tmp_path):
 def test_one_decode_step_is_one_cuda_kernel(pair):
     model = Llama.from_config(CONFIG, seed=3, max_batch_size=3, max_seq_len=16)
     list(model.stream(PROMPTS, max_new_tokens=2))
-    dec = model._decoders[(3, "argmax")]
+    dec = model.last_decoder
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         model._decode_step(dec, 1)
@@ -278,3 +278,25 @@ def test_generation_holds_at_most_64_mib_beyond_weights_and_cache():
         extra = torch.cuda.max_memory_allocated() - before
         assert all(len(o) == len(p) + 8 for o, p in zip(out, prompts)), batch
         assert extra <= 64 * 2**20, f"batch {batch}: {extra / 2**20:.1f} MiB beyond the weights and cache"
+
+
+def test_steps_are_planned_for_the_length_the_request_reaches(pair):
+    """A request's decode steps are planned for the first of PLAN_LENGTHS its sequences can
+    reach (prompt + new tokens), at most max_seq_len: attention is cut into KV splits for
+    that length, so a short request runs no splits past its sequences."""
+    from mk.models.llama import PLAN_LENGTHS
+
+    model, _ = pair
+    list(model.stream(PROMPTS, max_new_tokens=2))
+    assert model.last_decoder.step.plan.kv_len == model.plan_length(max(map(len, PROMPTS)) + 2) == 16
+    long = Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=300)
+    assert [long.plan_length(n) for n in (1, 64, 65, 256, 257, 300)] == [64, 64, 256, 256, 300, 300]
+    assert PLAN_LENGTHS[0] == 64 and list(PLAN_LENGTHS) == sorted(PLAN_LENGTHS)
+    short_plan, short_graph = long.plan(1, 64)
+    full_plan, full_graph = long.plan(1)
+    assert (short_graph.kv_len, full_graph.kv_len) == (64, 300) == (short_plan.kv_len, full_plan.kv_len)
+    splits = [max(c.kv_splits for n, c in p.choices.items() if n.endswith("attention")) for p in (short_plan, full_plan)]
+    assert splits[0] == 1 and splits[0] <= splits[1]
+    for bad in (0, 301, 64.0, True):
+        with pytest.raises(ValueError, match="kv_len"):
+            long.plan(1, bad)

@@ -223,3 +223,24 @@ def test_the_h100_plan_for_the_1b_takes_the_rings_that_measured_fastest():
     plan = search(g, DeviceSpec.preset("h100"), top_k=1)[0]
     rings = {n.split(".")[-1]: c.tma_stages for n, c in plan.choices.items() if n.startswith("l3.")}
     assert (rings["qkv"], rings["o_proj"], rings["down"]) == (4, 9, 9)
+
+
+def test_attention_splits_past_the_planned_length_carry_no_bytes():
+    """Decode attention's KV splits hold ceil(kv_len / splits) keys rounded up to whole KV
+    blocks (as the kernel cuts them): at a short planned length the last splits hold none.
+    Their tasks still take a worker's turn; the bytes and the merge are the live splits'.
+    So a 64-key step plans one split, a 1024-key one several (1B shape, H100 preset)."""
+    from mk.planner.cost import attention_live_splits, op_bytes_flops
+    from mk.planner.search import search
+
+    spec = DeviceSpec.preset("h100")
+    shape = ModelShape.preset("llama-3.2-1b")
+    for kv_len, splits, live in ((64, 1, 1), (64, 2, 1), (64, 16, 1), (65, 2, 2), (130, 4, 3), (1024, 16, 16),
+                                 (1000, 4, 4)):
+        node = llama_decode_graph(shape, 8, kv_len).node("l0.attention")
+        assert attention_live_splits(node.dims, splits) == live, (kv_len, splits)
+        one, many = (op_bytes_flops(node, OpChoice(kv_splits=s))[0] for s in (1, splits))
+        assert (many == one) == (live == 1), (kv_len, splits)  # merges only where two splits live
+    for batch in (1, 8):
+        short, full = (search(llama_decode_graph(shape, batch, n), spec, top_k=1)[0] for n in (64, 1024))
+        assert short.choices["l0.attention"].kv_splits == 1 < full.choices["l0.attention"].kv_splits
