@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="search a plan for a model shape and print it")
     plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b) or a folder with config.json")
     plan.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    plan.add_argument("--kv-len", type=int, default=1024, help="tokens in each sequence's KV cache")
+    plan.add_argument("--kv-len", type=int, default=1024,
+                      help="the sequence length the step is planned for (its KV splits)")
     plan.add_argument("--device", default=None, help="a device preset (h100, h200, a100, l40s, l20, rtx4090); "
                       "default: the live GPU")
     plan.add_argument("--smem-budget", default=None, help="shared memory per block to plan for, e.g. 99KiB")

@@ -295,7 +295,8 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
     short_plan, short_graph = long.plan(1, 64)
     full_plan, full_graph = long.plan(1)
     assert (short_graph.kv_len, full_graph.kv_len) == (64, 300) == (short_plan.kv_len, full_plan.kv_len)
-    splits = [max(c.kv_splits for n, c in p.choices.items() if n.endswith("attention")) for p in (short_plan, full_plan)]
+    splits = [max(c.kv_splits for n, c in p.choices.items() if n.endswith("attention"))
+              for p in (short_plan, full_plan)]
     assert splits[0] == 1 and splits[0] <= splits[1]
     for bad in (0, 301, 64.0, True):
         with pytest.raises(ValueError, match="kv_len"):
