@@ -14,7 +14,7 @@ import torch
 
 from mk.tasks._device import INTERPRET, default_dtype
 from mk.tasks.argmax import argmax_block_c, argmax_block_v, argmax_pack_ref, argmax_unpack_ref, check_block_v
-from mk.tasks.decode_attention import MAX_NUM_SPLITS, MIN_DOT_DIM, decode_attention_config
+from mk.tasks.decode_attention import MAX_NUM_SPLITS, MIN_DOT_DIM, decode_attention_config, live_splits
 from mk.tasks.embedding import embedding_block_h, embedding_num_warps
 
 # The launcher's private config check and row-tile rule, reused so that a megakernel
@@ -979,13 +979,6 @@ def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> 
     return start, max(start, min(start + split_len, seqlen))
 
 
-def _attention_live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
-    """Splits of a sequence of ``seqlen`` keys that hold a key (at least 1), as
-    decode_attention_tile counts them."""
-    split_len = _cdiv(_cdiv(seqlen, num_splits), block_n) * block_n
-    return max(_cdiv(seqlen, max(split_len, 1)), 1)
-
-
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
                          max_seq: int, splits: int, block_n: int, scale: float, seqlen: int,
                          direct: bool = False) -> None:
@@ -1195,7 +1188,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     def run(bufs, a):
         b, kv, s = tile(a)
         seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions)
-        live = _attention_live_splits(seqlen, S, c["BLOCK_N"])
+        live = live_splits(seqlen, S, c["BLOCK_N"])
         if s >= live:  # past the sequence: nothing to do
             return
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,

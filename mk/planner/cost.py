@@ -28,7 +28,7 @@ import torch
 
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
-from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes
+from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes, live_splits
 from mk.tasks.linear import (DOT_MIN, SKINNY_MAX_M, LinearConfig, _tile_rows, dot_waits_in_stream, linear_config,
                              linear_cost, gemv_stream, weight_major)
 
@@ -129,8 +129,7 @@ def attention_live_splits(d: dict, kv_splits: int) -> int:
     split ceil(kv_len / kv_splits) keys rounded up to whole KV blocks, so at a short length
     the last splits hold none (they still run a task each, and return at once)."""
     block_n = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"]).block_n
-    split_len = -(-(-(-d["kv_len"] // kv_splits)) // block_n) * block_n
-    return max(-(-d["kv_len"] // split_len), 1)
+    return live_splits(d["kv_len"], kv_splits, block_n)
 
 
 def op_bytes_flops(node: OpNode, choice: OpChoice) -> tuple[int, int]:

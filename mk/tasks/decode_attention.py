@@ -98,6 +98,14 @@ def decode_attention_num_splits(batch: int, num_kv_heads: int, max_seqlen: int, 
     return max(1, min(wanted, useful, max_splits))
 
 
+def live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
+    """:func:`decode_live_splits` on the host: the slices of a ``seqlen``-key sequence cut
+    into ``num_splits`` that hold a key (at least 1)."""
+    per_split = -(-seqlen // num_splits)
+    split_len = max(-(-per_split // block_n) * block_n, 1)  # whole blocks, as _split_len
+    return max(-(-seqlen // split_len), 1)
+
+
 # --------------------------------------------------------------------------- device code
 
 
