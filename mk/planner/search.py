@@ -163,7 +163,7 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: 
         singles = _linear_candidates(node, device, dtype_bytes)
         if workers is None:
             return singles
-        singles += [c for c in map(lambda c: _narrow_reduce(node, c, workers), singles) if c is not None]
+        singles += [n for n in (_narrow_reduce(node, c, workers) for c in singles) if n is not None]
         if d["M"] > 1:
             return singles
         runs = []
