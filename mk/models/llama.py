@@ -86,8 +86,8 @@ class Llama:
     ``plan_mode="measure"`` times the planner's top plans on the device the first time a
     batch size decodes and keeps the fastest (cached on disk like predicted plans).
     A request's steps are planned for the length its sequences can reach (the first of
-    :data:`PLAN_LENGTHS` at or above prompt + new tokens, at most ``max_seq_len``): one
-    compiled step per batch size, way of choosing the next token and planned length.
+    :data:`PLAN_LENGTHS` at or above prompt + new tokens, at most ``max_seq_len``); one
+    compiled step is kept per batch size and way of choosing the next token.
     """
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
@@ -241,6 +241,12 @@ class Llama:
         ``max_seq_len``), built once."""
         key = (batch, next_token, self.max_seq_len if kv_len is None else kv_len)
         if key not in self._decoders:
+            # One step per batch and way of choosing the next token is kept: steps planned
+            # for other lengths go (each holds its own activations and queues, and generation
+            # stays within weights + KV cache + 64 MiB); a length planned again rebuilds from
+            # the plan and kernel caches.
+            for other in [k for k in self._decoders if k[:2] == key[:2]]:
+                del self._decoders[other]
             plan, graph = self.plan(batch, key[2])
             self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
         return self._decoders[key]

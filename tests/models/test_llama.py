@@ -289,6 +289,7 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
     model, _ = pair
     list(model.stream(PROMPTS, max_new_tokens=2))
     assert model.last_decoder.step.plan.kv_len == model.plan_length(max(map(len, PROMPTS)) + 2) == 16
+    assert [k for k in model._decoders if k[:2] == (3, "argmax")] == [(3, "argmax", 16)]
     long = Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=300)
     assert [long.plan_length(n) for n in (1, 64, 65, 256, 257, 300)] == [64, 64, 256, 256, 300, 300]
     assert PLAN_LENGTHS[0] == 64 and list(PLAN_LENGTHS) == sorted(PLAN_LENGTHS)
@@ -301,3 +302,8 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
     for bad in (0, 301, 64.0, True):
         with pytest.raises(ValueError, match="kv_len"):
             long.plan(1, bad)
+    # One step a batch size and next-token rule stays built: another planned length replaces it.
+    first = long._decoder(1, "argmax", 64)
+    assert long._decoder(1, "argmax", 64) is first
+    long._decoder(1, "argmax", 300)
+    assert list(long._decoders) == [(1, "argmax", 300)]
