@@ -287,7 +287,7 @@ class Llama:
         Resetting the positions is one tiny copy per burst, timed with it.
         """
         dec = self._build_decoder(plan, graph, batch, "argmax")
-        top = min(graph.kv_len, self.max_seq_len)
+        top = graph.kv_len  # (plan() keeps it within max_seq_len)
         if self.device.type != "cuda":  # the interpreter: one step is slow enough to time
             dec.state["pos"].fill_(max(top - 2, 0))
             t0 = time.perf_counter()
