@@ -228,6 +228,9 @@ VARIANTS = {
     # and its tasks stream at ~0.7 of the copy; gate_up's at ~0.95.
     "ring6_down": tuned(("down",), tma_stages=6),
     "ring8_down": tuned(("down",), tma_stages=8),
+    # Grouped streams with three and four groups in flight (session 28).
+    "ring13_down": tuned(("down",), tma_stages=13),
+    "ring17_down": tuned(("down",), tma_stages=17),
     "ring6_gate_up": tuned(("gate_up",), tma_stages=6),
     # Split-K as tile dataflow at batch 1: a partial waits only for the producers of its K
     # range (down: the gate_up tiles of its columns; o_proj: the attention of its KV groups),

@@ -163,9 +163,10 @@ def generate_source(program: Program) -> str:
     prefetch_first = _dispatch(program, "prefetch", "w", "", "", has_prefetch)
     prefetch_next = _dispatch(program, "prefetch", "n", "", "", has_prefetch)
     carried = "\n".join(f"w{j} = n{j}" for j in range(n))
-    # Per task: start (before its waits), ready (waits done), end (signalled).
-    trace = ("if TRACE:\n    tl.store(trace_ptr + qi * 3, t_start)\n    tl.store(trace_ptr + qi * 3 + 1, t_ready)\n"
-             "    tl.store(trace_ptr + qi * 3 + 2, now_ns(USE_TIMER))")
+    # Per task: start (before its waits), ready (waits done), end (signalled), the worker's SM.
+    trace = ("if TRACE:\n    tl.store(trace_ptr + qi * 4, t_start)\n    tl.store(trace_ptr + qi * 4 + 1, t_ready)\n"
+             "    tl.store(trace_ptr + qi * 4 + 2, now_ns(USE_TIMER))\n"
+             "    tl.store(trace_ptr + qi * 4 + 3, sm_id(USE_TIMER).to(tl.int64))")
     loop = f'''    # Software-pipelined over the queue: task i+1's descriptor is loaded, and its weights
     # prefetched, while task i waits and runs, so no descriptor load and no weight
     # latency sits between two tasks.
@@ -209,7 +210,7 @@ def generate_source(program: Program) -> str:
 import triton
 import triton.language as tl
 
-from mk.persistent.sync import now_ns, signal_event, wait_event
+from mk.persistent.sync import now_ns, signal_event, sm_id, wait_event
 {chr(10).join(imports)}
 
 

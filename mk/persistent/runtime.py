@@ -138,7 +138,7 @@ class Megakernel:
         self.state = torch.zeros(2, dtype=torch.int32, device=dev)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=dev)
         self.trace_enabled = trace
-        self.trace_buf = torch.zeros(max(self.desc.shape[0] * 3, 3), dtype=torch.int64, device=dev)
+        self.trace_buf = torch.zeros(max(self.desc.shape[0] * 4, 4), dtype=torch.int64, device=dev)
         if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
             raise MegakernelError(f"num_warps must be a power of two from 1 to 16, got {num_warps}")
         self.num_warps = num_warps or (max(spec.num_warps for spec, _ in program.variants) if program.variants else 4)
@@ -218,20 +218,20 @@ class Megakernel:
         return path
 
     def trace_events(self) -> list[dict]:
-        """Per task of the last traced launch: worker, task name, op, and its start, ready (waits
-        done) and end times in µs from the first start."""
+        """Per task of the last traced launch: worker, task name, op, its start, ready (waits
+        done) and end times in µs from the first start, and the SM its worker ran on."""
         if not self.trace_enabled:
             raise MegakernelError("tracing is off: build the Megakernel with trace=True")
-        times = self.trace_buf.view(-1, 3)[: self.desc.shape[0]].tolist()
-        t0 = min((s for s, _, _ in times), default=0)
+        times = self.trace_buf.view(-1, 4)[: self.desc.shape[0]].tolist()
+        t0 = min((row[0] for row in times), default=0)
         events = []
         for w, queue in enumerate(self.program.queues):
             base = int(self.program.queue_starts[w])
             for j, task in enumerate(queue):
-                start, ready, end = times[base + j]
+                start, ready, end, sm = times[base + j]
                 events.append({"worker": w, "task": task, "name": self.program.graph.tasks[task].name,
                                "op": self.program.graph.tasks[task].op.name, "start_us": (start - t0) / 1e3,
-                               "ready_us": (ready - t0) / 1e3, "end_us": (end - t0) / 1e3})
+                               "ready_us": (ready - t0) / 1e3, "end_us": (end - t0) / 1e3, "sm": sm})
         return events
 
     def save_trace(self, json_path: str | Path, png_path: str | Path | None = None) -> None:

@@ -15,7 +15,8 @@ def to_chrome_trace(events: list[dict]) -> dict:
             out.append({"name": f"wait {e['name']}", "cat": "wait", "ph": "X", "ts": e["start_us"],
                         "dur": ready - e["start_us"], "pid": 0, "tid": e["worker"]})
         out.append({"name": e["name"], "cat": e["op"], "ph": "X", "ts": ready,
-                    "dur": max(e["end_us"] - ready, 0.0), "pid": 0, "tid": e["worker"]})
+                    "dur": max(e["end_us"] - ready, 0.0), "pid": 0, "tid": e["worker"],
+                    "args": {"sm": e.get("sm", 0)}})
     return {"traceEvents": out, "displayTimeUnit": "ns"}
 
 

@@ -124,8 +124,10 @@ def test_trace_is_a_timeline_in_dependency_order(tmp_path):
     assert len(events) == len(g.tasks)
     end_of = {e["task"]: e["end_us"] for e in events}
     tiles = len(g.tasks) // 3
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for e in events:
         assert e["end_us"] >= e["start_us"] >= 0
+        assert 0 <= e["sm"] < num_sms
         if e["task"] >= tiles:  # a tile of layer l+1 finishes after every tile of layer l
             layer = e["task"] // tiles
             assert e["end_us"] >= max(end_of[t] for t in range((layer - 1) * tiles, layer * tiles))

@@ -7,7 +7,8 @@ from mk.persistent.trace import gantt_png, to_chrome_trace
 EVENTS = [
     {"worker": 0, "task": 0, "name": "linear#0", "op": "linear", "start_us": 0.0, "ready_us": 0.0, "end_us": 3.0},
     {"worker": 1, "task": 1, "name": "linear#1", "op": "linear", "start_us": 0.5, "ready_us": 0.5, "end_us": 2.5},
-    {"worker": 0, "task": 2, "name": "rmsnorm#2", "op": "rmsnorm", "start_us": 3.1, "ready_us": 3.4, "end_us": 4.0},
+    {"worker": 0, "task": 2, "name": "rmsnorm#2", "op": "rmsnorm", "start_us": 3.1, "ready_us": 3.4, "end_us": 4.0,
+     "sm": 7},
 ]
 
 
@@ -18,6 +19,7 @@ def test_chrome_trace_has_one_event_per_task_and_one_per_wait():
     assert [t["name"] for t in tasks] == ["linear#0", "linear#1", "rmsnorm#2"]
     assert [(t["ts"], t["dur"]) for t in tasks] == [(0.0, 3.0), (0.5, 2.0), (3.4, pytest.approx(0.6))]
     assert len(waits) == 1 and waits[0]["tid"] == 0 and waits[0]["dur"] == pytest.approx(0.3)
+    assert [t["args"]["sm"] for t in tasks] == [0, 0, 7]
 
 
 def test_gantt_png_is_written(tmp_path):
