@@ -9,7 +9,9 @@ Variants: ``group`` (the megakernel's body: tl.dot through hi/lo halves of float
 ``group_bf16q`` (q in bf16: one MMA a product), ``head`` (one program a query head, 32 of
 them, float32 FMAs and reductions, no tl.dot), ``empty`` (q's load, the store and the
 signal only), ``group_second`` (the group body timed the second time it runs in the
-launch: its instructions then come from the SM's caches). Env: PROBE_KEYS (default 40), PROBE_OUT.
+launch: its instructions then come from the SM's caches). With PROBE_BETWEEN=1 the 1B
+step's megakernel (~120 KB of code) runs between the probe's launches, so whatever the SMs'
+instruction caches kept of the body from the last launch is gone. Env: PROBE_KEYS (default 40), PROBE_OUT.
 """
 import json
 import os
@@ -98,6 +100,17 @@ def main():
     ref = torch.softmax(torch.einsum("hd,hsd->hs", q32[0], k[0, :, :keys].float().repeat_interleave(4, 0)) * 0.125, -1)
     ref = torch.einsum("hs,hsd->hd", ref, v[0, :, :keys].float().repeat_interleave(4, 0))
     res = {"device": torch.cuda.get_device_name(), "keys": keys, "variants": {}}
+    between = None
+    if os.environ.get("PROBE_BETWEEN") == "1":
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        from _llama_shapes import SHAPES, random_model
+        from mk.models import Llama, LlamaConfig
+
+        cfg = LlamaConfig(**SHAPES["1b"])
+        model = Llama(cfg, random_model(cfg), device=dev, dtype=torch.bfloat16, max_batch_size=1, max_seq_len=1024)
+        model.generate([[128000, 791, 6864, 315]], max_new_tokens=2)
+        between = model.last_decoder.kernel
+        res["between"] = "1B decode step"
     for name, mode, q, programs in (("group", 0, q32, HKV), ("group_second", 3, q32, HKV),
                                     ("group_bf16q", 0, q32.bfloat16(), HKV),
                                     ("head", 1, q32, HQ), ("empty", 2, q32, HKV)):
@@ -105,6 +118,8 @@ def main():
         times = torch.zeros(programs, dtype=torch.int64, device=dev)
         per = []
         for it in range(60):
+            if between is not None:
+                between.launch()
             task_kernel[(programs,)](q, k, v, o, lse, arr, out, sig, times, keys, MODE=mode, HQ=HQ, HKV=HKV,
                                      S_MAX=S_MAX, D=D)
             torch.cuda.synchronize()

@@ -274,6 +274,7 @@ VARIANTS = {
     "runs32": tiles(True, qkv=32, o_proj=32, gate_up=32, down=32, lm_head=32),
     "session10_runs_ring8": lambda p, g: tuned(("o_proj", "down"), tma_stages=8)(tiles(True, **SESSION10[KEY])(p, g), g),
     "search_no_runs": tuned(tiles_per_task=1),
+    "gu_run1": tuned(("gate_up",), tiles_per_task=1),
     # One-chunk register tiles for the K = hidden projections: their weights are loaded
     # into registers before the dependency wait (OpSpec.preload), a TMA ring's only after it.
     "reg_o": tuned(("o_proj",), block_n=8, block_k=2048, tma_stages=0, tiles_per_task=1),
