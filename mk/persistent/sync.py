@@ -31,10 +31,10 @@ def now_ns(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
-def sm_id(USE_TIMER: tl.constexpr):
-    """The streaming multiprocessor this program runs on (%smid; 0 where inline PTX is
-    unavailable): traces show which workers share an SM."""
-    if USE_TIMER:
+def sm_id(GPU: tl.constexpr):
+    """The streaming multiprocessor this program runs on (%smid; 0 without GPU code, where
+    inline PTX is unavailable): traces show which workers share an SM."""
+    if GPU:
         return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.zeros([], dtype=tl.int32)
