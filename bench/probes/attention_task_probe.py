@@ -53,6 +53,17 @@ def _attend_head(q_ptr, k_base, v_base, out_ptr, seqlen, stride_s, HEAD_DIM: tl.
 
 
 @triton.jit
+def _group_body(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, arr_ptr, out_ptr, seqlen, kv_head,
+                HQ: tl.constexpr, HKV: tl.constexpr, S_MAX: tl.constexpr, D: tl.constexpr):
+    """The megakernel's attention body for KV group ``kv_head`` (one split, sequence 0)."""
+    decode_attention_tile(q_ptr, k_ptr, v_ptr, seqlen, o_ptr, lse_ptr, arr_ptr, out_ptr, 0, kv_head, 0, HKV, 1, 0.125,
+                          HQ * D, D, HKV * S_MAX * D, S_MAX * D, D, HKV * S_MAX * D, S_MAX * D, D,
+                          HQ * D, D, D, HQ, 1, 1, HQ * D, D,
+                          GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=64, BLOCK_D=D, BLOCK_S=2,
+                          BLOCK_GROUP=HQ // HKV)
+
+
+@triton.jit
 def task_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, arr_ptr, out_ptr, sig_ptr, times_ptr, seqlen,
                 MODE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, S_MAX: tl.constexpr, D: tl.constexpr):
     q_ptr = tl.multiple_of(q_ptr, 16)
@@ -61,19 +72,11 @@ def task_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, arr_ptr, out_ptr, sig_ptr, 
     out_ptr = tl.multiple_of(out_ptr, 16)
     pid = tl.program_id(0)
     if MODE == 3:  # the group body once untimed, so that its code is in the SM's caches
-        decode_attention_tile(q_ptr, k_ptr, v_ptr, seqlen, o_ptr, lse_ptr, arr_ptr, out_ptr, 0, pid, 0, HKV, 1, 0.125,
-                              HQ * D, D, HKV * S_MAX * D, S_MAX * D, D, HKV * S_MAX * D, S_MAX * D, D,
-                              HQ * D, D, D, HQ, 1, 1, HQ * D, D,
-                              GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=64, BLOCK_D=D, BLOCK_S=2,
-                              BLOCK_GROUP=HQ // HKV)
+        _group_body(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, arr_ptr, out_ptr, seqlen, pid, HQ, HKV, S_MAX, D)
     tl.debug_barrier()
     t0 = now_ns(True)
     if (MODE == 0) | (MODE == 3):  # the megakernel's body (its group of 4 heads)
-        decode_attention_tile(q_ptr, k_ptr, v_ptr, seqlen, o_ptr, lse_ptr, arr_ptr, out_ptr, 0, pid, 0, HKV, 1, 0.125,
-                              HQ * D, D, HKV * S_MAX * D, S_MAX * D, D, HKV * S_MAX * D, S_MAX * D, D,
-                              HQ * D, D, D, HQ, 1, 1, HQ * D, D,
-                              GROUP=HQ // HKV, HEAD_DIM=D, BLOCK_G=16, BLOCK_N=64, BLOCK_D=D, BLOCK_S=2,
-                              BLOCK_GROUP=HQ // HKV)
+        _group_body(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, arr_ptr, out_ptr, seqlen, pid, HQ, HKV, S_MAX, D)
     elif MODE == 1:  # one query head a program
         kv = pid // (HQ // HKV)
         _attend_head(q_ptr + pid * D, k_ptr + kv * S_MAX * D, v_ptr + kv * S_MAX * D, out_ptr + pid * D, seqlen, D,
