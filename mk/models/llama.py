@@ -216,7 +216,7 @@ class Llama:
         of :data:`PLAN_LENGTHS` at or above it, at most ``max_seq_len``."""
         return min(next((n for n in PLAN_LENGTHS if n >= tokens), self.max_seq_len), self.max_seq_len)
 
-    def plan(self, batch: int, kv_len: int | None = None):
+    def plan(self, batch: int, kv_len: int | None = None, *, progress: bool = False):
         """The plan of one decode step at ``batch`` for sequences of up to ``kv_len`` tokens
         (default ``max_seq_len``; cached on disk) and its op graph: the planner's best
         predicted plan, or with ``plan_mode="measure"`` the fastest of its top plans timed on
@@ -230,12 +230,27 @@ class Llama:
             raise ValueError(f"kv_len must be an int in [1, max_seq_len={self.max_seq_len}], got {kv_len!r}")
         graph = llama_decode_graph(self.shape, batch, kv_len)
         if self.plan_mode == "measure":
-            plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch))
+            plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch),
+                                  progress=progress)
         else:
-            plan, _ = cached_plan(graph, self.device_spec)
+            plan, _ = cached_plan(graph, self.device_spec, progress=progress)
         return plan, graph
 
-    def _decoder(self, batch: int, next_token: str, kv_len: int | None = None) -> _Decoder:
+    def prepare(self, batch: int, total_len: int, *, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, progress: bool = False) -> None:
+        """Plan, lower and compile the decode step a request of ``batch`` sequences reaching
+        ``total_len`` tokens (prompt + new) will run, so that its first :meth:`generate` call
+        starts decoding at once. Idempotent: a step already built is kept. ``progress`` shows
+        the plan search's bar (on a terminal)."""
+        temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
+            raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
+        if isinstance(total_len, bool) or not isinstance(total_len, int) or not 1 <= total_len <= self.max_seq_len:
+            raise ValueError(f"total_len must be an int in [1, max_seq_len={self.max_seq_len}], got {total_len!r}")
+        self._decoder(batch, _next_token_rule(temperature, top_k, top_p), self.plan_length(total_len),
+                      progress=progress)
+
+    def _decoder(self, batch: int, next_token: str, kv_len: int | None = None, progress: bool = False) -> _Decoder:
         """The lowered, compiled step for ``batch`` ending in ``next_token`` (see
         :func:`mk.planner.lower.lower_decode_step`), planned for ``kv_len`` (default
         ``max_seq_len``), built once."""
@@ -247,7 +262,7 @@ class Llama:
             # the plan and kernel caches.
             for other in [k for k in self._decoders if k[:2] == key[:2]]:
                 del self._decoders[other]
-            plan, graph = self.plan(batch, key[2])
+            plan, graph = self.plan(batch, key[2], progress=progress)
             self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
         return self._decoders[key]
 
@@ -443,10 +458,7 @@ class Llama:
         ids, lengths = self._check_prompts(input_ids, max_new_tokens)
         if max_new_tokens == 0:
             return
-        # Greedy and temperature sampling finish inside the megakernel; top-k / top-p
-        # take the step's logits to the radix-select sampler.
-        next_token = ("argmax" if temperature == 0.0 else
-                      "sample" if top_k is None and top_p is None else "logits")
+        next_token = _next_token_rule(temperature, top_k, top_p)
         eos = self._eos_ids(eos_token_id)
         B = ids.shape[0]
         dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))
@@ -533,6 +545,12 @@ class Llama:
             cut = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
             out.append(r + gen[:cut])
         return out
+
+
+def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None) -> str:
+    """How a decode step ends: greedy and temperature sampling finish inside the megakernel;
+    top-k / top-p take the step's logits to the radix-select sampler."""
+    return "argmax" if temperature == 0.0 else "sample" if top_k is None and top_p is None else "logits"
 
 
 def _rows(input_ids) -> list[list[int]]:
