@@ -1,11 +1,11 @@
 """mk: LLM decoding as one persistent Triton kernel.
 
-``import mk`` works on any machine: with a CUDA GPU the kernels compile for it, without
-one they run through the Triton interpreter on the CPU (see :mod:`mk.tasks._device`).
+``import mk`` works on any machine and in any import order: kernels run where their
+tensors are, compiled for a CUDA GPU or through the Triton interpreter on the CPU (see
+:mod:`mk.tasks._device`).
 """
 
-from .tasks import _device  # noqa: F401  (must run before anything defines a kernel)
-from .tasks._device import INTERPRET, default_device, default_dtype
+from .tasks._device import default_device, default_dtype, interpreting, jit
 
 __version__ = "0.1.0"
-__all__ = ["INTERPRET", "default_device", "default_dtype", "__version__"]
+__all__ = ["default_device", "default_dtype", "interpreting", "jit", "__version__"]

@@ -7,7 +7,7 @@ import time
 import torch
 
 from . import tasks
-from .tasks import INTERPRET, default_device, default_dtype
+from .tasks import default_device, default_dtype, interpreting
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -20,7 +20,7 @@ def run_demo(seed: int = 0) -> int:
     torch.manual_seed(seed)
     dev, dt = default_device(), default_dtype()
     tol = 1e-5 if dt == torch.float32 else 2e-2
-    where = "CPU via the Triton interpreter" if INTERPRET else torch.cuda.get_device_name()
+    where = "CPU via the Triton interpreter" if interpreting(dev) else torch.cuda.get_device_name(dev)
     print(f"mk {__import__('mk').__version__}: task ops on {where}, {str(dt).replace('torch.', '')}")
 
     def rnd(*shape, dtype=dt):
@@ -65,12 +65,12 @@ def run_demo(seed: int = 0) -> int:
     print(f"{'op':38s} {'rel. error':>11s} {'ms':>9s}")
     for name, fn, ref_fn in cases:
         fn()  # warm-up: compile
-        if not INTERPRET:
-            torch.cuda.synchronize()
+        if not interpreting(dev):
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         out = fn()
-        if not INTERPRET:
-            torch.cuda.synchronize()
+        if not interpreting(dev):
+            torch.cuda.synchronize(dev)
         ms = (time.perf_counter() - t0) * 1e3
         err = _rel(out, ref_fn())
         ok = err <= tol

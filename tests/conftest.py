@@ -13,10 +13,9 @@ import random
 import pytest
 import torch
 
-import mk  # noqa: F401  (decides interpreter vs CUDA before any kernel is defined)
-from mk.tasks import INTERPRET, default_device
+from mk.tasks import default_device
 
-HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+HAS_CUDA = torch.cuda.is_available()
 
 #: A fresh base seed per run unless MK_TEST_SEED pins it; printed in the header.
 BASE_SEED = int(os.environ.get("MK_TEST_SEED", random.SystemRandom().randrange(2**31)))

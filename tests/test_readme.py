@@ -5,13 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from mk.tasks import INTERPRET
-
 README = Path(__file__).resolve().parents[1] / "README.md"
 SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the README examples build CPU tensors (the CPU path)")
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_readme_example_runs(index, capsys):
     exec(compile(SNIPPETS[index], f"README.md example {index}", "exec"), {})

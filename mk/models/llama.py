@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from mk.tasks import INTERPRET, default_device
+from mk.tasks import default_device, supported_dtypes
 from mk.tasks.append_token import append_token
 from mk.tasks.argmax import argmax
 from mk.tasks.embedding import embedding
@@ -287,8 +287,8 @@ class Llama:
             queues = step_queues(step, graph, self.device_spec, workers)
             return Megakernel(lower(step.graph, num_workers=workers, queues=queues))
 
-        kernel = compile_for(1 if INTERPRET else plan.workers)
-        if not INTERPRET and kernel.residency().max_workers < plan.workers:
+        kernel = compile_for(1 if self.device.type != "cuda" else plan.workers)
+        if self.device.type == "cuda" and kernel.residency().max_workers < plan.workers:
             kernel = compile_for(kernel.residency().max_workers)
         return _Decoder(step, kernel, state)
 
@@ -579,12 +579,11 @@ def _resolve_target(device, dtype, kv_dtype) -> tuple[torch.device, torch.dtype,
 def _check_target(device: torch.device, dtype: torch.dtype, what: str = "dtype") -> None:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device}")
-    if device.type == "cuda" and (INTERPRET or not torch.cuda.is_available()):
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but there is no CUDA GPU here (mk runs on the CPU "
                          "through the Triton interpreter)")
-    if device.type == "cpu" and not INTERPRET:
-        raise ValueError("device cpu asked for, but mk kernels are compiled for the GPU in this process "
-                         "(set TRITON_INTERPRET=1 before importing mk to run on the CPU)")
-    allowed = (torch.float32,) if device.type == "cpu" else (torch.bfloat16, torch.float16, torch.float32)
-    if dtype not in allowed:
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s)")
+    allowed = supported_dtypes(device)
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
         raise ValueError(f"{what} {dtype} is not supported on {device.type}; use one of {list(allowed)}")

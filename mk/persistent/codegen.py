@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-from mk.tasks import INTERPRET
-
 from .graph import HEADER_WORDS, Program
 from .ops import TL_DTYPES, OpSpec
 
@@ -43,9 +41,10 @@ def _words(prefix: str, n: int) -> str:
     return ", ".join(f"{prefix}{j}" for j in range(n))
 
 
-def _bind(spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program, w: str) -> list[str]:
-    """Lines binding the op's operand pointers, args and constexprs from descriptor words ``w*``."""
-    lines = []
+def _bind(spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program, w: str, gpu: bool) -> list[str]:
+    """Lines binding the op's operand pointers, args and constexprs from descriptor words ``w*``;
+    ``GPU`` says whether the code is compiled for a GPU (inline PTX and hints) or interpreted."""
+    lines = [f"GPU: tl.constexpr = {bool(gpu)!r}"]
     ptr_base, arg_base = program.slot_base, program.slot_base + 2 * program.max_slots
     for j, (role, dt) in enumerate(zip(spec.operands, dtypes)):
         lo, hi = f"{w}{ptr_base + 2 * j}", f"{w}{ptr_base + 2 * j + 1}"
@@ -60,11 +59,12 @@ def _bind(spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program, w: st
     return lines
 
 
-def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
+def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program,
+                      gpu: bool) -> str:
     """One jit function per variant, so each op's local names and types stay its own: bind
     operands, run the op's preload, wait on the task's events, run the body."""
     n = device_words(program)
-    lines = _bind(spec, dtypes, program, "w")
+    lines = _bind(spec, dtypes, program, "w", gpu)
     if spec.preload:
         lines.append("# loads that do not depend on other tasks, issued before waiting for them")
         lines.append(textwrap.dedent(spec.preload).strip("\n"))
@@ -84,7 +84,7 @@ def _variant_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...]
         lines.append("if ok != 0:")
         lines.append(_indent(spec.body, 1))
     dt_names = [str(d).replace("torch.", "") for d in dtypes]
-    return (f"@triton.jit\ndef op_{opcode}({_words('w', n)}, counters_ptr, error_ptr, epoch, worker, timeout, ok, "
+    return (f"@jit\ndef op_{opcode}({_words('w', n)}, counters_ptr, error_ptr, epoch, worker, timeout, ok, "
             f"last_ev, last_need, USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr, "
             f"TRACE: tl.constexpr):\n"
             f"    \"\"\"{spec.key} on {dt_names}\"\"\"\n" + _indent("\n".join(lines), 1) +
@@ -117,16 +117,17 @@ def _task_wait_function(program: Program) -> str:
              "USE_TIMER: tl.constexpr = FLAGS[0]", "BACKOFF_NS: tl.constexpr = FLAGS[1]",
              "TRACE: tl.constexpr = FLAGS[2]", _waits(program), "t_ready = now_ns(USE_TIMER & TRACE)",
              "return ok, last_ev, last_need, t_ready"]
-    return ("@triton.jit\ndef task_wait(args, state, FLAGS: tl.constexpr):\n"
+    return ("@jit\ndef task_wait(args, state, FLAGS: tl.constexpr):\n"
             "    \"\"\"The task's dependency waits; state (ok, last_ev, last_need, t_ready) in and out.\"\"\"\n"
             + _indent("\n".join(lines), 1) + "\n")
 
 
-def _prefetch_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program) -> str:
+def _prefetch_function(opcode: int, spec: OpSpec, dtypes: tuple[torch.dtype, ...], program: Program,
+                       gpu: bool) -> str:
     """The op's weight prefetch (loads that do not depend on other tasks), on its own."""
     n = device_words(program)
-    lines = _bind(spec, dtypes, program, "w") + [textwrap.dedent(spec.prefetch).strip("\n")]
-    return (f"@triton.jit\ndef prefetch_{opcode}({_words('w', n)}):\n"
+    lines = _bind(spec, dtypes, program, "w", gpu) + [textwrap.dedent(spec.prefetch).strip("\n")]
+    return (f"@jit\ndef prefetch_{opcode}({_words('w', n)}):\n"
             f"    \"\"\"weights of {spec.key}, before its wait\"\"\"\n" + _indent("\n".join(lines), 1) + "\n")
 
 
@@ -147,14 +148,23 @@ def _dispatch(program: Program, fn: str, words: str, tail: str, assign: str, onl
     return "\n".join(out) if out else "pass"
 
 
-def generate_source(program: Program) -> str:
-    """The full Python source of the megakernel module for ``program``."""
+def program_on_gpu(program: Program) -> bool:
+    """Whether ``program``'s buffers live on a CUDA GPU (its kernel is compiled), rather than
+    on the CPU (interpreted)."""
+    return any(program.graph.buffers[n].is_cuda for n in program.buffer_names)
+
+
+def generate_source(program: Program, gpu: bool | None = None) -> str:
+    """The full Python source of the megakernel module for ``program``, compiled for a GPU or
+    interpreted (``gpu``; default: where the program's buffers are)."""
+    gpu = program_on_gpu(program) if gpu is None else gpu
     n = device_words(program)
     imports = sorted({imp for spec, _ in program.variants for imp in spec.imports})
-    functions = "\n\n".join(_variant_function(i, spec, dtypes, program) for i, (spec, dtypes) in enumerate(program.variants))
+    functions = "\n\n".join(_variant_function(i, spec, dtypes, program, gpu)
+                              for i, (spec, dtypes) in enumerate(program.variants))
     if any(spec.waits_in_body for spec, _ in program.variants):
         functions = _task_wait_function(program) + "\n\n" + functions
-    prefetches = "\n\n".join(_prefetch_function(i, spec, dtypes, program)
+    prefetches = "\n\n".join(_prefetch_function(i, spec, dtypes, program, gpu)
                               for i, (spec, dtypes) in enumerate(program.variants) if spec.prefetch)
     has_prefetch = lambda spec: bool(spec.prefetch)  # noqa: E731
     run = _dispatch(program, "op", "w", ", counters_ptr, error_ptr, epoch, worker, timeout, ok, last_ev, last_need, "
@@ -211,6 +221,7 @@ import triton
 import triton.language as tl
 
 from mk.persistent.sync import now_ns, signal_event, sm_id, wait_event
+from mk.tasks._device import jit
 {chr(10).join(imports)}
 
 
@@ -218,7 +229,7 @@ from mk.persistent.sync import now_ns, signal_event, sm_id, wait_event
 
 {prefetches}
 
-@triton.jit
+@jit
 def {KERNEL_NAME}(desc_ptr, queue_ptr, counters_ptr, state_ptr, error_ptr, trace_ptr, num_workers, timeout,
                DESC_WORDS: tl.constexpr, TRACE: tl.constexpr, USE_TIMER: tl.constexpr,
                BACKOFF_NS: tl.constexpr, DEFER_SIGNALS: tl.constexpr, PROXY_FENCES: tl.constexpr):
@@ -254,13 +265,12 @@ def kernel_constexprs(program: Program, *, trace: bool = False, use_timer: bool 
 def compile_for_target(program: Program, *, arch: int = 90, num_warps: int = 4, **constexprs):
     """Compile ``program``'s megakernel for ``sm_<arch>`` without launching it (no GPU needed
     when Triton's NVIDIA backend is installed): type, layout and inline-PTX errors show here.
-    Needs compiled (not interpreted) kernels: TRITON_INTERPRET=0 before mk is imported.
     Compiled as :class:`mk.persistent.runtime.Megakernel` compiles it (``proxy_fences``
     among the constexprs: see :func:`proxy_fence_pass`)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel, _ = load_kernel(generate_source(program))
+    kernel, _ = load_kernel(generate_source(program, gpu=True))
     cx = kernel_constexprs(program, **constexprs)
     src = triton.compiler.ASTSource(fn=kernel, signature={**KERNEL_ARGS, **{k: "constexpr" for k in cx}},
                                     constexprs=cx)
@@ -322,7 +332,7 @@ def proxy_fence_pass(enabled: bool):
     ``enabled``: leave the pass in (``Megakernel(proxy_fences=True)``, or ``MK_PROXY_FENCES=1``).
     Not thread-safe against other threads compiling Triton kernels at the same moment.
     """
-    if enabled or INTERPRET:
+    if enabled:
         yield
         return
     import triton

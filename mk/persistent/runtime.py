@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mk.tasks import INTERPRET, enable_device_descriptors
+from mk.tasks import enable_device_descriptors
 
 from .codegen import device_words, generate_source, kernel_constexprs, load_kernel, proxy_fence_pass
 from .graph import Program
@@ -123,12 +123,14 @@ class Megakernel:
         if len(devices) > 1:
             raise MegakernelError(f"buffers are on several devices: {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
-        if INTERPRET and program.num_workers != 1:
+        #: True when the kernel runs through the Triton interpreter (CPU buffers).
+        self.interpret = self.device.type != "cuda"
+        if self.interpret and program.num_workers != 1:
             raise MegakernelError("under the Triton interpreter programs run one after another: "
                                   "lower the graph for num_workers=1 (use the VM for more workers)")
         if any(spec.constexprs.get("TMA_STAGES", 0) for spec, _ in program.variants):
             enable_device_descriptors()  # scratch for the descriptors the TMA bodies make
-        self.source = generate_source(program)
+        self.source = generate_source(program, gpu=not self.interpret)
         self.backoff_ns, self.defer_signals = int(backoff_ns), bool(defer_signals)
         self.kernel, self.digest = load_kernel(self.source)
         dev = self.device
@@ -142,7 +144,7 @@ class Megakernel:
         if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
             raise MegakernelError(f"num_warps must be a power of two from 1 to 16, got {num_warps}")
         self.num_warps = num_warps or (max(spec.num_warps for spec, _ in program.variants) if program.variants else 4)
-        self.timeout = interpret_polls if INTERPRET else int(timeout_s * 1e9)
+        self.timeout = interpret_polls if self.interpret else int(timeout_s * 1e9)
         self._residency: Residency | None = None
 
     # -- launching -------------------------------------------------------------------
@@ -150,7 +152,7 @@ class Megakernel:
         p = self.program
         return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
-                dict(kernel_constexprs(p, trace=self.trace_enabled, use_timer=not INTERPRET,
+                dict(kernel_constexprs(p, trace=self.trace_enabled, use_timer=not self.interpret,
                                        backoff_ns=self.backoff_ns, defer_signals=self.defer_signals,
                                        proxy_fences=self.proxy_fences),
                      num_warps=self.num_warps))
@@ -158,7 +160,7 @@ class Megakernel:
     def residency(self) -> Residency:
         """Compile (once) and read registers and shared memory off the compiled kernel."""
         if self._residency is None:
-            if INTERPRET:
+            if self.interpret:
                 self._residency = Residency(0, 0, 0, self.num_warps, 1, 1)
             else:
                 args, kw = self._args()
@@ -177,13 +179,13 @@ class Megakernel:
     def launch(self) -> None:
         """Enqueue one launch (no host sync). Raises before launching if workers can't all be resident."""
         res = self.residency()
-        if not INTERPRET and self.program.num_workers > res.max_workers:
+        if not self.interpret and self.program.num_workers > res.max_workers:
             raise MegakernelError(
                 f"{self.program.num_workers} workers cannot all be resident: the kernel uses {res.n_regs} registers "
                 f"and {res.shared_bytes} B of shared memory with {res.num_warps} warps, so at most "
                 f"{res.blocks_per_sm} per SM × {res.sm_count} SMs = {res.max_workers}")
         args, kw = self._args()
-        with proxy_fence_pass(self.proxy_fences):  # Triton >= 3.7 keys its cache lookup on the hook
+        with proxy_fence_pass(self.proxy_fences or self.interpret):  # Triton >= 3.7 keys its cache lookup on the hook
             self.kernel[(self.program.num_workers,)](*args, **kw)
 
     def check(self) -> None:

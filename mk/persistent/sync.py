@@ -9,8 +9,9 @@ recorded an error. A worker remembers the last event count it saw reached: tiles
 layer on one worker all wait for the same event, and only the first pays for it.
 """
 
-import triton
 import triton.language as tl
+
+from mk.tasks._device import jit
 
 try:  # inline PTX: compiled GPU code only
     from triton.language.extra.cuda import globaltimer as _globaltimer
@@ -21,7 +22,7 @@ except ImportError:  # pragma: no cover - older layouts
 ERROR_WORDS = 8
 
 
-@triton.jit
+@jit
 def now_ns(USE_TIMER: tl.constexpr):
     """The GPU's global timer in ns (0 where inline PTX is unavailable)."""
     if USE_TIMER:
@@ -30,7 +31,7 @@ def now_ns(USE_TIMER: tl.constexpr):
         return tl.zeros([], dtype=tl.int64)
 
 
-@triton.jit
+@jit
 def sm_id(GPU: tl.constexpr):
     """The streaming multiprocessor this program runs on (%smid; 0 without GPU code, where
     inline PTX is unavailable): traces show which workers share an SM."""
@@ -40,7 +41,7 @@ def sm_id(GPU: tl.constexpr):
         return tl.zeros([], dtype=tl.int32)
 
 
-@triton.jit
+@jit
 def _load_acquire(ptr, GPU: tl.constexpr):
     """Load an int32 counter with acquire semantics at GPU scope."""
     if GPU:
@@ -52,7 +53,7 @@ def _load_acquire(ptr, GPU: tl.constexpr):
         return seen
 
 
-@triton.jit
+@jit
 def _backoff(NS: tl.constexpr):
     """Sleep about NS ns between polls, so that hundreds of waiting workers do not flood
     the memory system that the working ones stream through."""
@@ -61,7 +62,7 @@ def _backoff(NS: tl.constexpr):
                                   is_pure=False, pack=1)
 
 
-@triton.jit
+@jit
 def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, timeout, last_ev, last_need,
                USE_TIMER: tl.constexpr, BACKOFF_NS: tl.constexpr = 0):
     """Wait until ``counters[ev] >= count * (epoch + 1)`` (when ``active``).
@@ -108,7 +109,7 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
     return ok, last_ev, last_need
 
 
-@triton.jit
+@jit
 def signal_event(ev, counters_ptr, count=1):
     """Publish this worker's writes: block barrier, then one release add of ``count`` to event
     ``ev`` (the signals of ``count`` tasks at once, see the megakernel's deferred signals)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mk.tasks._device import INTERPRET, default_dtype
+from mk.tasks._device import default_dtype
 from mk.tasks.argmax import argmax_block_c, argmax_block_v, argmax_pack_ref, argmax_unpack_ref, check_block_v
 from mk.tasks.decode_attention import MAX_NUM_SPLITS, MIN_DOT_DIM, decode_attention_config, live_splits
 from mk.tasks.embedding import embedding_block_h, embedding_num_warps
@@ -151,10 +151,11 @@ class _LinearShape:
         self.run = tiles_per_task
         self.tasks_n = _cdiv(self.tiles_n, self.run)
         self.k_splits = linear_k_splits(K, self.bk, split_k)
-        # The interpreter has no inline PTX: no prefetch there, whatever was asked.
         lines, line = prefetch_lines(cfg, K, torch.empty((), dtype=dtype).element_size())
-        # (A run streams its own tiles back to back: no L2 prefetch ahead of its wait.)
-        self.prefetch_lines, self.line = (0 if INTERPRET or self.run > 1 else lines), line
+        # (A run streams its own tiles back to back: no L2 prefetch ahead of its wait.) The
+        # generated code prefetches only where it is compiled (PREFETCH_LINES * GPU): the
+        # interpreter has no inline PTX.
+        self.prefetch_lines, self.line = (0 if self.run > 1 else lines), line
         # TMA bulk prefetch of whole row segments when rows (and so split starts) are 16-byte
         # aligned; TaskGraph.buffer refuses buffers that are not.
         eb = self.eb = torch.empty((), dtype=dtype).element_size()
@@ -345,7 +346,7 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
 
 
 #: A full-K tile's L2 weight prefetch, issued by the dispatch loop before the task's wait.
-_FULL_K_PREFETCH = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
+_FULL_K_PREFETCH = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES * GPU, LINE=LINE, "
                     "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
 
 
@@ -469,7 +470,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     # The K range is computed on the device from the split index, exactly as the split-K
     # launcher cuts it, so the descriptor carries only (pid_m, pid_n, split).
     prefetch = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
-                "linear_prefetch_tile(w, pid_n, N, k_lo, k_hi, K, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, "
+                "linear_prefetch_tile(w, pid_n, N, k_lo, k_hi, K, PREFETCH_LINES=PREFETCH_LINES * GPU, LINE=LINE, "
                 "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
     norm_sq = s.norm_sq(norm, tma)
     body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
@@ -1167,11 +1168,11 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     # The length before the wait: exact from the positions; from seqlens maybe the last step's
     # (good enough for the prefetch's hint, read again after the wait).
     preload = ("attn_len = decode_length(pos, b.to(tl.int64), S_MAX)\n" if from_positions else
-               "" if INTERPRET else "attn_len = tl.load(seqlens + b.to(tl.int64), volatile=True)\n")
-    if not INTERPRET:  # the K/V lines of the slice into L2 while the task waits (inline PTX)
-        preload += ("decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
-                    "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
-                    "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
+               "if GPU:\n    attn_len = tl.load(seqlens + b.to(tl.int64), volatile=True)\n")
+    # The K/V lines of the slice into L2 while the task waits (inline PTX: compiled code only).
+    preload += ("if GPU:\n    decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
+                "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
+                "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
     # With the exact length before the wait, only the live splits wait for their inputs.
     wait = ("if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N):\n"
             "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"

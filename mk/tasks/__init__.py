@@ -1,13 +1,12 @@
 """mk's task library: Triton device functions, each also usable as an ordinary op.
 
-Every task file holds ``<task>_tile`` (the ``@triton.jit`` device function a persistent
+Every task file holds ``<task>_tile`` (the ``@jit`` device function a persistent
 kernel calls; it touches only its own tile), a standalone launcher (the op), and
 ``<task>_ref`` (a plain torch reference).
 """
 
-from . import _device  # first: picks compiled CUDA or the interpreter before any @triton.jit
 from ._cost import TaskCost
-from ._device import INTERPRET, SUPPORTED_DTYPES, default_device, default_dtype, enable_device_descriptors
+from ._device import default_device, default_dtype, enable_device_descriptors, interpreting, jit, supported_dtypes
 from .argmax import argmax, argmax_partial_tile, argmax_reduce_tile, argmax_ref
 from .decode_attention import (decode_attention, decode_attention_merge_tile, decode_attention_partial_tile,
                                decode_attention_ref)
@@ -21,7 +20,8 @@ from .sample import gumbel_noise, sample, sample_ref
 from .silu_mul import silu_mul, silu_mul_ref, silu_mul_tile
 
 __all__ = [
-    "INTERPRET", "SUPPORTED_DTYPES", "TaskCost", "default_device", "default_dtype", "enable_device_descriptors",
+    "TaskCost", "default_device", "default_dtype", "enable_device_descriptors", "interpreting", "jit",
+    "supported_dtypes",
     "argmax", "argmax_partial_tile", "argmax_reduce_tile", "argmax_ref",
     "decode_attention", "decode_attention_merge_tile", "decode_attention_partial_tile", "decode_attention_ref",
     "embedding", "embedding_ref", "embedding_tile",

@@ -1,9 +1,9 @@
-"""Where mk runs, decided in one place.
+"""Where mk runs, decided by the tensors.
 
-With a CUDA GPU, every `@triton.jit` function in mk compiles to GPU code. Without one,
-mk switches Triton to its interpreter (``TRITON_INTERPRET=1``) before any kernel is
-defined, so the same kernels run on the CPU, program after program, in float32.
-Setting ``TRITON_INTERPRET`` yourself (to 1 or 0) overrides the choice.
+Every ``@jit`` function of mk is an ordinary Triton ``JITFunction`` whose launches follow
+their tensors: CUDA tensors run the compiled kernel, CPU tensors run the same kernel
+through Triton's interpreter (program after program, float32 only). Nothing depends on
+``TRITON_INTERPRET`` or on what was imported first.
 
 This module also holds the argument checks shared by every launcher: a bad argument
 raises a ``TypeError`` or ``ValueError`` that names it, before anything is written.
@@ -13,39 +13,114 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Sequence
 
 import torch
+from triton.runtime.jit import JITFunction
 
 
-def _decide_interpret() -> bool:
-    env = os.environ.get("TRITON_INTERPRET")
-    if env is not None and env.strip() != "":
-        return env.strip().lower() not in ("0", "false", "no", "off")
-    return not torch.cuda.is_available()
+def interpreting(where) -> bool:
+    """True when kernels for ``where`` (a tensor, a device or a device string) run through
+    the Triton interpreter: anything off a CUDA GPU."""
+    device = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    return device.type != "cuda"
 
 
-#: True when kernels run through the Triton interpreter on the CPU.
-INTERPRET: bool = _decide_interpret()
-if INTERPRET:
-    # Must happen before triton.jit decorates anything: the decorator reads it.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-#: Dtypes the kernels accept here. The interpreter has no reliable bf16 `tl.dot`,
-#: so on the CPU mk computes in float32 only.
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
-    (torch.float32,) if INTERPRET else (torch.bfloat16, torch.float16, torch.float32)
-)
+def supported_dtypes(where) -> tuple[torch.dtype, ...]:
+    """Dtypes the kernels accept for ``where`` (a tensor or a device): the interpreter has no
+    reliable bf16 ``tl.dot``, so on the CPU mk computes in float32 only."""
+    return (torch.float32,) if interpreting(where) else (torch.bfloat16, torch.float16, torch.float32)
 
 
 def default_device() -> torch.device:
-    """The device mk's kernels run on: ``cpu`` under the interpreter, else ``cuda``."""
-    return torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
+    """The device mk's models and examples use unless told: the current CUDA GPU if there is
+    one, else the CPU (through the Triton interpreter)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def default_dtype() -> torch.dtype:
-    """float32 on the CPU (interpreter), bfloat16 on a GPU."""
-    return torch.float32 if INTERPRET else torch.bfloat16
+def default_dtype(device=None) -> torch.dtype:
+    """float32 on the CPU (interpreter), bfloat16 on a GPU; ``device`` defaults to
+    :func:`default_device`."""
+    return torch.float32 if interpreting(device if device is not None else default_device()) else torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels that run where their tensors are
+
+# The interpreter runs a kernel as Python and calls its device functions as Python. Triton
+# builds interpreter-ready functions only when TRITON_INTERPRET is set before a function is
+# decorated, which a library cannot promise (whoever imported triton first decided for its
+# standard library: tl.sum, tl.max, ...). So while mk interprets a launch, a call of any
+# JITFunction runs it through the interpreter too; outside such a launch a call raises
+# Triton's own error. One lock: the interpreter patches triton.language for its duration.
+_INTERPRETER_LOCK = threading.RLock()
+_interpreting_depth = 0
+_jit_call = JITFunction.__call__
+
+
+def _interpreted(fn: JITFunction):
+    """The interpreter's twin of ``fn`` (built once)."""
+    twin = fn.__dict__.get("_mk_interpreted")
+    if twin is None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        twin = fn.__dict__["_mk_interpreted"] = InterpretedFunction(fn.fn)
+    return twin
+
+
+def _call_in_interpreter(self, *args, **kwargs):
+    if _interpreting_depth:
+        return _interpreted(self)(*args, **kwargs)
+    return _jit_call(self, *args, **kwargs)
+
+
+def _first_device(args, kwargs) -> torch.device | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+        base = getattr(a, "base", None)  # a host-side TensorDescriptor
+        if isinstance(base, torch.Tensor):
+            return base.device
+    return None
+
+
+class Kernel(JITFunction):
+    """A ``triton.jit`` function whose launches run where their tensors are: compiled for a
+    CUDA GPU, through Triton's interpreter for CPU tensors. As a device function it is
+    inlined by the compiler and called by the interpreter."""
+
+    def run(self, *args, grid, warmup, **kwargs):
+        device = _first_device(args, kwargs)
+        if device is None or device.type == "cuda":
+            return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+        if warmup:
+            return None
+        global _interpreting_depth
+        with _INTERPRETER_LOCK:
+            if not _interpreting_depth:
+                JITFunction.__call__ = _call_in_interpreter
+            _interpreting_depth += 1
+            try:
+                return _interpreted(self).run(*args, grid=grid, warmup=False, **kwargs)
+            finally:
+                _interpreting_depth -= 1
+                if not _interpreting_depth:
+                    JITFunction.__call__ = _jit_call
+
+    def __call__(self, *args, **kwargs):
+        return _call_in_interpreter(self, *args, **kwargs)
+
+
+def jit(fn=None, **kwargs):
+    """``triton.jit`` for kernels that run where their tensors are (:class:`Kernel`): use it
+    for your own kernels that call mk's device functions, so that they run on the CPU too.
+    Takes ``triton.jit``'s keyword arguments."""
+    if fn is None:
+        return functools.partial(jit, **kwargs)
+    return Kernel(fn, **kwargs)
 
 
 def check_tensor(
@@ -60,19 +135,18 @@ def check_tensor(
 ) -> torch.Tensor:
     """Check one launcher argument and return it.
 
-    ``dtype=None`` accepts any of :data:`SUPPORTED_DTYPES`; ``shape`` entries of None
+    ``dtype=None`` accepts any of :func:`supported_dtypes` for its device; ``shape`` entries of None
     match any size. ``last_dim_contiguous`` asks only for stride 1 in the last dim
     (rows may be strided). Raises TypeError / ValueError naming ``name``.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    allowed = SUPPORTED_DTYPES if dtype is None else (dtype if isinstance(dtype, (tuple, list)) else (dtype,))
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {t.device}; mk kernels run on cuda (compiled) or cpu (interpreted)")
+    allowed = supported_dtypes(t) if dtype is None else (dtype if isinstance(dtype, (tuple, list)) else (dtype,))
     if t.dtype not in allowed:
-        where = " on the CPU (Triton interpreter)" if INTERPRET and dtype is None else ""
+        where = " on the CPU (Triton interpreter)" if interpreting(t) and dtype is None else ""
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of {list(allowed)}{where}")
-    want = default_device()
-    if t.device.type != want.type:
-        raise ValueError(f"{name} is on {t.device}, but mk kernels run on {want.type} here")
     if ndim is not None:
         dims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in dims:
@@ -131,7 +205,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     anything the previous kernel may write. Needs Hopper (sm_90) or newer; ``MK_PDL=0``
     turns it off.
     """
-    if INTERPRET or not t.is_cuda or os.environ.get("MK_PDL", "1").strip() in ("0", "false", "no", "off"):
+    if not t.is_cuda or os.environ.get("MK_PDL", "1").strip() in ("0", "false", "no", "off"):
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 
@@ -144,7 +218,7 @@ def _smem_optin(index: int) -> int:
 
 def smem_per_block(t: torch.Tensor) -> int | None:
     """Shared memory (bytes) one block may use on ``t``'s GPU; None off the GPU (no limit)."""
-    if INTERPRET or not t.is_cuda:
+    if not t.is_cuda:
         return None
     return _smem_optin(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
@@ -157,7 +231,7 @@ def enable_device_descriptors() -> None:
     device (``tl.make_tensor_descriptor``), which TMA-streamed task bodies use. Sets Triton's
     process-wide allocator once (torch's caching allocator: CUDA-graph capture works)."""
     global _ALLOCATOR_SET
-    if _ALLOCATOR_SET or INTERPRET:
+    if _ALLOCATOR_SET or not torch.cuda.is_available():
         return
     import triton
 

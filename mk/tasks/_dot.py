@@ -1,10 +1,11 @@
 """Matrix products shared by the task bodies."""
 
-import triton
 import triton.language as tl
 
+from ._device import jit
 
-@triton.jit
+
+@jit
 def mma(a, b, acc):
     """``acc + a @ b`` in float32, rounding neither operand below its storage precision.
 
@@ -31,7 +32,7 @@ def mma(a, b, acc):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
-@triton.jit
+@jit
 def mma_weight_major(w, x, acc_t):
     """``acc_t + w @ [hi; lo].T``, the weight chunk as the MMA's left operand: a decode tile's
     few activation rows ``x`` ([R, K]) are the MMA's narrow side (its N) and the weight rows
@@ -58,7 +59,7 @@ def mma_weight_major(w, x, acc_t):
     return tl.dot(w, tl.trans(both), acc_t)
 
 
-@triton.jit
+@jit
 def fold_weight_major(acc_t):
     """The [R, N] product tile from :func:`mma_weight_major`'s [N, 2R] accumulator: hi + lo."""
     N: tl.constexpr = acc_t.shape[0]

@@ -7,11 +7,12 @@ trip to L2 (the branch needs the atomic's value): split-K linears summed the sam
 measured 2-3% slower than reduce tasks (bench/NOTES.md, session 25).
 """
 
-import triton
 import triton.language as tl
 
+from ._device import jit
 
-@triton.jit
+
+@jit
 def last_to_arrive(counter_ptr, members):
     """Count this program in the int32 at ``counter_ptr`` (0 before the team's first member)
     and return whether it is the team's last of ``members``; the last sets the count back to

@@ -13,13 +13,12 @@ runaway loop can never write out of bounds.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from ._device import check_same_device, check_tensor
+from ._device import jit, check_same_device, check_tensor
 
 
-@triton.jit
+@jit
 def append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, stride_tokens, max_seq, tok=None):
     """Sequence ``b``: tokens[b, pos[b] + 1] = next_ids[b], then pos[b] += 1 (when in range).
     ``tok``: the token, when the caller has it (it then also stores next_ids[b] = tok)."""
@@ -35,7 +34,7 @@ def append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, stride_tokens, max_s
         tl.store(pos_ptr + b, pos + 1)
 
 
-@triton.jit
+@jit
 def append_token_kernel(next_ids_ptr, pos_ptr, tokens_ptr, stride_tokens, max_seq):
     append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, tl.program_id(0), stride_tokens, max_seq)
 

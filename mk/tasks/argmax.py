@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import check_tensor
+from ._device import jit, check_tensor
 
 #: Default widest vocabulary chunk one partial tile covers.
 MAX_BLOCK_V = 2048
@@ -31,7 +31,7 @@ _INT32_MIN = tl.constexpr(-2147483648)
 _INT32_MAX = tl.constexpr(2147483647)
 
 
-@triton.jit
+@jit
 def order_key(x):
     """int32 image of float32 ``x`` that orders like x (as torch.argmax sees it).
 
@@ -45,7 +45,7 @@ def order_key(x):
     return tl.where(x != x, _INT32_MAX, key)
 
 
-@triton.jit
+@jit
 def argmax_block(x, cols, valid, SENTINEL):
     """(value, index) of the largest valid element of block ``x`` (float32), lowest index on ties.
 
@@ -62,7 +62,7 @@ def argmax_block(x, cols, valid, SENTINEL):
     return val, idx
 
 
-@triton.jit
+@jit
 def argmax_pack(x, cols):
     """int64 candidates that order as torch.argmax picks: by x (:func:`order_key`), then the
     lower index. The key, biased to be non-negative, sits above ``2**31 - 1 - cols``, so
@@ -71,7 +71,7 @@ def argmax_pack(x, cols):
     return (key << 31) | (2147483647 - cols).to(tl.int64)
 
 
-@triton.jit
+@jit
 def argmax_unpack(packed):
     """(index int32, value float32) of a packed candidate (:func:`argmax_pack`); a NaN stays a NaN."""
     idx = (2147483647 - (packed & 2147483647)).to(tl.int32)
@@ -80,7 +80,7 @@ def argmax_unpack(packed):
     return idx, bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def argmax_tile_into(y, pid_m, tile, M, V, best_ptr):
     """Fold output tile (pid_m, tile) of the logits, ``y`` (float32 ``[BLOCK_M, BLOCK_N]``:
     rows pid_m*BLOCK_M.., columns tile*BLOCK_N..), into each row's best candidate: one atomic
@@ -97,14 +97,14 @@ def argmax_tile_into(y, pid_m, tile, M, V, best_ptr):
     tl.atomic_max(best_ptr + rows, tl.max(packed, axis=1), mask=rows < M, sem="relaxed")
 
 
-@triton.jit
+@jit
 def argmax_take(best_ptr, row):
     """(index int32, value float32) of row's best candidate (:func:`argmax_tile_into`), and
     best[row] back to 0 for the next step, in one atomic exchange."""
     return argmax_unpack(tl.atomic_xchg(best_ptr + row, tl.zeros([], tl.int64)))
 
 
-@triton.jit
+@jit
 def argmax_partial_tile(
     logits_ptr, part_val_ptr, part_idx_ptr,
     row, chunk, V, stride_row, stride_part,
@@ -123,7 +123,7 @@ def argmax_partial_tile(
     tl.store(part_idx_ptr + row * stride_part + chunk, idx)
 
 
-@triton.jit
+@jit
 def argmax_reduce_tile(
     part_val_ptr, part_idx_ptr, out_idx_ptr, out_val_ptr,
     row, n_chunks, stride_part,
@@ -158,7 +158,7 @@ def argmax_reduce_tile(
     tl.store(out_val_ptr + row, val)
 
 
-@triton.jit
+@jit
 def argmax_partial_kernel(
     logits_ptr, part_val_ptr, part_idx_ptr, V, stride_row, stride_part,
     BLOCK_V: tl.constexpr,
@@ -167,7 +167,7 @@ def argmax_partial_kernel(
                         V, stride_row, stride_part, BLOCK_V=BLOCK_V)
 
 
-@triton.jit
+@jit
 def argmax_reduce_kernel(
     part_val_ptr, part_idx_ptr, out_idx_ptr, out_val_ptr, n_chunks, stride_part,
     BLOCK_C: tl.constexpr,

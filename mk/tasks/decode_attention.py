@@ -44,7 +44,7 @@ from ._dot import mma
 from .linear import _prefetch_l2
 
 from ._cost import TaskCost
-from ._device import check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._device import jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing
 from ._team import last_to_arrive
 
 #: Most KV splits one call may use (the merge holds [num_splits, D] float32 in registers).
@@ -109,20 +109,20 @@ def live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
 # --------------------------------------------------------------------------- device code
 
 
-@triton.jit
+@jit
 def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
     """KV positions a slice holds: ceil(seqlen / num_splits), rounded up to whole blocks."""
     return tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+@jit
 def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr):
     """How many of the ``num_splits`` slices of a ``seqlen``-key sequence hold a key (at
     least one: seqlen 0, never valid, still gives split 0, which writes zeros)."""
     return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
 
 
-@triton.jit
+@jit
 def _attend_slice(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlen,
     b, kv_head, split, num_splits, sm_scale,
@@ -193,7 +193,7 @@ def _attend_slice(
     return out, lse
 
 
-@triton.jit
+@jit
 def _store_heads(ptr, b, kv_head, stride_b, stride_h, values,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """values [BLOCK_G, BLOCK_D] into ptr[b, h, :HEAD_DIM] for the group's heads h (cast)."""
@@ -204,7 +204,7 @@ def _store_heads(ptr, b, kv_head, stride_b, stride_h, values,
              mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
-@triton.jit
+@jit
 def _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_ls, out, lse,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -216,7 +216,7 @@ def _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stri
              mask=offs_g < GROUP)
 
 
-@triton.jit
+@jit
 def decode_attention_partial_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
     b, kv_head, split, num_splits, sm_scale,
@@ -242,7 +242,7 @@ def decode_attention_partial_tile(
                    stride_ls, out, lse, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
 
 
-@triton.jit
+@jit
 def decode_attention_prefetch(
     k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, max_seq,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -273,7 +273,7 @@ def decode_attention_prefetch(
         _prefetch_l2(v_cache_ptr + b * stride_vb + kv_head * stride_vh + pos * stride_vs + col)
 
 
-@triton.jit
+@jit
 def decode_attention_merge_tile(
     o_part_ptr, lse_ptr, out_ptr,
     b, q_head, num_splits,
@@ -314,7 +314,7 @@ def decode_attention_merge_tile(
              out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@jit
 def decode_attention_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlen, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
     b, kv_head, split, num_kv_heads, num_splits, sm_scale,
@@ -363,7 +363,7 @@ def decode_attention_tile(
                     CACHE=".cg")
 
 
-@triton.jit
+@jit
 def decode_length(pos_ptr, b, max_seq):
     """Sequence b's KV length in a decode step that appends its token at position pos[b]:
     pos[b] + 1, clipped to ``[0, max_seq]`` as :func:`mk.tasks.rope.rope_kv_seqlen_tile`
@@ -372,7 +372,7 @@ def decode_length(pos_ptr, b, max_seq):
     return tl.minimum(tl.maximum(tl.load(pos_ptr + b) + 1, 0), max_seq)
 
 
-@triton.jit
+@jit
 def decode_attention_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr,
     num_kv_heads, num_splits, sm_scale,
@@ -394,7 +394,7 @@ def decode_attention_partial_kernel(
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
 
 
-@triton.jit
+@jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, o_ptr, lse_ptr, arrivals_ptr, out_ptr,
     num_kv_heads, num_splits, sm_scale,
@@ -420,7 +420,7 @@ def decode_attention_kernel(
         BLOCK_GROUP=BLOCK_GROUP)
 
 
-@triton.jit
+@jit
 def decode_attention_merge_kernel(
     o_part_ptr, lse_ptr, out_ptr, num_q_heads, num_splits,
     stride_pb, stride_ph, stride_ps,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_tensor, is_capturing
+from ._device import jit, check_same_device, check_tensor, is_capturing
 
 #: Widest column block of one tile; wider rows are split over several tiles.
 MAX_BLOCK_H = 1024
@@ -21,7 +21,7 @@ MAX_BLOCK_H = 1024
 ID_DTYPES = (torch.int32, torch.int64)
 
 
-@triton.jit
+@jit
 def embedding_tile(
     ids_ptr, table_ptr, out_ptr,
     row, col_block, H,
@@ -42,7 +42,7 @@ def embedding_tile(
     tl.store(out_ptr + tl.cast(row, tl.int64) * stride_out + cols, vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def embedding_kernel(
     ids_ptr, table_ptr, out_ptr, H,
     stride_table, stride_out,

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import (SUPPORTED_DTYPES, check_positive_int, check_same_device, check_same_dtype, check_tensor,
+from ._device import (jit, supported_dtypes, check_positive_int, check_same_device, check_same_dtype, check_tensor,
                       smem_per_block, use_pdl)
 from ._dot import fold_weight_major, mma, mma_weight_major
 from .argmax import argmax_tile_into
@@ -170,7 +170,7 @@ def gemv_stream(block_m: int, tma_stages: int, K: int, block_k: int, block_n: in
 # ---------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _load_x(x_rows, cols, k_hi, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
     """x[rows, cols] in its storage dtype: a [BLOCK_K] vector for the GEMV body (x_rows is then
     a scalar pointer), a [BLOCK_M, BLOCK_K] tile for the dot body."""
@@ -189,7 +189,7 @@ def _load_x(x_rows, cols, k_hi, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
     return xt
 
 
-@triton.jit
+@jit
 def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """1/sqrt(mean(x**2) + eps) of the tile's rows over all of K ([BLOCK_M], a scalar if BLOCK_M == 1)."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -207,7 +207,7 @@ def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     return 1.0 / tl.sqrt(total / K + eps)
 
 
-@triton.jit
+@jit
 def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
                  HAS_NORM: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                  WEIGHT_MAJOR: tl.constexpr = False):
@@ -241,7 +241,7 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
     return acc
 
 
-@triton.jit
+@jit
 def linear_weights_first(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The GEMV tile's first [BLOCK_N, BLOCK_K] weight chunk in registers (zeros if the K range
     holds no whole chunk). Weights never depend on other tasks, so a persistent worker loads
@@ -255,7 +255,7 @@ def linear_weights_first(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.con
                    eviction_policy="evict_first")
 
 
-@triton.jit
+@jit
 def _linear_acc(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
@@ -426,7 +426,7 @@ def _linear_acc(
             return acc
 
 
-@triton.jit
+@jit
 def _out_tile(pid_m, pid_n, M, N, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(rows, output columns, mask) of tile (pid_m, pid_n) of y (N = weight rows; with
     SILU_MUL a pair of weight rows makes one column)."""
@@ -440,7 +440,7 @@ def _out_tile(pid_m, pid_n, M, N, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
     return offs_m, offs_o, (offs_m < M)[:, None] & (offs_o < n_out)[None, :]
 
 
-@triton.jit
+@jit
 def _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm,
                    SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tile (pid_m, pid_n)'s residual, float32 (what :func:`_linear_epilogue` adds)."""
@@ -448,7 +448,7 @@ def _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm,
     return tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_o[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@jit
 def _linear_epilogue(
     acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -475,7 +475,7 @@ def _linear_epilogue(
     return y
 
 
-@triton.jit
+@jit
 def linear_tile(
     x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr,
     pid_m, pid_n, M, N, K, k_lo, k_hi,
@@ -528,7 +528,7 @@ def linear_tile(
         return 0
 
 
-@triton.jit
+@jit
 def linear_run(
     x_ptr, w_ptr, norm_w_ptr,
     pid_m, pid_n, n_tiles, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
@@ -665,7 +665,7 @@ def linear_run(
         return 0
 
 
-@triton.jit
+@jit
 def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM: tl.constexpr):
     """One weight chunk of a GEMV run into its [BLOCK_N, BLOCK_K] accumulator (x RMSNorm-scaled
     by the norm weights; squares summed while the run streams its first tile)."""
@@ -676,7 +676,7 @@ def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM
     return acc + w.to(tl.float32) * xt[None, :], sum_sq
 
 
-@triton.jit
+@jit
 def _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM: tl.constexpr):
     """A GEMV tile's [1, BLOCK_N] result from its accumulator: the row sums, scaled by the
     RMSNorm's rstd (one number a row, so it factors out of the sum): from the squares summed
@@ -687,7 +687,7 @@ def _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM: tl.conste
     return y
 
 
-@triton.jit
+@jit
 def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_lo, k_hi, stride_wn, eps,
                       EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr, HAS_NORM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_STAGES: tl.constexpr,
@@ -755,7 +755,7 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
     return s0, s1, s2, s3
 
 
-@triton.jit
+@jit
 def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
     """x's chunk for iteration ``j`` of :func:`linear_run`'s flat loop (zeros past its last),
     by volatile loads: Triton's pipeliner does not hoist them into the loop's prologue.
@@ -765,7 +765,7 @@ def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
     return tl.load(x_rows + cols, mask=cols < tl.where(j < n_chunks, k_hi, 0), other=0.0, volatile=True)
 
 
-@triton.jit
+@jit
 def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for a linear: residual add or SiLU·mul, then the store.
     ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
@@ -774,7 +774,7 @@ def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
                      HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
 
 
-@triton.jit
+@jit
 def linear_argmax_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for an LM head: the store, then each row's max over the
     tile's columns into best[row] (:func:`mk.tasks.argmax.argmax_tile_into`, from the values
@@ -785,7 +785,7 @@ def linear_argmax_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     argmax_tile_into(y.to(tl.float32), pid_m, pid_n, M, N, best_ptr)
 
 
-@triton.jit
+@jit
 def linear_partial_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for a split-K partial: the float32 tile into its split's
     workspace. ``args``: (ws_ptr, split, M, N, stride_ws_split, stride_ws_m); FLAGS: None."""
@@ -796,7 +796,7 @@ def linear_partial_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     tl.store(ws_ptr + split * stride_ws_split + offs_m[:, None] * stride_ws_m + offs_n[None, :], acc, mask=mask)
 
 
-@triton.jit
+@jit
 def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
     """K range [k_lo, k_hi) of split ``split`` of ``split_k``: whole BLOCK_K chunks, balanced to
     within one chunk, the ragged end in the last split (same as :func:`linear_k_splits`)."""
@@ -806,14 +806,14 @@ def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
     return k_lo, k_hi
 
 
-@triton.jit
+@jit
 def _prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at ``ptrs``; returns at once (nothing lands in registers)."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
+@jit
 def _bulk_prefetch_rows(base, stride_bytes, rows, nbytes):
     """Thread t < rows asks L2 for ``nbytes`` from ``base + t * stride_bytes`` with one TMA bulk
     prefetch (cp.async.bulk.prefetch.L2, sm_90+): one instruction per row, no duplicates.
@@ -825,7 +825,7 @@ def _bulk_prefetch_rows(base, stride_bytes, rows, nbytes):
         "=r,l,r,r,r", [base, stride_bytes, rows, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
+@jit
 def linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn,
                          PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, BLOCK_N: tl.constexpr,
                          BULK: tl.constexpr = False):
@@ -852,7 +852,7 @@ def linear_prefetch_tile(w_ptr, pid_n, N, k_lo, k_hi, stride_wn,
         _prefetch_l2(w_ptr + rows * stride_wn + cols)
 
 
-@triton.jit
+@jit
 def _pdl_enter(PDL: tl.constexpr):
     """Under programmatic dependent launch: let the next kernel launch now, then wait for the
     previous one to finish (its writes visible) before this program reads activations."""
@@ -861,7 +861,7 @@ def _pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-@triton.jit
+@jit
 def linear_partial_tile(
     x_ptr, w_ptr, norm_w_ptr, ws_ptr,
     pid_m, pid_n, split, M, N, K, k_lo, k_hi,
@@ -909,7 +909,7 @@ def linear_partial_tile(
     return state
 
 
-@triton.jit
+@jit
 def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, K=0, eps=0.0, NORM_SQ: tl.constexpr = False,
                       PART_BLOCK_N: tl.constexpr = 0):
@@ -943,7 +943,7 @@ def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k: tl.constexpr, stride_
     return acc
 
 
-@triton.jit
+@jit
 def linear_splitk_reduce_tile(
     ws_ptr, res_ptr, out_ptr,
     pid_m, pid_n, M, N, split_k: tl.constexpr,
@@ -973,7 +973,7 @@ def linear_splitk_reduce_tile(
                      HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
 
 
-@triton.jit
+@jit
 def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Program id -> (pid_m, pid_n), GROUP_M row tiles at a time so their weight tiles share L2."""
     in_group = GROUP_M * num_pid_n
@@ -984,7 +984,7 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@jit
 def linear_kernel(
     x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
@@ -1002,7 +1002,7 @@ def linear_kernel(
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
 
-@triton.jit
+@jit
 def linear_partial_kernel(
     x_ptr, w_ptr, norm_w_ptr, ws_ptr,
     M, N, K, split_k, stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
@@ -1021,7 +1021,7 @@ def linear_partial_kernel(
                         HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
 
-@triton.jit
+@jit
 def linear_splitk_reduce_kernel(
     ws_ptr, res_ptr, out_ptr,
     M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m, stride_rm, stride_om,
@@ -1335,8 +1335,8 @@ def linear(
         raise TypeError(f"x must have weight's dtype ({weight.dtype}) or float32, got {x.dtype}")
     check_same_device(x=x, weight=weight)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out_dtype must be one of {list(SUPPORTED_DTYPES)}, got {out_dtype!r}")
+    if out_dtype not in supported_dtypes(x):
+        raise TypeError(f"out_dtype must be one of {list(supported_dtypes(x))}, got {out_dtype!r}")
     if not isinstance(silu_mul, bool):
         raise TypeError(f"silu_mul must be a bool, got {type(silu_mul).__name__}")
     if silu_mul and N % 2:

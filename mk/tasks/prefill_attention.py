@@ -29,7 +29,7 @@ import triton.language as tl
 from ._dot import mma
 
 from ._cost import TaskCost
-from ._device import INTERPRET, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._device import jit, interpreting, check_same_device, check_same_dtype, check_tensor, is_capturing
 
 #: Widest head the tile keeps in registers ([BLOCK_M, HEAD_DIM] float32 accumulator).
 MAX_HEAD_DIM = 256
@@ -54,7 +54,7 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def prefill_attention_config(seq_len: int, head_dim: int) -> PrefillAttentionConfig:
+def prefill_attention_config(seq_len: int, head_dim: int, interpreted: bool = False) -> PrefillAttentionConfig:
     """Default tile for prompts of ``seq_len`` tokens and heads of ``head_dim``.
 
     On a GPU: 128 query rows per tile (64 for short prompts or 256-wide heads) against
@@ -63,7 +63,7 @@ def prefill_attention_config(seq_len: int, head_dim: int) -> PrefillAttentionCon
     simply mean fewer programs.
     """
     fit = max(16, triton.next_power_of_2(max(seq_len, 1)))
-    if INTERPRET:
+    if interpreted:
         block = min(64, fit)
         return PrefillAttentionConfig(head_dim, block, block, num_stages=1, num_warps=4)
     block_m = min(128 if head_dim <= 128 else 64, fit)
@@ -73,7 +73,7 @@ def prefill_attention_config(seq_len: int, head_dim: int) -> PrefillAttentionCon
     return PrefillAttentionConfig(head_dim, block_m, block_n, num_stages, num_warps)
 
 
-@triton.jit
+@jit
 def _online_softmax_update(acc, m_i, l_i, qk, v):
     """Fold one key block into the running (acc, max, sum); qk is in log2 units, -inf where masked."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -89,7 +89,7 @@ def _online_softmax_update(acc, m_i, l_i, qk, v):
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def prefill_attention_tile(
     q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
     b, q_head, tile_m, Tq, q_start,
@@ -171,7 +171,7 @@ def prefill_attention_tile(
              out.to(out_ptr.dtype.element_ty), mask=(offs_m < Tq)[:, None])
 
 
-@triton.jit
+@jit
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr,
     Tq, q_start, num_q_heads,
@@ -273,7 +273,7 @@ def prefill_attention(
         scale = 1.0 / math.sqrt(head_dim)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
-    config = _check_config(prefill_attention_config(q_len, head_dim) if config is None else config, head_dim)
+    config = _check_config(prefill_attention_config(q_len, head_dim, interpreting(q)) if config is None else config, head_dim)
 
     out = torch.empty((batch, q_len, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if out.numel() == 0:

@@ -28,13 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
 from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config,
                      linear_partial_kernel, linear_ref, linear_splitk_sum)
 from .rope import _check_inv_freq, rope_kv_ref
 
 
-@triton.jit
+@jit
 def qkv_rope_kv_tile(
     x_ptr, w_ptr, norm_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
     pid_m, pid_n, M, K, max_seq, eps,
@@ -75,7 +75,7 @@ def qkv_rope_kv_tile(
     return state
 
 
-@triton.jit
+@jit
 def qkv_rope_kv_reduce_tile(
     ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
     pid_m, pid_n, M, max_seq, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
@@ -97,7 +97,7 @@ def qkv_rope_kv_reduce_tile(
                          WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, pre=pre)
 
 
-@triton.jit
+@jit
 def qkv_rope_kv_epilogue(
     acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, pid_m, pid_n, M, max_seq,
     HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_SEQLENS: tl.constexpr,
@@ -152,7 +152,7 @@ def qkv_rope_kv_epilogue(
             tl.store(seqlens_ptr + offs_m, n.to(seqlens_ptr.dtype.element_ty), mask=offs_m < M)
 
 
-@triton.jit
+@jit
 def qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tile (pid_m, pid_n)'s rows' positions and the cos and sin ([BLOCK_M, BLOCK_N / 2]
@@ -167,7 +167,7 @@ def qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
     return position, tl.cos(angle), tl.sin(angle)
 
 
-@triton.jit
+@jit
 def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`qkv_rope_kv_epilogue` as :func:`mk.tasks.linear.linear_run`'s epilogue, so a run
     of QKV tiles rotates and stores each tile as it completes. ``args``: (pos_ptr,
@@ -180,7 +180,7 @@ def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
                          WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], pre=pre)
 
 
-@triton.jit
+@jit
 def qkv_rope_kv_reduce_kernel(
     ws_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
     M, max_seq, split_k: tl.constexpr, stride_ws_split, stride_ws_m,
@@ -195,7 +195,7 @@ def qkv_rope_kv_reduce_kernel(
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
 
-@triton.jit
+@jit
 def qkv_rope_kv_kernel(
     x_ptr, w_ptr, norm_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
     M, K, max_seq, eps,

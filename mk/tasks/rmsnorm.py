@@ -14,13 +14,13 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import check_same_dtype, check_tensor
+from ._device import jit, check_same_dtype, check_tensor
 
 #: Widest chunk one program holds in registers; longer rows loop over chunks.
 MAX_BLOCK_N = 8192
 
 
-@triton.jit
+@jit
 def rmsnorm_tile(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     row, N, stride_x, stride_res, stride_out, stride_res_out, eps,
@@ -67,7 +67,7 @@ def rmsnorm_tile(
         tl.store(out_row + cols, (h * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     N, stride_x, stride_res, stride_out, stride_res_out, eps,

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
 
 #: Elements of one half-head tile [BLOCK_H, BLOCK_HALF] a program holds at once.
 MAX_TILE_ELEMENTS = 2048
@@ -113,7 +113,7 @@ def _llama3_scale(inv_freq: torch.Tensor, rope_scaling: Mapping) -> torch.Tensor
 # --------------------------------------------------------------------------- device code
 
 
-@triton.jit
+@jit
 def rope_cos_sin(inv_freq_ptr, position, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """cos and sin of ``position * inv_freq`` as float32 ``[BLOCK_HALF]`` (0 / 0 past HALF)."""
     offs = tl.arange(0, BLOCK_HALF)
@@ -122,7 +122,7 @@ def rope_cos_sin(inv_freq_ptr, position, HALF: tl.constexpr, BLOCK_HALF: tl.cons
     return tl.cos(angle), tl.sin(angle)
 
 
-@triton.jit
+@jit
 def rope_rotate_heads(
     x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos, sin,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr,
@@ -157,7 +157,7 @@ def rope_rotate_heads(
         tl.store(o1_ptrs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def rope_tile(
     x_ptr, pos_ptr, inv_freq_ptr, out_ptr,
     b, t, num_heads,
@@ -174,7 +174,7 @@ def rope_tile(
                       HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, INTERLEAVED=INTERLEAVED)
 
 
-@triton.jit
+@jit
 def rope_kv_tile(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     b, t, num_q_heads, num_kv_heads, max_seq,
@@ -210,7 +210,7 @@ def rope_kv_tile(
                       HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=False)
 
 
-@triton.jit
+@jit
 def rope_kv_seqlen_tile(pos_ptr, seqlens_ptr, b, t, stride_pb, stride_pt, max_seq):
     """seqlens[b] = positions[b, t] + 1, clipped to ``[0, max_seq]``.
 
@@ -225,7 +225,7 @@ def rope_kv_seqlen_tile(pos_ptr, seqlens_ptr, b, t, stride_pb, stride_pt, max_se
     tl.store(seqlens_ptr + b, n.to(seqlens_ptr.dtype.element_ty))
 
 
-@triton.jit
+@jit
 def rope_kernel(
     x_ptr, pos_ptr, inv_freq_ptr, out_ptr, T, num_heads,
     stride_xb, stride_xt, stride_xh, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
@@ -237,7 +237,7 @@ def rope_kernel(
               HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED)
 
 
-@triton.jit
+@jit
 def rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     T, num_q_heads, num_kv_heads, max_seq,

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import INTERPRET, check_tensor, default_device
+from ._device import check_tensor, default_device, interpreting, jit
 from .argmax import (
     argmax, argmax_block, argmax_block_c, argmax_partial_kernel, argmax_reduce_kernel,
     check_block_v, check_logits, order_key,
@@ -58,7 +58,7 @@ MAX_BLOCK_V = 1024
 MAX_BLOCK_C = 128
 #: One-hot entries (sub-block × bins) a histogram step holds at once: bounded by registers
 #: on the GPU; the interpreter is faster with fewer, larger steps.
-HIST_ELEMENTS = 1 << 16 if INTERPRET else 4096
+HIST_ELEMENTS, HIST_ELEMENTS_INTERPRETED = 4096, 1 << 16
 #: Words per row in state_i and state_f.
 STATE_WORDS = 4
 
@@ -74,13 +74,13 @@ _SIGN_BIT = tl.constexpr(-2147483648)  # int32 0x80000000: signed order -> unsig
 _MAX_SEED = 2**63
 
 
-@triton.jit
+@jit
 def sample_key(z):
     """uint32 image of float32 z, increasing with z (-0.0 = +0.0): radix digits read from it."""
     return (order_key(z) ^ _SIGN_BIT).to(tl.uint32, bitcast=True)
 
 
-@triton.jit
+@jit
 def scale_logits(x, temperature):
     """z = x / temperature with IEEE rounding (``/`` may be approximate on the GPU).
 
@@ -91,7 +91,7 @@ def scale_logits(x, temperature):
     return tl.math.div_rn(x, tl.zeros_like(x) + temperature)
 
 
-@triton.jit
+@jit
 def gumbel(seed, offset, row, cols):
     """Gumbel(0, 1) noise for tokens ``cols`` (int32 block) of ``row`` at step ``offset``.
 
@@ -111,14 +111,14 @@ def gumbel(seed, offset, row, cols):
     return -tl.log(e)
 
 
-@triton.jit
+@jit
 def gumbel_noise_tile(out_ptr, row, chunk, V, stride_row, seed, offset, BLOCK_V: tl.constexpr):
     """out[row, chunk*BLOCK_V ...] = the noise the sampler adds to those tokens."""
     cols = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     tl.store(out_ptr + row * stride_row + cols, gumbel(seed, offset, row, cols), mask=cols < V)
 
 
-@triton.jit
+@jit
 def sample_hist_tile(
     logits_ptr, state_i_ptr, row_max_ptr, part_hist_ptr,
     row, chunk, pass_idx, V, stride_row, stride_state_i, stride_hist, temperature,
@@ -163,7 +163,7 @@ def sample_hist_tile(
     tl.store(part_hist_ptr + row * stride_hist + chunk * NBINS + bins, hist)
 
 
-@triton.jit
+@jit
 def sample_select_tile(
     part_hist_ptr, state_i_ptr, state_f_ptr,
     row, n_chunks, pass_idx, stride_hist, stride_state_i, stride_state_f, goal,
@@ -220,7 +220,7 @@ def sample_select_tile(
     tl.store(sf + _TARGET, target)
 
 
-@triton.jit
+@jit
 def allowed_by_thresholds(z, valid, si, USE_KTH: tl.constexpr, USE_PTH: tl.constexpr):
     """valid & key(z) >= the top-k threshold (USE_KTH) & >= the top-p threshold (USE_PTH).
 
@@ -238,7 +238,7 @@ def allowed_by_thresholds(z, valid, si, USE_KTH: tl.constexpr, USE_PTH: tl.const
     return allowed
 
 
-@triton.jit
+@jit
 def sample_allowed_tile(
     logits_ptr, state_i_ptr, out_ptr,
     row, chunk, V, stride_row, stride_state_i, stride_out, temperature,
@@ -253,7 +253,7 @@ def sample_allowed_tile(
     tl.store(out_ptr + row * stride_out + cols, allowed.to(tl.int8), mask=valid)
 
 
-@triton.jit
+@jit
 def sample_gumbel_partial_tile(
     logits_ptr, state_i_ptr, part_val_ptr, part_idx_ptr,
     row, chunk, V, stride_row, stride_state_i, stride_part, temperature, seed, offset,
@@ -278,12 +278,12 @@ def sample_gumbel_partial_tile(
 # Standalone entry points: grid (chunk, row) for chunk tiles, (row,) for reduce tiles.
 # seed/offset/pass_idx are not specialised, so every step reuses one compiled kernel.
 
-@triton.jit(do_not_specialize=["seed", "offset"])
+@jit(do_not_specialize=["seed", "offset"])
 def gumbel_noise_kernel(out_ptr, V, stride_row, seed, offset, BLOCK_V: tl.constexpr):
     gumbel_noise_tile(out_ptr, tl.program_id(1), tl.program_id(0), V, stride_row, seed, offset, BLOCK_V=BLOCK_V)
 
 
-@triton.jit(do_not_specialize=["pass_idx"])
+@jit(do_not_specialize=["pass_idx"])
 def sample_hist_kernel(
     logits_ptr, state_i_ptr, row_max_ptr, part_hist_ptr,
     pass_idx, V, stride_row, stride_state_i, stride_hist, temperature,
@@ -296,7 +296,7 @@ def sample_hist_kernel(
                      BLOCK_V=BLOCK_V, SUB_V=SUB_V)
 
 
-@triton.jit(do_not_specialize=["pass_idx"])
+@jit(do_not_specialize=["pass_idx"])
 def sample_select_kernel(
     part_hist_ptr, state_i_ptr, state_f_ptr,
     n_chunks, pass_idx, stride_hist, stride_state_i, stride_state_f, goal,
@@ -307,7 +307,7 @@ def sample_select_kernel(
                        WEIGHTED=WEIGHTED, RADIX_BITS=RADIX_BITS, BLOCK_C=BLOCK_C)
 
 
-@triton.jit(do_not_specialize=["seed", "offset"])
+@jit(do_not_specialize=["seed", "offset"])
 def sample_gumbel_partial_kernel(
     logits_ptr, state_i_ptr, part_val_ptr, part_idx_ptr,
     V, stride_row, stride_state_i, stride_part, temperature, seed, offset,
@@ -318,7 +318,7 @@ def sample_gumbel_partial_kernel(
                                temperature, seed, offset, USE_KTH=USE_KTH, USE_PTH=USE_PTH, BLOCK_V=BLOCK_V)
 
 
-@triton.jit
+@jit
 def sample_allowed_kernel(
     logits_ptr, state_i_ptr, out_ptr, V, stride_row, stride_state_i, stride_out, temperature,
     USE_KTH: tl.constexpr, USE_PTH: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -335,9 +335,10 @@ def sample_block_v(v: int) -> int:
     return min(triton.next_power_of_2(max(v, 16)), MAX_BLOCK_V)
 
 
-def sample_sub_v(block_v: int, radix_bits: int = RADIX_BITS) -> int:
-    """Sub-block of a histogram step: HIST_ELEMENTS one-hot entries at most (registers)."""
-    return max(1, min(block_v, HIST_ELEMENTS >> radix_bits))
+def sample_sub_v(block_v: int, radix_bits: int = RADIX_BITS, interpreted: bool = False) -> int:
+    """Sub-block of a histogram step: HIST_ELEMENTS one-hot entries at most (registers;
+    HIST_ELEMENTS_INTERPRETED under the interpreter)."""
+    return max(1, min(block_v, (HIST_ELEMENTS_INTERPRETED if interpreted else HIST_ELEMENTS) >> radix_bits))
 
 
 def sample_num_passes(radix_bits: int = RADIX_BITS) -> int:
@@ -471,7 +472,7 @@ def _filter(logits: torch.Tensor, t32: float, use_k: bool, k: int, use_p: bool, 
             sample_hist_kernel[grid_chunks](
                 logits, state_i, ws["row_max"], part_hist, pass_idx, v, logits.stride(0), state_i.stride(0),
                 part_hist.stride(0), t32, WEIGHTED=weighted, USE_KTH=weighted and use_k, RADIX_BITS=radix_bits,
-                BLOCK_V=block_v, SUB_V=sample_sub_v(block_v, radix_bits), num_warps=4,
+                BLOCK_V=block_v, SUB_V=sample_sub_v(block_v, radix_bits, interpreting(logits)), num_warps=4,
             )
             sample_select_kernel[(rows,)](
                 part_hist, state_i, state_f, n_chunks, pass_idx, part_hist.stride(0), state_i.stride(0),

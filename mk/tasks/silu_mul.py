@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_same_dtype, check_tensor
+from ._device import jit, check_same_device, check_same_dtype, check_tensor
 
 #: Widest column block of one tile; wider rows are split over several tiles.
 MAX_BLOCK_I = 1024
@@ -21,7 +21,7 @@ MAX_BLOCK_I = 1024
 FLOPS_PER_ELEMENT = 6
 
 
-@triton.jit
+@jit
 def silu_mul_tile(
     gate_ptr, up_ptr, out_ptr,
     row, col_block, I,
@@ -43,7 +43,7 @@ def silu_mul_tile(
     tl.store(out_ptr + row64 * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def silu_mul_kernel(
     gate_ptr, up_ptr, out_ptr, I,
     stride_gate, stride_up, stride_out,

@@ -389,7 +389,7 @@ def test_bad_tile_indices_are_named():
 # --- generated code ------------------------------------------------------------------------
 
 
-def test_prefetch_is_issued_before_the_wait_and_off_under_the_interpreter(monkeypatch, tmp_path):
+def test_prefetch_is_issued_before_the_wait_and_off_under_the_interpreter(tmp_path):
     op = make_op("linear", M=1, N=64, K=200, prefetch_k=256, dtype=F32)
     g, dev = TaskGraph(), default_device()
     g.buffer("x", torch.randn(1, 200, device=dev)), g.buffer("w", torch.randn(64, 200, device=dev) / 200**0.5)
@@ -409,12 +409,14 @@ def test_prefetch_is_issued_before_the_wait_and_off_under_the_interpreter(monkey
     op_src = text[text.index("def op_0("):text.index("def prefetch_0(")]
     assert op_src.index("w_first = linear_weights_first(") < op_src.index("wait_event(") \
         < op_src.index("linear_tile(x, w") < op_src.index("w_first=w_first")
-    # Under the interpreter (no inline PTX) nothing is prefetched; compiled, 200 columns.
-    assert op.constexprs["PREFETCH_LINES"] == (0 if taskops.INTERPRET else 8)
+    # The lines come from the task's rule (200 columns: 8); only compiled code prefetches them
+    # (the interpreter has no inline PTX).
+    assert op.constexprs["PREFETCH_LINES"] == 8
+    assert "PREFETCH_LINES=PREFETCH_LINES * GPU" in text
+    assert ("GPU: tl.constexpr = True" in text) == (dev.type == "cuda")
     kernel.run()
     assert_close(g.buffers["y"], linear_ref(g.buffers["x"], g.buffers["w"]), F32)
-    # Compiled, the lines come from the task's own rule; the K range caps them.
-    monkeypatch.setattr(taskops, "INTERPRET", False)
+    # The K range caps them.
     on_gpu = make_op("linear", M=1, N=64, K=200, prefetch_k=256, dtype=F32)
     cfg = LinearConfig(on_gpu.constexprs["BLOCK_M"], on_gpu.constexprs["BLOCK_N"], on_gpu.constexprs["BLOCK_K"],
                        prefetch_k=256)

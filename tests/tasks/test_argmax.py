@@ -2,9 +2,9 @@ import importlib
 
 import pytest
 import torch
-import triton
 import triton.language as tl
 
+from mk import jit
 from mk.tasks import TaskCost
 from mk.tasks.argmax import (argmax, argmax_cost, argmax_pack_ref, argmax_reduce_kernel, argmax_ref,
                              argmax_smem_bytes, argmax_take, argmax_tile_into, argmax_unpack_ref)
@@ -97,7 +97,7 @@ def test_argmax_reduce_tile_partials(device):
         assert out_val.cpu().tolist() == [3.0, -inf]
 
 
-@triton.jit
+@jit
 def _fold_tiles_kernel(y_ptr, best_ptr, M, V, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program t folds output tile (0, t) of [M, V] logits, held as an LM head tile holds it.
     tile = tl.program_id(0)
@@ -107,7 +107,7 @@ def _fold_tiles_kernel(y_ptr, best_ptr, M, V, BLOCK_M: tl.constexpr, BLOCK_N: tl
     argmax_tile_into(y, 0, tile, M, V, best_ptr)
 
 
-@triton.jit
+@jit
 def _take_kernel(best_ptr, idx_ptr, val_ptr):
     idx, val = argmax_take(best_ptr, tl.program_id(0))
     tl.store(idx_ptr + tl.program_id(0), idx)

@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mk import jit
 from mk.tasks.embedding import (
     MAX_BLOCK_H,
     embedding,
@@ -38,7 +39,7 @@ def test_embedding_edges_of_the_vocabulary_and_strided_table(device):
     assert torch.equal(embedding(ids, table), embedding_ref(ids, table))
 
 
-@triton.jit
+@jit
 def _one_worker_kernel(ids_ptr, table_ptr, out_ptr, ROWS, H, NUM_BLOCKS, stride_table, BLOCK_H: tl.constexpr):
     # A persistent-style caller: one program walks every (row, column block) itself.
     for t in range(0, ROWS * NUM_BLOCKS):

@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mk import jit
 from mk.tasks.linear import (
     WAIT_IN_STREAM_MAX_CHUNKS,
     X_GROUP,
@@ -130,7 +131,7 @@ def test_linear_k_splits(K, block_k, split_k):
     assert max(chunks) - min(chunks) <= 1
 
 
-@triton.jit
+@jit
 def _split_range_kernel(out_ptr, split_k, K, BLOCK_K: tl.constexpr):
     s = tl.program_id(0)
     k_lo, k_hi = linear_split_range(s, split_k, K, BLOCK_K=BLOCK_K)
@@ -148,7 +149,7 @@ def test_linear_split_range_matches_python(device):
 # --- device functions touch only their own tile ------------------------------------------
 
 
-@triton.jit
+@jit
 def _one_tile_kernel(x_ptr, w_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_xm, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     linear_tile(x_ptr, w_ptr, w_ptr, out_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
@@ -156,7 +157,7 @@ def _one_tile_kernel(x_ptr, w_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_xm, st
                 HAS_NORM=False, HAS_RESIDUAL=False, SILU_MUL=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
 
 
-@triton.jit
+@jit
 def _one_splitk_tile_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, pid_m, pid_n, M, N, K, split_k,
                             stride_xm, stride_wn, stride_ws_split, stride_ws_m, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mk import jit
 from mk.tasks.prefill_attention import (
     PrefillAttentionConfig,
     prefill_attention,
@@ -124,7 +125,7 @@ def test_prefill_attention_strided_views_and_scale(device):
     assert_close(got, prefill_attention_ref(q, k, v, seqlens, scale=0.3), torch.float32)
 
 
-@triton.jit
+@jit
 def _one_worker_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seqlens_ptr, B, T, HQ, NUM_TILES,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh, scale,
                        GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):

@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mk import jit
 from mk.tasks.silu_mul import (
     FLOPS_PER_ELEMENT,
     MAX_BLOCK_I,
@@ -40,7 +41,7 @@ def test_silu_mul_large_magnitudes(device):
     assert_close(got, silu_mul_ref(gate, up), torch.float32)
 
 
-@triton.jit
+@jit
 def _one_worker_kernel(g_ptr, u_ptr, o_ptr, ROWS, I, NUM_BLOCKS, BLOCK_I: tl.constexpr):
     # A persistent-style caller: one program walks every (row, column block) itself.
     for t in range(0, ROWS * NUM_BLOCKS):

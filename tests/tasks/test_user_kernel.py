@@ -1,15 +1,16 @@
-"""The tasks are building blocks: a user's own @triton.jit kernel calls mk device functions."""
+"""The tasks are building blocks: a user's own kernel calls mk device functions (decorated with
+``mk.jit``, it runs where its tensors are: compiled on a GPU, interpreted on the CPU)."""
 
 import pytest
 import torch
-import triton
 import triton.language as tl
 
+from mk import jit
 from mk.tasks import rmsnorm_ref, rmsnorm_tile
 from tests.conftest import DTYPES, assert_close
 
 
-@triton.jit
+@jit
 def scaled_norm_kernel(x_ptr, w_ptr, out_ptr, N, stride, eps, scale, BLOCK_N: tl.constexpr):
     """A user's kernel: RMSNorm from mk, then the user's own epilogue (scale and tanh)."""
     row = tl.program_id(0)
