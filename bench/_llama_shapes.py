@@ -10,6 +10,11 @@ SHAPES = {
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                rope_theta=500000.0, max_position_embeddings=8192, eos_token_id=None),
+    # Deep and narrow (SmolLM-135M's shape): many short layers, where the per-layer chain of
+    # dependency hops, not bandwidth, sets the step's time.
+    "135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                 rope_theta=100000.0, max_position_embeddings=8192, eos_token_id=None),
 }
 
 

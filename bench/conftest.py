@@ -20,10 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import mk  # noqa: F401
-from mk.tasks import INTERPRET
-
-HAS_CUDA = torch.cuda.is_available() and not INTERPRET
+HAS_CUDA = torch.cuda.is_available()
 RESULTS_DIR = Path(__file__).parent / "results"
 _records: dict[str, list[dict]] = defaultdict(list)
 

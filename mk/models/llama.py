@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -70,6 +70,16 @@ class _Decoder:
     step: object  # mk.planner.lower.DecodeStep
     kernel: object  # mk.persistent.runtime.Megakernel
     state: dict
+    #: Pinned host buffers the history is read back into (CUDA only; see _HistoryReader).
+    host: list = field(default_factory=list)
+    #: Seconds its build took (plan_s, lower_s, compile_s), until a request reports them.
+    build: dict = field(default_factory=dict)
+
+    def unreported_build(self) -> dict:
+        """The build's seconds the first time a request asks, zeros after."""
+        out = {k: self.build.get(k, 0.0) for k in ("plan_s", "lower_s", "compile_s")}
+        self.build = {}
+        return out
 
 
 class Llama:
@@ -109,7 +119,13 @@ class Llama:
         self._device_spec = device_spec
         self._decoders: dict[tuple[int, str, int], _Decoder] = {}
         self.last_decoder: _Decoder | None = None  # the step the last stream() ran
+        #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
+        #: (plan_s, lower_s, compile_s; 0 when its step was built before).
         self.last_stats: dict = {}
+        #: Seconds spent building: load_s (from_pretrained) and, for the last step built,
+        #: plan_s (search or plan cache), lower_s (tasks, queues, kernel source) and
+        #: compile_s (Triton, or its cache).
+        self.build_stats: dict = {}
 
     # ------------------------------------------------------------------ construction
 
@@ -128,10 +144,13 @@ class Llama:
         _check_plan_mode(plan_mode)
         config = LlamaConfig.from_pretrained(folder)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
+        t0 = time.perf_counter()
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
-        return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
-                   max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
-                   tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype)
+        model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
+                    tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype)
+        model.build_stats["load_s"] = time.perf_counter() - t0
+        return model
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
@@ -262,8 +281,11 @@ class Llama:
             # the plan and kernel caches.
             for other in [k for k in self._decoders if k[:2] == key[:2]]:
                 del self._decoders[other]
+            t0 = time.perf_counter()
             plan, graph = self.plan(batch, key[2], progress=progress)
-            self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
+            plan_s = time.perf_counter() - t0
+            dec = self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
+            dec.build["plan_s"] = self.build_stats["plan_s"] = plan_s
         return self._decoders[key]
 
     def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
@@ -272,6 +294,7 @@ class Llama:
         from mk.persistent.runtime import Megakernel
         from mk.planner.lower import lower_decode_step, step_queues
 
+        t0 = time.perf_counter()
         S = self.max_seq_len
         i32 = dict(dtype=torch.int32, device=self.device)
         state = {"ids": torch.zeros(batch, **i32), "pos": torch.zeros(batch, **i32),
@@ -288,9 +311,13 @@ class Llama:
             return Megakernel(lower(step.graph, num_workers=workers, queues=queues))
 
         kernel = compile_for(1 if self.device.type != "cuda" else plan.workers)
-        if self.device.type == "cuda" and kernel.residency().max_workers < plan.workers:
+        t1 = time.perf_counter()
+        if self.device.type == "cuda" and kernel.residency().max_workers < plan.workers:  # (compiles)
             kernel = compile_for(kernel.residency().max_workers)
-        return _Decoder(step, kernel, state)
+            kernel.residency()
+        t2 = time.perf_counter()
+        self.build_stats.update(lower_s=t1 - t0, compile_s=t2 - t1)
+        return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1))
 
     def _time_plan(self, plan, graph, batch: int) -> float:
         """Seconds one greedy decode step of ``plan`` takes here (median of a few bursts).
@@ -447,13 +474,18 @@ class Llama:
                ) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens (LongTensor ``[B]``, on the CPU) as they are read back.
 
-        Decode steps are enqueued back to back; the host reads the device-side history every
-        ``read_every`` steps (one sync per block), and stops once every sequence has
+        Decode steps are enqueued back to back, in blocks of ``read_every``. Each block ends
+        with an asynchronous copy of the device-side history (and the watchdog's error
+        words) to pinned host memory; the host handles a block's tokens while the next
+        block already runs, so the GPU never waits for it. Stops once every sequence has
         produced an EOS token (``eos_token_id``: an id or a list of ids; default the
-        config's). Rows that finished keep yielding their EOS id.
+        config's): at most one block past it has run. Rows that finished keep yielding
+        their EOS id.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
+            raise ValueError(f"read_every must be an int >= 1, got {read_every!r}")
         temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
         ids, lengths = self._check_prompts(input_ids, max_new_tokens)
         if max_new_tokens == 0:
@@ -462,6 +494,7 @@ class Llama:
         eos = self._eos_ids(eos_token_id)
         B = ids.shape[0]
         dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))
+        phases = dec.unreported_build()
         st = dec.state
         t0 = time.perf_counter()
         logits = self._prefill(ids, lengths)
@@ -479,18 +512,22 @@ class Llama:
         t_prefill = time.perf_counter() - t0
         done: list[int | None] = [None] * B  # the EOS id each finished row stopped at
         starts = torch.tensor(lengths)
-        produced, t_decode = 0, time.perf_counter()
+        rows = torch.arange(B)
+        blocks = _HistoryReader(dec, self.device)
+        enqueued, produced, t_decode = 0, 0, time.perf_counter()
         while produced < max_new_tokens:
-            block = min(read_every, max_new_tokens - produced)
-            # Step i of the block feeds token produced+i; the last block's final step is not needed.
-            steps = block - (1 if produced + block == max_new_tokens else 0)
-            for i in range(steps):
-                self._decode_step(dec, produced + i + 1, temperature, top_k, top_p, seed)
-            history = st["tokens"].cpu()  # the one sync per block
-            dec.kernel.check()  # a timed-out wait raises MegakernelTimeout here, never hangs
+            # Keep the next block queued behind the one being read: the GPU never idles on the host.
+            while enqueued < max_new_tokens and blocks.in_flight < 2:
+                block = min(read_every, max_new_tokens - enqueued)
+                # Step i of the block feeds token enqueued+i; the last block's final step is not needed.
+                steps = block - (1 if enqueued + block == max_new_tokens else 0)
+                for i in range(steps):
+                    self._decode_step(dec, enqueued + i + 1, temperature, top_k, top_p, seed)
+                blocks.read(block)
+                enqueued += block
+            block, history = blocks.wait()  # a timed-out wait raises MegakernelTimeout here, never hangs
             for i in range(block):
-                col = starts + produced + i
-                tok = history[torch.arange(B), col].long()
+                tok = history[rows, starts + produced + i].long()
                 for b in range(B):
                     if done[b] is not None:
                         tok[b] = done[b]
@@ -503,7 +540,7 @@ class Llama:
             else:
                 produced += block
         elapsed = time.perf_counter() - t_decode
-        self.last_stats = {"prefill_s": t_prefill, "decode_s": elapsed}
+        self.last_stats = {**phases, "prefill_s": t_prefill, "decode_s": elapsed}
 
     def _decode_step(self, dec: _Decoder, step: int, temperature=0.0, top_k=None, top_p=None, seed=0) -> None:
         """Enqueue decode step number ``step`` (1, 2, ...; the prefill chose token 0)."""
@@ -545,6 +582,49 @@ class Llama:
             cut = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
             out.append(r + gen[:cut])
         return out
+
+
+class _HistoryReader:
+    """Reads a decoder's token history back in blocks without stalling the GPU: each block's
+    copy goes to its own pinned host buffer behind an event (two buffers, so one block is
+    read while the next is copied), with the watchdog's error words beside it. On the CPU
+    the copy is immediate."""
+
+    def __init__(self, dec: _Decoder, device: torch.device):
+        self.dec, self.cuda = dec, device.type == "cuda"
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
+        if self.cuda and not dec.host:
+            tokens, error = dec.state["tokens"], dec.kernel.error
+            dec.host = [(torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                                  torch.empty(error.shape, dtype=error.dtype, pin_memory=True)) for _ in range(2)]
+        self.count = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def read(self, block: int) -> None:
+        """Queue the read-back of the history after the steps enqueued so far."""
+        tokens, error = self.dec.state["tokens"], self.dec.kernel.error
+        if not self.cuda:
+            self.pending.append((block, tokens.clone(), error.clone(), None))
+            return
+        host_tokens, host_error = self.dec.host[self.count % 2]
+        self.count += 1
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_error.copy_(error, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((block, host_tokens, host_error, event))
+
+    def wait(self) -> tuple[int, torch.Tensor]:
+        """The oldest queued block: (its number of tokens, the history as it was read).
+        Raises MegakernelTimeout if a wait in its steps timed out."""
+        block, tokens, error, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        self.dec.kernel.check(error)
+        return block, tokens
 
 
 def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None) -> str:

@@ -188,9 +188,12 @@ class Megakernel:
         with proxy_fence_pass(self.proxy_fences or self.interpret):  # Triton >= 3.7 keys its cache lookup on the hook
             self.kernel[(self.program.num_workers,)](*args, **kw)
 
-    def check(self) -> None:
-        """Synchronise and raise :class:`MegakernelTimeout` if a wait timed out (then reset)."""
-        err = self.error.tolist()
+    def check(self, error_words: torch.Tensor | None = None) -> None:
+        """Raise :class:`MegakernelTimeout` if a wait timed out (then reset). Reads the error
+        words from the device (a sync), or takes ``error_words``: a host copy of
+        :attr:`error` the caller read back with its own results, so the check costs no
+        sync of its own."""
+        err = (self.error if error_words is None else error_words).tolist()
         if err[0]:
             worker, task, event, seen, expected = err[1:6]
             self.reset()

@@ -1,0 +1,129 @@
+"""What users get: ``Llama.generate`` as users call it, against the same step launched back to back.
+
+Random bf16 weights at the 1B, 8B and deep-narrow (135M) shapes, batch 1 and 8: a 64-token
+prompt and 256 new tokens through ``generate`` (tokens/s, per-token time, time to first
+token, GPU memory beyond weights + KV cache), and the same planned step launched 255 times
+back to back from the same positions (the kernel's own time). Then, from a checkpoint
+written to local disk, the time from ``from_pretrained`` to the first token in a fresh
+process, phase by phase (load, plan, lower, compile, prefill), with cold caches (empty
+plan, kernel and Triton caches) and warm ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _llama_shapes import SHAPES, random_model
+
+MAX_SEQ, PROMPT, NEW = 1024, 64, 256
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def llama(request):
+    from mk.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(**SHAPES[request.param])
+    weights = random_model(cfg)
+    model = Llama(cfg, weights, device="cuda", dtype=torch.bfloat16, max_batch_size=8, max_seq_len=MAX_SEQ,
+                  name=f"llama-{request.param}")
+    del weights
+    yield request.param, model
+    del model
+    torch.cuda.empty_cache()
+
+
+def _prompts(batch: int, vocab: int) -> list[list[int]]:
+    return [[(31 * b + 7 * t + 1) % vocab for t in range(PROMPT)] for b in range(batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_generate(benchmark, record, gpu_env, llama, batch):
+    from mk.timing import event_time_us
+
+    key, model = llama
+    prompts = _prompts(batch, model.config.vocab_size)
+    model.generate(prompts, max_new_tokens=NEW)  # plan, compile, warm
+    fp = model.footprint()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    runs = []
+
+    def run():
+        out = model.generate(prompts, max_new_tokens=NEW)
+        runs.append(dict(model.last_stats))
+        assert all(len(o) == PROMPT + NEW for o in out)  # no EOS in these configs: every token decoded
+
+    benchmark.pedantic(run, rounds=3, warmup_rounds=0)
+    extra_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
+    decode_s = sorted(r["decode_s"] for r in runs)[len(runs) // 2]
+    prefill_s = sorted(r["prefill_s"] for r in runs)[len(runs) // 2]
+    per_token_ms = decode_s / (NEW - 1) * 1e3  # the prefill chose the first token
+
+    # The same step, launched back to back from the same positions (its kernel time).
+    dec = model.last_decoder
+    start = torch.full((batch,), PROMPT, dtype=torch.int32, device="cuda")
+
+    def steps():
+        dec.state["pos"].copy_(start)
+        for _ in range(NEW - 1):
+            dec.kernel.launch()
+
+    kernel_ms = event_time_us(steps, reps=3, warmup=1) / (NEW - 1) / 1e3
+    dec.kernel.check()
+    floor_ms = model.shape.weight_bytes / gpu_env["copy_Bps"] * 1e3
+    record("generate", op="generate", model=key, batch=batch, prompt=PROMPT, new_tokens=NEW,
+           generate_ms_per_token=per_token_ms, kernel_ms_per_step=kernel_ms, gap=per_token_ms / kernel_ms,
+           tokens_per_s=batch * (NEW - 1) / decode_s, time_to_first_token_ms=prefill_s * 1e3,
+           floor_ms=floor_ms, kernel_of_floor=floor_ms / kernel_ms, extra_mib=extra_mib,
+           weights_gib=fp["weights"] / 2**30, kv_cache_gib=fp["kv_cache"] / 2**30,
+           workers=dec.kernel.program.num_workers, tasks=len(dec.step.graph.tasks))
+
+
+FIRST_TOKEN = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from mk.models import Llama
+t_import = time.perf_counter()
+model = Llama.from_pretrained(sys.argv[1], max_batch_size=1, max_seq_len=1024, progress=False)
+torch.cuda.synchronize()
+t_loaded = time.perf_counter()
+out = model.generate([[(7 * t + 1) % model.config.vocab_size for t in range(64)]], max_new_tokens=1)
+t_first = time.perf_counter()
+print(json.dumps({"import_s": t_import - t0, "from_pretrained_to_first_token_s": t_first - t_import,
+                  "load_s": model.build_stats["load_s"], **model.last_stats}))
+"""
+
+
+@pytest.mark.parametrize("key", ["1b", "8b"])
+def test_time_to_first_token(record, tmp_path_factory, key):
+    """from_pretrained to the first token, in a fresh process, with cold then warm caches."""
+    from mk.models import LlamaConfig
+    from mk.models.weights import save_weights
+
+    folder = tmp_path_factory.mktemp(f"ckpt-{key}")
+    cfg = LlamaConfig(**SHAPES[key])
+    weights = random_model(cfg)
+    save_weights(weights, cfg, folder, shard_bytes=4 * 2**30)
+    del weights
+    torch.cuda.empty_cache()
+    script = folder / "first_token.py"
+    script.write_text(FIRST_TOKEN)
+    caches = tmp_path_factory.mktemp(f"caches-{key}")
+    env = {**os.environ, "MK_CACHE_DIR": str(caches / "mk"), "TRITON_CACHE_DIR": str(caches / "triton"),
+           "PYTHONPATH": str(ROOT)}
+    for caches_state in ("cold", "warm"):
+        run = subprocess.run([sys.executable, str(script), str(folder)], env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert run.returncode == 0, run.stderr[-4000:]
+        phases = json.loads(run.stdout.strip().splitlines()[-1])
+        record("generate", op="time_to_first_token", model=key, caches=caches_state, **phases)
