@@ -10,7 +10,12 @@ Commands:
          launch, task and dependency-wait overheads) and save them for the planner.
   generate
          decode with a Llama (a checkpoint folder, or a small random one built on the fly)
-         through the megakernel: plan, tokens, tokens/s, and a check against the reference.
+         through the megakernel: the text (or ids) streamed as tokens arrive, then tokens/s
+         and a check against the reference.
+
+Results go to stdout; what a command is doing goes to stderr (a status line and progress
+bars on a terminal, plain ``mk: ...`` lines elsewhere). Bad arguments or checkpoints are
+one ``mk: error: ...`` line and exit code 1, reported before any model is built.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command (``argv``, default ``sys.argv[1:]``); returns the exit code: 0, or 1
+    after a one-line ``mk: error: ...`` on stderr."""
     parser = argparse.ArgumentParser(prog="python -m mk", description="mk: LLM decoding as one persistent Triton kernel")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run each task op against its reference")
@@ -37,16 +44,25 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--no-cache", action="store_true", help="search again even if a cached plan exists")
     cal = sub.add_parser("calibrate", help="measure the planner's cost-model constants on the live GPU")
     cal.add_argument("--no-save", action="store_true", help="print the constants without saving them")
-    gen = sub.add_parser("generate", help="generate tokens with a Llama through the megakernel")
+    gen = sub.add_parser(
+        "generate", help="generate tokens with a Llama through the megakernel",
+        description="Generate with a Llama through the megakernel. Row 0 is streamed to stdout as its tokens "
+        "arrive (its text after the prompt's, or with --chat the reply alone; without a tokenizer its ids); with "
+        "--batch > 1 the other rows are printed when decoding ends. Then each row's ids, tokens/s and, when "
+        "greedy, a check of the first tokens against the float32 torch reference.")
     gen.add_argument("--model", default=None, help="a Hugging Face Llama folder (default: a small random Llama)")
     gen.add_argument("--prompt", default=None, help="prompt text (needs the folder's tokenizer.json)")
+    gen.add_argument("--chat", action="store_true", help="send --prompt as a user message through the "
+                     "checkpoint's chat template (Instruct models)")
     gen.add_argument("--ids", default=None, help="prompt token ids, comma-separated, e.g. 1,2,3")
     gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 8 on a CPU, "
-                     "32 on a GPU)")
+                     "32 on a GPU; 0 prints the prompt back)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
-    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    gen.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold, in (0, 1]")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
-    gen.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together")
+    gen.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together "
+                     "(row 0 streams, the others print at the end)")
     gen.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                      help="KV-cache dtype (default: the weights'); float32 rounds nothing but the weights")
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
@@ -72,14 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: Positions of the model-shape presets (their config.json's max_position_embeddings):
+#: ``plan --kv-len`` may not exceed them. ModelShape does not carry it.
+PRESET_MAX_POSITIONS = {"llama-3.2-1b": 131072, "llama-3-8b": 8192}
+#: A config.json without max_position_embeddings: Hugging Face's LlamaConfig default (and mk's).
+DEFAULT_MAX_POSITIONS = 2048
+
+
 def run_plan(args) -> int:
-    """``python -m mk plan``: shape + device -> the best plan, explained (or as JSON)."""
+    """``python -m mk plan``: shape + device -> the best plan, explained (or as JSON).
+
+    The shape, ``--batch``, ``--kv-len`` (1 to the model's positions) and the device are
+    checked before the search; without ``--device`` the live GPU is planned for, and a
+    machine without one is told to name a preset."""
     import json
     from pathlib import Path
 
-    from .planner.device import DeviceSpec
-    from .planner.graph import ModelShape, llama_decode_graph
+    from .generate import Status
     from .planner.cache import cached_plan
+    from .planner.device import PRESETS, DeviceSpec
+    from .planner.graph import ModelShape, llama_decode_graph
     from .planner.search import Plan, search
 
     folder = Path(args.model)
@@ -88,20 +116,42 @@ def run_plan(args) -> int:
         if not config.is_file():
             raise ValueError(f"{folder} has no config.json")
         try:
-            shape = ModelShape.from_hf_config(json.loads(config.read_text()), name=folder.name)
+            hf = json.loads(config.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{config} is not valid JSON: {err}") from err
+        if not isinstance(hf, dict):
+            raise ValueError(f"{config}: expected a JSON object, got {type(hf).__name__}")
+        shape = ModelShape.from_hf_config(hf, name=folder.name)
+        positions = hf.get("max_position_embeddings")
+        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+            positions = DEFAULT_MAX_POSITIONS
     else:
         shape = ModelShape.preset(args.model)
-    device = DeviceSpec.preset(args.device) if args.device else DeviceSpec.from_gpu()
+        positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if not 1 <= args.kv_len <= positions:
+        raise ValueError(f"--kv-len must be in [1, {positions}] (the positions of {shape.name}), got {args.kv_len}")
+    if args.device:
+        device = DeviceSpec.preset(args.device)
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"no CUDA GPU here to plan for: name a device with --device (one of "
+                             f"{', '.join(sorted(PRESETS))})")
+        device = DeviceSpec.from_gpu()
     if args.smem_budget:
         device = device.with_smem_budget(args.smem_budget)
     graph = llama_decode_graph(shape, args.batch, args.kv_len)
+    status = Status()
+    status(f"planning {shape.name}, batch {args.batch}, length {args.kv_len} for {device.name}", bar=True)
     if args.no_cache:
-        best = search(graph, device, beam_width=args.beam, progress=True)[0]
+        best = search(graph, device, beam_width=args.beam, progress=status.tty)[0]
     else:
-        best, _ = cached_plan(graph, device, beam_width=args.beam, progress=True)
+        best, _ = cached_plan(graph, device, beam_width=args.beam, progress=status.tty)
         best = Plan.from_json(best.to_json(), graph, device)  # per-op estimates for explain()
+    status.clear()
     print(best.to_json() if args.json else best.explain())
     return 0
 

@@ -3,22 +3,101 @@
 With ``--model DIR`` it loads a Hugging Face checkpoint; without, it builds a small Llama
 with random weights from a fixed seed, so the command works on any machine (on a CPU
 through the Triton interpreter, in well under a minute).
+
+Output goes where tools people know put it: row 0's text (or ids) is printed to stdout
+as its tokens arrive; what the command is doing (loading weights, planning + compiling,
+prefill) goes to stderr, as one line rewritten in place on a terminal (with progress bars
+where the work is countable) and as plain lines elsewhere (:class:`Status`).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import torch
 
 from .models import Llama, LlamaConfig, ReferenceLlama, greedy_generate
-from .tasks import INTERPRET
+from .tasks.sample import _check_temperature, _check_top_k, _check_top_p
 
 #: The embedded default model: small enough for the interpreter, a real GQA Llama shape.
 DEFAULT_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, eos_token_id=None)
 DEFAULT_SEED = 0
 DEFAULT_IDS = [1, 17, 42, 311, 7, 99]
+#: Default ``--max-new-tokens``: the interpreter takes a second or so a step, a GPU microseconds.
+DEFAULT_NEW_TOKENS = {"cpu": 8, "cuda": 32}
+
+
+class Status:
+    """What a command is doing, on ``stream`` (default stderr): ``status("loading weights")``.
+
+    On a terminal it is one line rewritten in place and cleared (:meth:`clear`) before the
+    command prints to stdout; a step followed by a progress bar (``bar=True``) keeps its line
+    above the bar and clears it once the step is done (the bar must not leave a line, as
+    the planner's does not). Anywhere else (a pipe, a log file) each step is one plain line,
+    ``mk: loading weights ...``, and nothing is rewritten: no carriage returns, no bars
+    (:attr:`tty` says which; pass it as the ``progress`` of the work the step runs).
+    """
+
+    def __init__(self, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self._shown: str | None = None  # None, "line" (the cursor is on it) or "above" (a bar's line below)
+
+    def __call__(self, what: str, bar: bool = False) -> None:
+        """Say that the command is now doing ``what``; ``bar``: a progress bar follows."""
+        if self.tty:
+            self.clear()
+            self.stream.write(f"{what} ..." + ("\n" if bar else ""))
+            self._shown = "above" if bar else "line"
+        else:
+            self.stream.write(f"mk: {what} ...\n")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """Remove the status line from a terminal (no-op elsewhere, or with nothing shown)."""
+        if self.tty and self._shown:
+            # "above": the bar cleared its own line and left the cursor there; go up to the status.
+            self.stream.write("\033[F\033[K" if self._shown == "above" else "\r\033[K")
+            self.stream.flush()
+        self._shown = None
+
+
+class TextStreamer:
+    """A row's text, piece by piece as its tokens arrive: ``put(token)`` returns the text
+    that token adds, ``end()`` whatever is still held back.
+
+    Each :meth:`put` decodes the prompt and every new token so far and returns what was not
+    returned before, so a character spread over several tokens (the UTF-8 bytes of a
+    byte-level vocabulary) comes out whole: text ending in an incomplete character (U+FFFD)
+    is held until the token that completes it. Decoding from the prompt on keeps the space
+    between prompt and continuation that a decoder strips from a sequence's first token.
+    """
+
+    def __init__(self, tokenizer, prompt_ids=()):
+        self.tokenizer = tokenizer
+        self.prompt = list(prompt_ids)
+        self.ids: list[int] = []
+        self.prompt_text = tokenizer.decode(self.prompt)
+        self._done = len(self.prompt_text)
+
+    def put(self, token: int) -> str:
+        """Add one generated token; return the new text it completes (may be empty)."""
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.prompt + self.ids)
+        return "" if text.endswith("\ufffd") else self._take(text)
+
+    def end(self) -> str:
+        """The text still held back (an incomplete last character comes out as U+FFFD)."""
+        return self._take(self.tokenizer.decode(self.prompt + self.ids))
+
+    def _take(self, text: str) -> str:
+        new = text[self._done:]
+        self._done = max(self._done, len(text))
+        return new
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -31,70 +110,157 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def run_generate(args) -> int:
-    """Build or load the model, generate, print plan, tokens (or text), tokens/s and the check."""
+def _flag(flag: str, check, value):
+    """``check(value)`` (one of mk.tasks.sample's checkers), its error naming the CLI flag."""
+    try:
+        return check(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{flag}: {err}") from None
+
+
+def _check_args(args) -> int:
+    """Every check that needs no model (flags, their ranges); returns max-new-tokens."""
     if args.prompt is not None and args.ids is not None:
         raise ValueError("give --prompt or --ids, not both")
-    new = args.max_new_tokens if args.max_new_tokens is not None else (8 if INTERPRET else 32)
-    if new < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {new}")
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs --prompt (the user message)")
+    if args.ids is not None:
+        _parse_ids(args.ids)
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
-    t0 = time.perf_counter()
-    if args.model:
-        config = LlamaConfig.from_pretrained(args.model)
-        tokenizer_model = args.model
-    else:
-        config, tokenizer_model = LlamaConfig(**DEFAULT_CONFIG), None
-    if args.prompt is not None:
-        from .models.tokenizer import load_tokenizer
+    if args.check_steps < 0:
+        raise ValueError(f"--check-steps must be >= 0, got {args.check_steps}")
+    _flag("--temperature", _check_temperature, args.temperature)
+    _flag("--top-k", _check_top_k, args.top_k)
+    _flag("--top-p", _check_top_p, args.top_p)
+    # The model goes to the GPU when there is one (mk.tasks.default_device).
+    new = args.max_new_tokens
+    if new is None:
+        new = DEFAULT_NEW_TOKENS["cuda" if torch.cuda.is_available() else "cpu"]
+    if new < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {new}")
+    return new
 
-        tokenizer = load_tokenizer(tokenizer_model) if tokenizer_model else None
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer.json: give token ids with --ids")
-        ids = tokenizer.encode(args.prompt)
+
+def _check_checkpoint(folder: str) -> LlamaConfig:
+    """The checkpoint's config, once the folder, config.json and the safetensors headers are
+    known good (the tensors themselves are checked as they load)."""
+    from .models.weights import SINGLE_FILE, _read_headers, _weight_files
+
+    config = LlamaConfig.from_pretrained(folder)
+    shards = sorted(set(_weight_files(folder).values())) or [os.path.join(folder, SINGLE_FILE)]
+    _read_headers(shards)
+    return config
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt is None:
+        return _parse_ids(args.ids) if args.ids is not None else DEFAULT_IDS
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer.json: give token ids with --ids")
+    if args.chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    return tokenizer.encode(args.prompt)
+
+
+def run_generate(args) -> int:
+    """Build or load the model and generate, streaming row 0 to stdout as its tokens
+    arrive; then print each row's ids, tokens/s and the check against the float32 reference.
+
+    Every argument and the checkpoint (folder, config.json, safetensors headers) are
+    checked before the model is built; a status line on stderr says what is being done.
+    Returns the exit code: 1 when a float32 model's greedy tokens differ from the reference.
+    """
+    new = _check_args(args)
+    temperature, top_k, top_p = args.temperature, args.top_k, args.top_p
+    status = Status()
+    t0 = time.perf_counter()
+    tokenizer = None
+    if args.model:
+        config = _check_checkpoint(args.model)
+        if args.prompt is not None:
+            from .models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(args.model)
     else:
-        tokenizer = None
-        ids = _parse_ids(args.ids) if args.ids is not None else DEFAULT_IDS
+        config = LlamaConfig(**DEFAULT_CONFIG)
+    ids = _prompt_ids(args, tokenizer)
     if any(not 0 <= i < config.vocab_size for i in ids):
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got {ids}")
-    max_seq = len(ids) + new
-    if max_seq > config.max_position_embeddings:
+    total = len(ids) + new
+    if total > config.max_position_embeddings:
         raise ValueError(f"{len(ids)} prompt tokens + {new} new exceed the model's "
                          f"{config.max_position_embeddings} positions")
+    if temperature == 0.0 and (top_k is not None or top_p is not None):
+        print("mk: note: --top-k / --top-p apply to sampling (--temperature > 0); greedy decoding ignores them",
+              file=sys.stderr)
     kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     if args.model:
-        model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=max_seq, kv_dtype=kv_dtype)
+        status(f"loading weights from {args.model}")
+        model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total, kv_dtype=kv_dtype,
+                                      progress=status.tty)
     else:
-        model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=max_seq,
+        status("building the default model (random weights)")
+        model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=total,
                                   name="mk-default-llama", kv_dtype=kv_dtype)
-    where = "CPU (Triton interpreter)" if INTERPRET else torch.cuda.get_device_name()
+    status.clear()
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"model {model.name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
           f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} (KV cache "
           f"{str(model.kv_dtype).replace('torch.', '')}) on {where} "
-          f"(ready in {time.perf_counter() - t0:.1f} s)")
-    plan, _ = model.plan(args.batch, model.plan_length(len(ids) + new))
+          f"(ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+    prompts = [ids] * args.batch
+    if new == 0:   # as Llama.generate: the prompts come back unchanged
+        out = model.generate(prompts, max_new_tokens=0)
+        for b, o in enumerate(out):
+            print(f"[{b}] {o[:len(ids)]} -> {o[len(ids):]}")
+        print("no new tokens asked for (--max-new-tokens 0): nothing decoded")
+        return 0
+    length = model.plan_length(total)
+    status(f"planning + compiling the decode step (batch {args.batch}, length {length})", bar=True)
+    model.prepare(args.batch, total, temperature=temperature, top_k=top_k, top_p=top_p, progress=status.tty)
+    plan, _ = model.plan(args.batch, length)   # the plan prepare() made, from the plan cache
+    status.clear()
     print(f"plan: {plan.predicted_s * 1e6:.1f} us predicted per step on {plan.device}, "
           f"{sum(1 for c in plan.choices.values() for _ in c.fuse)} fusions, peak shared memory "
-          f"{plan.peak_smem_bytes / 1024:.1f} KiB")
-    prompts = [ids] * args.batch
-    out = model.generate(prompts, max_new_tokens=new, temperature=args.temperature, top_p=args.top_p,
-                         seed=args.seed)
+          f"{plan.peak_smem_bytes / 1024:.1f} KiB", flush=True)
+
+    eos = set(tokenizer.eos_token_ids) if tokenizer and tokenizer.eos_token_ids else set(config.eos_token_ids)
+    text = TextStreamer(tokenizer, ids) if tokenizer else None
+    rows: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    status(f"prefill ({args.batch} x {len(ids)} tokens), then decoding")
+    stream = model.stream(prompts, new, temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
+                          eos_token_id=sorted(eos), read_every=1 if model.device.type == "cpu" else 8)
+    for step, tokens in enumerate(stream):
+        if step == 0:
+            status.clear()
+            # Row 0 streams: its text after the prompt's (a chat reply alone), or its ids line.
+            print(("" if args.chat else text.prompt_text) if text else f"[0] {ids} -> [", end="", flush=True)
+        for b, t in enumerate(tokens.tolist()):
+            if finished[b]:
+                continue
+            rows[b].append(t)
+            finished[b] = t in eos
+            if b == 0:
+                print(text.put(t) if text else f"{', ' if len(rows[0]) > 1 else ''}{t}", end="", flush=True)
+    print(text.end() if text else "]", flush=True)
+    for b, r in enumerate(rows):
+        if b > 0 or text:   # row 0's ids line was streamed in ids mode
+            shown = f"  {tokenizer.decode(r)!r}" if text and b > 0 else ""
+            print(f"[{b}] {ids} -> {r}{shown}")
     stats = model.last_stats
-    produced = sum(len(o) - len(ids) for o in out)
-    steps = max(len(o) - len(ids) for o in out)
+    produced, steps = sum(len(r) for r in rows), max(len(r) for r in rows)
     decode_s = stats.get("decode_s", 0.0)
-    for b, o in enumerate(out):
-        text = f"  {tokenizer.decode(o[len(ids):])!r}" if tokenizer else ""
-        print(f"[{b}] {o[:len(ids)]} -> {o[len(ids):]}{text}")
     print(f"prefill {stats.get('prefill_s', 0.0) * 1e3:.1f} ms; decode {steps} steps in {decode_s:.2f} s: "
           f"{produced / max(decode_s, 1e-9):.1f} tokens/s ({decode_s / max(steps, 1) * 1e3:.2f} ms/step, one "
-          f"launch each)")
-    if args.temperature == 0.0:
-        check = min(args.check_steps, new)
-        ref = ReferenceLlama(config, model.hf_weights())
-        want = greedy_generate(ref, [ids], check)[0]
-        got = out[0][len(ids):len(ids) + check]
+          f"launch each)", flush=True)
+    if temperature == 0.0 and args.check_steps > 0:
+        got = rows[0][:args.check_steps]   # shorter when row 0 stopped at EOS
+        check = len(got)
+        status("checking the greedy tokens against the float32 torch reference")
+        want = greedy_generate(ReferenceLlama(config, model.hf_weights()), [ids], check)[0]
+        status.clear()
         same = sum(1 for a, b in zip(got, want) if a == b)
         print(f"check: first {check} greedy tokens {'match' if got == want else 'differ from'} the float32 "
               f"torch reference ({same}/{check})")

@@ -27,10 +27,18 @@ def test_plan_command_prints_an_explained_plan(capsys, tmp_path):
 
 def test_generate_command_runs_the_default_model_and_checks_it(capsys):
     assert main(["generate", "--max-new-tokens", "3", "--batch", "2"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "model mk-default-llama" in out and "plan:" in out and "tokens/s" in out
-    assert "[1] [1, 17, 42, 311, 7, 99] -> [" in out
+    # Row 0's ids line is streamed, row 1's printed at the end: the same greedy tokens.
+    row0 = out.split("[0] [1, 17, 42, 311, 7, 99] -> ")[1].split("\n")[0]
+    assert len(row0.split(",")) == 3 and f"[1] [1, 17, 42, 311, 7, 99] -> {row0}\n" in out
     assert "check: first 3 greedy tokens match the float32 torch reference (3/3)" in out
+    # Captured streams are no terminal: status as plain lines, no carriage returns or bars.
+    assert err.splitlines() == ["mk: building the default model (random weights) ...",
+                                "mk: planning + compiling the decode step (batch 2, length 9) ...",
+                                "mk: prefill (2 x 6 tokens), then decoding ...",
+                                "mk: checking the greedy tokens against the float32 torch reference ..."]
+    assert not [c for c in ("\r", "\033", "%|", "\u2588") if c in out + err]
 
 
 def test_generate_command_errors_are_one_line(capsys, tmp_path):
@@ -42,3 +50,5 @@ def test_generate_command_errors_are_one_line(capsys, tmp_path):
     assert "no tokenizer.json" in capsys.readouterr().err
     assert main(["generate", "--ids", "1,99999"]) == 1
     assert "[0, 512)" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--ids", "1"]) == 1
+    assert "give --prompt or --ids, not both" in capsys.readouterr().err
