@@ -14,12 +14,17 @@ the VM both execute.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
+import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from .deps import RangeMax, dependency_intervals, drop_implied, group_events
+from .deps import Events, RangeMax, dependency_intervals, drop_implied, group_events
 from .ops import TL_DTYPES, OpSpec, Region
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
@@ -105,6 +110,58 @@ class TaskGraph:
     def dependency_intervals(self) -> list[list[tuple[int, int]]]:
         """For each task, the earlier tasks it must wait for, as sorted [first, end) intervals."""
         return dependency_intervals(self.tasks)
+
+    def structure_key(self) -> str:
+        """A hash of what the graph's dependencies follow from: each task's op (its key holds
+        every static parameter), bindings, arguments and team, the buffers' shapes and
+        dtypes, and mk's engine and task sources. Buffer contents and addresses are not in it."""
+        h = hashlib.sha256(_engine_source_hash().encode())
+        h.update(repr(sorted((n, tuple(t.shape), str(t.dtype)) for n, t in self.buffers.items())).encode())
+        for t in self.tasks:
+            h.update(repr((t.op.key, sorted(t.bind.items()), sorted(t.args.items()), t.team_start)).encode())
+        return h.hexdigest()[:32]
+
+    def events(self) -> tuple[list[list[tuple[int, int]]], Events]:
+        """The graph's dependencies with implied ones dropped, and its events (producers with
+        the same consumers share one). Deriving them is most of the time to lower a large
+        graph (seconds for an 8B step), so they are kept on disk under the graph's
+        :meth:`structure_key`: a step built before loads them."""
+        path = deps_cache_dir() / f"{self.structure_key()}.pkl"
+        try:
+            with open(path, "rb") as f:
+                deps, events = pickle.load(f)
+            if len(deps) == len(self.tasks):
+                return deps, events
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
+            pass  # absent or unreadable: derive again
+        deps = drop_implied(self.dependency_intervals())
+        # Producers with the same set of consumers share one event: every consumer of the
+        # event needs all of its producers, so "count reached" means exactly "inputs ready".
+        events = group_events(len(self.tasks), deps)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump((deps, events), f, protocol=pickle.HIGHEST_PROTOCOL)
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache costs time, not correctness
+        return deps, events
+
+
+def deps_cache_dir() -> Path:
+    """Where derived dependencies live: $MK_CACHE_DIR/deps (default ~/.cache/mk/deps)."""
+    root = Path(os.environ.get("MK_CACHE_DIR", Path.home() / ".cache" / "mk")) / "deps"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_source_hash() -> str:
+    package = Path(__file__).parent.parent
+    h = hashlib.sha256()
+    for f in sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").glob("*.py")]):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -226,10 +283,7 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
     if queues is not None:
         check_queues(queues, len(graph.tasks), num_workers)
     tasks = graph.tasks
-    deps = drop_implied(graph.dependency_intervals())
-    # Producers with the same set of consumers share one event: every consumer of the
-    # event needs all of its producers, so "count reached" means exactly "inputs ready".
-    events = group_events(len(tasks), deps)
+    deps, events = graph.events()
     task_signal, task_waits = events.task_signal, events.task_waits
     event_counts, event_signallers = events.event_counts, events.event_signallers
 

@@ -13,6 +13,7 @@ its element type, and for each argument ``a`` an int32 scalar ``a``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -85,7 +86,7 @@ class OpSpec:
     #: Megakernel.reset() after a failed one.
     sync_operands: tuple[str, ...] = ()
 
-    @property
+    @functools.cached_property  # (a frozen spec: computed once; large graphs ask it per task)
     def key(self) -> str:
         """Identity of the generated branch: name plus constexprs."""
         cx = ",".join(f"{k}={v}" for k, v in sorted(self.constexprs.items()))

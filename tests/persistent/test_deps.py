@@ -205,3 +205,47 @@ def test_merge_and_range_max():
         a = rng.randint(0, 999)
         b = rng.randint(a, 1000)
         assert rm.max(a, b) == (max(vals[a:b]) if b > a else 0.0)
+
+
+def test_lowered_dependencies_are_cached_by_the_graphs_structure(tmp_path, monkeypatch):
+    # A graph lowered again loads its dependencies and events from disk, and gets the same
+    # program; a graph that differs in one task (a tile argument) gets its own entry; an
+    # unreadable entry is derived again.
+    import torch
+
+    import mk.persistent.taskops  # noqa: F401  (registers the ops)
+    from mk.persistent.graph import TaskGraph, deps_cache_dir, lower
+    from mk.persistent.ops import make_op
+    from mk.persistent.taskops import linear_tiles
+
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
+
+    def graph(last_pid_n):
+        g = TaskGraph()
+        g.buffer("x", torch.randn(1, 64)), g.buffer("w", torch.randn(96, 64)), g.buffer("y", torch.empty(1, 96))
+        g.buffer("w2", torch.randn(32, 96)), g.buffer("z", torch.empty(1, 32))
+        op = make_op("linear", M=1, N=96, K=64, block_n=16, dtype=torch.float32)
+        for tile in linear_tiles(op):
+            g.add(op, x="x", w="w", out="y", **tile)
+        op2 = make_op("linear", M=1, N=32, K=96, block_n=16, dtype=torch.float32)
+        g.add(op2, x="y", w="w2", out="z", pid_m=0, pid_n=0)
+        g.add(op2, x="y", w="w2", out="z", pid_m=0, pid_n=last_pid_n)
+        return g
+
+    first = lower(graph(1), num_workers=3)
+    files = list(deps_cache_dir().glob("*.pkl"))
+    assert len(files) == 1
+    import mk.persistent.graph as graph_module
+
+    def derive(*a, **k):
+        raise AssertionError("derived again")
+
+    with monkeypatch.context() as m:
+        m.setattr(graph_module, "drop_implied", derive)
+        again = lower(graph(1), num_workers=3)
+    assert again.task_waits == first.task_waits and torch.equal(again.desc, first.desc)
+    assert graph(1).structure_key() != graph(0).structure_key()
+    other = lower(graph(0), num_workers=3)  # the last task now rewrites tile 0: it waits on the one before
+    assert len(list(deps_cache_dir().glob("*.pkl"))) == 2 and other.task_waits != first.task_waits
+    files[0].write_bytes(b"not a pickle")
+    assert lower(graph(1), num_workers=3).task_waits == first.task_waits
