@@ -3,8 +3,9 @@
 Each benchmark times its op with pytest-benchmark (wall time of a CUDA-graph replay of
 many calls, so regressions show in `--benchmark-compare`) and records the event-timed
 per-call figure with `record(...)`. At the end of the session the records of each suite
-are written to ``bench/results/<suite>-<device>-<date>.json`` together with the device,
-the Triton/torch versions, the commit, the date and the copy bandwidth of the same run.
+are written to ``bench/results/<suite>-<device>.json`` (the latest run of each suite and
+device; git keeps the earlier ones) together with the device, the Triton/torch versions,
+the commit, the date and the copy bandwidth of the same run.
 """
 
 from __future__ import annotations
@@ -103,9 +104,8 @@ def pytest_sessionfinish(session, exitstatus):
         return
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     slug = env["device_slug"]
-    day = env["date"][:10]
     for suite, rows in _records.items():
-        path = RESULTS_DIR / f"{suite}-{slug}-{day}.json"
+        path = RESULTS_DIR / f"{suite}-{slug}.json"
         path.write_text(json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n")
         print(f"\nmk: wrote {path}")
 
