@@ -169,7 +169,10 @@ class Llama:
         c = self.config
 
         def get(name):
-            return hf[name].to(device=self.device, dtype=self.dtype).contiguous()
+            t = hf[name].to(device=self.device, dtype=self.dtype).contiguous()
+            # The megakernel's buffers start 16-byte aligned (vector loads, TMA); a tensor
+            # read from safetensors as is may start 8 bytes off.
+            return t if t.data_ptr() % 16 == 0 else t.clone()
 
         w = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
         w["lm_head"] = w["embed"] if c.tie_word_embeddings else get("lm_head.weight")

@@ -396,7 +396,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
     if progress:
         from tqdm import tqdm
 
-        iterator = tqdm(graph.nodes, desc="planning", unit="op", leave=False)
+        iterator = tqdm(graph.nodes, desc="planning", unit="op", leave=False, disable=None)  # (None: a terminal only)
 
     def shape(node):
         return (node.kind, tuple(sorted(node.dims.items())), node.bytes_read, node.bytes_written, node.flops)

@@ -186,6 +186,16 @@ def test_from_pretrained_folder_decodes_like_the_same_weights(pair, tmp_path):
     assert loaded.generate([PROMPTS[0]], max_new_tokens=2) == model.generate([PROMPTS[0]], max_new_tokens=2)
     with pytest.raises(ValueError, match="no-such-folder"):
         Llama.from_pretrained(tmp_path / "no-such-folder")
+    # safetensors may hand back a tensor 8 bytes off a 16-byte boundary (the megakernel's
+    # buffers need 16): such weights are copied, not refused.
+    weights = random_weights(CONFIG, seed=3, device=model.device, dtype=model.dtype)
+    embed = weights["model.embed_tokens.weight"]
+    store = torch.empty(embed.numel() + 16 // embed.element_size(), dtype=embed.dtype, device=embed.device)
+    off = next(i for i in range(1, store.numel()) if store[i:].data_ptr() % 16)
+    weights["model.embed_tokens.weight"] = store[off:off + embed.numel()].view(embed.shape).copy_(embed)
+    assert weights["model.embed_tokens.weight"].data_ptr() % 16
+    shifted = Llama(CONFIG, weights, device=model.device, dtype=model.dtype, max_batch_size=1, max_seq_len=16)
+    assert shifted.generate([PROMPTS[0]], max_new_tokens=2) == model.generate([PROMPTS[0]], max_new_tokens=2)
 
 
 @pytest.mark.gpu
