@@ -302,10 +302,11 @@ class _LinearShape:
 
 def _tma_stages(s: "_LinearShape", K: int, tma_stages: int, dtype: torch.dtype | None) -> int:
     """The TMA ring depth a tile can use: 0 unless its rows are 16-byte aligned and its
-    boxes at most 256 elements a side (what a tensor descriptor needs); GEMV tiles and
-    skinny tl.dot tiles (decode batches: one row block) only."""
+    boxes at most 256 elements a side (what a tensor descriptor needs) and no wider than K
+    (a box past the rows' end decoded wrong tokens on an H100 and an H200: K=128 under
+    256-wide boxes); GEMV tiles and skinny tl.dot tiles (decode batches: one row block) only."""
     eb = torch.empty((), dtype=dtype or default_dtype()).element_size()
-    ok = (s.tiles_m == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256 and s.bk <= 256
+    ok = (s.tiles_m == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256 and s.bk <= min(256, K)
           and (s.bk * eb) % 16 == 0)
     return int(tma_stages) if ok else 0
 

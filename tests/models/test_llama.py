@@ -317,3 +317,20 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
     assert long._decoder(1, "argmax", 64) is first
     long._decoder(1, "argmax", 300)
     assert list(long._decoders) == [(1, "argmax", 300)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,head_dim", [(64, 16), (128, 32), (256, 32)])
+def test_batch_one_decodes_as_the_reference_when_rows_are_shorter_than_a_box(hidden, head_dim):
+    """Batch-1 steps stream weights through TMA boxes up to 256 wide; layers whose rows are
+    shorter (K = 64, 128) must still decode as the float32 reference does (they picked
+    256-wide boxes past the rows' end, and wrong tokens, before boxes were kept within K)."""
+    from mk.models import greedy_generate
+
+    config = LlamaConfig.tiny(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    model = Llama.from_config(config, seed=0, max_batch_size=1, max_seq_len=16, kv_dtype=torch.float32)
+    ref = ReferenceLlama(config, {k: v.float().cpu() for k, v in model.hf_weights().items()})
+    prompt = [1, 17, 42, 311, 7, 99]
+    got = model.generate([prompt], max_new_tokens=6)[0][len(prompt):]
+    assert got == greedy_generate(ref, [prompt], 6)[0]
