@@ -303,8 +303,8 @@ class _LinearShape:
 def _tma_stages(s: "_LinearShape", K: int, tma_stages: int, dtype: torch.dtype | None) -> int:
     """The TMA ring depth a tile can use: 0 unless its rows are 16-byte aligned and its
     boxes at most 256 elements a side (what a tensor descriptor needs) and no wider than K
-    (a box past the rows' end decoded wrong tokens on an H100 and an H200: K=128 under
-    256-wide boxes); GEMV tiles and skinny tl.dot tiles (decode batches: one row block) only."""
+    (a wider box only moves zeros); GEMV tiles and skinny tl.dot tiles (decode batches: one
+    row block) only."""
     eb = torch.empty((), dtype=dtype or default_dtype()).element_size()
     ok = (s.tiles_m == 1 and tma_stages and (K * eb) % 16 == 0 and s.bn <= 256 and s.bk <= min(256, K)
           and (s.bk * eb) % 16 == 0)
@@ -340,7 +340,10 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     """
     if preload_weights is None:
         preload_weights = K <= s.bk
-    tma = _tma_stages(s, K, tma_stages, dtype)
+    # A ring no deeper than the chunks a full-K tile streams: a 4-deep ring over a
+    # one-chunk K with the residual in the epilogue (a small model's down projection, K=256
+    # or 128 at batch 1) decoded wrong tokens on an H200; one slot per chunk is all it uses.
+    tma = min(_tma_stages(s, K, tma_stages, dtype), _cdiv(K, s.bk))
     if tma or s.run > 1:  # the ring, or a run's own stream (linear_run), replaces both
         double_buffer, preload_weights = False, False
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)

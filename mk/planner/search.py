@@ -217,7 +217,7 @@ def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> li
         # instead of 128 (1B step 1.009 -> 0.998 ms on an H200, bench/NOTES.md, session 9).
         shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
                   else [(8, 256), (16, 256), (32, 256)])
-        # A box no wider than K: the op streams a narrower K without TMA (mk.tasks' rule).
+        # A box no wider than K (a wider one only moves zeros; the op then streams without TMA).
         narrow = max(16, 1 << (d["K"].bit_length() - 1))  # the widest power of two within K
         shapes = list(dict.fromkeys((bn, min(bk, narrow)) for bn, bk in shapes))
         for block_n, block_k in shapes:
