@@ -18,6 +18,20 @@ SHAPES = {
 }
 
 
+#: Positions of the benchmark models (their KV cache).
+MAX_SEQ = 1024
+
+
+def shape_model(key: str, max_seq_len: int = MAX_SEQ, max_batch_size: int = 8):
+    """A bf16 mk Llama of shape ``key`` with random weights on the GPU."""
+    from mk.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(**SHAPES[key])
+    weights = random_model(cfg)
+    return Llama(cfg, weights, device="cuda", dtype=torch.bfloat16, max_batch_size=max_batch_size,
+                 max_seq_len=max_seq_len, name=f"llama-{key}")
+
+
 def random_model(cfg, seed=0):
     """Random bf16 weights drawn on the GPU (std 0.02, norms 1 + 0.1 N), HF names."""
     from mk.models.weights import expected_shapes

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _llama_shapes import SHAPES, shape_model
+
 HAS_CUDA = torch.cuda.is_available()
 RESULTS_DIR = Path(__file__).parent / "results"
 _records: dict[str, list[dict]] = defaultdict(list)
@@ -116,3 +118,13 @@ def _keep_env_for_results(request):
     if HAS_CUDA or any("cpu" in item.keywords for item in request.session.items):
         request.config._mk_gpu_env = request.getfixturevalue("gpu_env")
     yield
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def llama(request):
+    """(shape key, a bf16 mk Llama of that shape with random weights, MAX_SEQ positions, batch
+    <= 8), one shape at a time (bench/_llama_shapes.py)."""
+    model = shape_model(request.param)
+    yield request.param, model
+    del model
+    torch.cuda.empty_cache()

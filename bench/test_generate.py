@@ -22,22 +22,8 @@ import torch
 
 from _llama_shapes import SHAPES, random_model
 
-MAX_SEQ, PROMPT, NEW = 1024, 64, 256
+PROMPT, NEW = 64, 256
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", params=list(SHAPES))
-def llama(request):
-    from mk.models import Llama, LlamaConfig
-
-    cfg = LlamaConfig(**SHAPES[request.param])
-    weights = random_model(cfg)
-    model = Llama(cfg, weights, device="cuda", dtype=torch.bfloat16, max_batch_size=8, max_seq_len=MAX_SEQ,
-                  name=f"llama-{request.param}")
-    del weights
-    yield request.param, model
-    del model
-    torch.cuda.empty_cache()
 
 
 def _prompts(batch: int, vocab: int) -> list[list[int]]:

@@ -14,23 +14,8 @@ import torch
 
 from _harness import bench_graph
 from _llama_peer import TorchLlamaStep
-from _llama_shapes import SHAPES, random_model
+from _llama_shapes import MAX_SEQ
 
-MAX_SEQ = 1024
-
-
-@pytest.fixture(scope="module", params=list(SHAPES))
-def llama(request):
-    from mk.models import Llama, LlamaConfig
-
-    cfg = LlamaConfig(**SHAPES[request.param])
-    weights = random_model(cfg)
-    model = Llama(cfg, weights, device="cuda", dtype=torch.bfloat16, max_batch_size=8, max_seq_len=MAX_SEQ,
-                  name=f"llama-{request.param}")
-    del weights
-    yield request.param, model
-    del model
-    torch.cuda.empty_cache()
 
 
 def _event_ms(fn, reps=30, warmup=3) -> float:
