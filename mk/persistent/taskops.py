@@ -340,10 +340,13 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     """
     if preload_weights is None:
         preload_weights = K <= s.bk
-    # A ring no deeper than the chunks a full-K tile streams: a 4-deep ring over a
-    # one-chunk K with the residual in the epilogue (a small model's down projection, K=256
-    # or 128 at batch 1) decoded wrong tokens on an H200; one slot per chunk is all it uses.
-    tma = min(_tma_stages(s, K, tma_stages, dtype), _cdiv(K, s.bk))
+    # A tile of one chunk gets a one-slot ring: a 4-deep ring over a one-chunk K with the
+    # residual in the epilogue (a small model's down projection, K=256 or 128 at batch 1)
+    # decoded wrong tokens on an H200. (Longer streams keep theirs: a grouped stream's ring
+    # is deeper than its chunks on purpose.)
+    tma = _tma_stages(s, K, tma_stages, dtype)
+    if _cdiv(K, s.bk) == 1:
+        tma = min(tma, 1)
     if tma or s.run > 1:  # the ring, or a run's own stream (linear_run), replaces both
         double_buffer, preload_weights = False, False
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
