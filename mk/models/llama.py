@@ -122,9 +122,9 @@ class Llama:
         #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
         #: (plan_s, lower_s, compile_s; 0 when its step was built before).
         self.last_stats: dict = {}
-        #: Seconds spent building: load_s (from_pretrained) and, for the last step built,
-        #: plan_s (search or plan cache), lower_s (tasks, queues, kernel source) and
-        #: compile_s (Triton, or its cache).
+        #: Seconds spent building the model: load_s (from_pretrained). A step's build
+        #: (plan_s, lower_s, compile_s) is reported by the request that paid it
+        #: (:attr:`last_stats`, or :meth:`prepare`'s return).
         self.build_stats: dict = {}
 
     # ------------------------------------------------------------------ construction
@@ -259,18 +259,20 @@ class Llama:
         return plan, graph
 
     def prepare(self, batch: int, total_len: int, *, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, progress: bool = False) -> None:
+                top_p: float | None = None, progress: bool = False) -> dict:
         """Plan, lower and compile the decode step a request of ``batch`` sequences reaching
         ``total_len`` tokens (prompt + new) will run, so that its first :meth:`generate` call
         starts decoding at once. Idempotent: a step already built is kept. ``progress`` shows
-        the plan search's bar (on a terminal)."""
+        the plan search's bar (on a terminal). Returns the seconds it spent: plan_s (search or
+        plan cache), lower_s (tasks, queues, kernel source), compile_s (Triton or its cache);
+        zeros for a step built before."""
         temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
             raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
         if isinstance(total_len, bool) or not isinstance(total_len, int) or not 1 <= total_len <= self.max_seq_len:
             raise ValueError(f"total_len must be an int in [1, max_seq_len={self.max_seq_len}], got {total_len!r}")
-        self._decoder(batch, _next_token_rule(temperature, top_k, top_p), self.plan_length(total_len),
-                      progress=progress)
+        return self._decoder(batch, _next_token_rule(temperature, top_k, top_p), self.plan_length(total_len),
+                             progress=progress).unreported_build()
 
     def _decoder(self, batch: int, next_token: str, kv_len: int | None = None, progress: bool = False) -> _Decoder:
         """The lowered, compiled step for ``batch`` ending in ``next_token`` (see
@@ -288,7 +290,7 @@ class Llama:
             plan, graph = self.plan(batch, key[2], progress=progress)
             plan_s = time.perf_counter() - t0
             dec = self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
-            dec.build["plan_s"] = self.build_stats["plan_s"] = plan_s
+            dec.build["plan_s"] = plan_s
         return self._decoders[key]
 
     def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
@@ -319,7 +321,6 @@ class Llama:
             kernel = compile_for(kernel.residency().max_workers)
             kernel.residency()
         t2 = time.perf_counter()
-        self.build_stats.update(lower_s=t1 - t0, compile_s=t2 - t1)
         return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1))
 
     def _time_plan(self, plan, graph, batch: int) -> float:
@@ -599,7 +600,7 @@ class _HistoryReader:
         if self.cuda and not dec.host:
             tokens, error = dec.state["tokens"], dec.kernel.error
             dec.host = [(torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
-                                  torch.empty(error.shape, dtype=error.dtype, pin_memory=True)) for _ in range(2)]
+                         torch.empty(error.shape, dtype=error.dtype, pin_memory=True)) for _ in range(2)]
         self.count = 0
 
     @property

@@ -16,21 +16,15 @@ import importlib.util
 import os
 import sys
 import textwrap
-from pathlib import Path
 
 import torch
+
+from mk.tasks._cache import cache_dir
 
 from .graph import HEADER_WORDS, Program
 from .ops import TL_DTYPES, OpSpec
 
 KERNEL_NAME = "megakernel"
-
-
-def cache_dir() -> Path:
-    """Where generated kernels live: $MK_CACHE_DIR or ~/.cache/mk/kernels."""
-    root = Path(os.environ.get("MK_CACHE_DIR", Path.home() / ".cache" / "mk")) / "kernels"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def _indent(src: str, level: int) -> str:
@@ -352,7 +346,7 @@ def load_kernel(source: str):
     module_name = f"mk_megakernel_{digest}"
     if module_name in sys.modules:
         return getattr(sys.modules[module_name], KERNEL_NAME), digest
-    path = cache_dir() / f"{module_name}.py"
+    path = cache_dir("kernels") / f"{module_name}.py"
     if not path.exists() or path.read_text() != source:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(source)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from mk.tasks._cache import cache_dir, sources_hash
+
 from .deps import Events, RangeMax, dependency_intervals, drop_implied, group_events
 from .ops import TL_DTYPES, OpSpec, Region
 
@@ -126,7 +128,7 @@ class TaskGraph:
         the same consumers share one). Deriving them is most of the time to lower a large
         graph (seconds for an 8B step), so they are kept on disk under the graph's
         :meth:`structure_key`: a step built before loads them."""
-        path = deps_cache_dir() / f"{self.structure_key()}.pkl"
+        path = cache_dir("deps") / f"{self.structure_key()}.pkl"
         try:
             with open(path, "rb") as f:
                 deps, events = pickle.load(f)
@@ -148,20 +150,10 @@ class TaskGraph:
         return deps, events
 
 
-def deps_cache_dir() -> Path:
-    """Where derived dependencies live: $MK_CACHE_DIR/deps (default ~/.cache/mk/deps)."""
-    root = Path(os.environ.get("MK_CACHE_DIR", Path.home() / ".cache" / "mk")) / "deps"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
 @functools.lru_cache(maxsize=1)
 def _engine_source_hash() -> str:
     package = Path(__file__).parent.parent
-    h = hashlib.sha256()
-    for f in sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").glob("*.py")]):
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return sources_hash(sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").glob("*.py")]))
 
 
 @dataclass

@@ -15,6 +15,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from mk.tasks._cache import cache_dir, sources_hash
+
 from .device import DeviceSpec
 from .graph import OpGraph
 from .search import Plan, pick_measured, search
@@ -27,9 +29,8 @@ MEASURE_SCHEDULE_SLACK = 0.05
 
 
 def plan_dir() -> Path:
-    root = Path(os.environ.get("MK_CACHE_DIR", Path.home() / ".cache" / "mk")) / "plans"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    """Where plans are kept: ``<cache_dir>/plans``."""
+    return cache_dir("plans")
 
 
 def _planner_sources() -> list[Path]:
@@ -40,10 +41,7 @@ def _planner_sources() -> list[Path]:
 
 
 def _planner_source_hash() -> str:
-    h = hashlib.sha256()
-    for f in _planner_sources():
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return sources_hash(_planner_sources())
 
 
 def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int, measured_top_k: int = 0) -> str:

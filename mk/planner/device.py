@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from mk.tasks._cache import cache_dir
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -509,12 +510,6 @@ def closest_preset(name: str, compute_capability: tuple[int, int] | None = None,
 
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def cache_dir() -> Path:
-    """``$MK_CACHE_DIR`` if set, else ``~/.cache/mk``."""
-    env = os.environ.get("MK_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mk"
 
 
 def calibration_path(name: str) -> Path:

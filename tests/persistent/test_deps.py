@@ -214,7 +214,8 @@ def test_lowered_dependencies_are_cached_by_the_graphs_structure(tmp_path, monke
     import torch
 
     import mk.persistent.taskops  # noqa: F401  (registers the ops)
-    from mk.persistent.graph import TaskGraph, deps_cache_dir, lower
+    from mk.persistent.graph import TaskGraph, lower
+    from mk.tasks._cache import cache_dir
     from mk.persistent.ops import make_op
     from mk.persistent.taskops import linear_tiles
 
@@ -233,7 +234,7 @@ def test_lowered_dependencies_are_cached_by_the_graphs_structure(tmp_path, monke
         return g
 
     first = lower(graph(1), num_workers=3)
-    files = list(deps_cache_dir().glob("*.pkl"))
+    files = list(cache_dir("deps").glob("*.pkl"))
     assert len(files) == 1
     import mk.persistent.graph as graph_module
 
@@ -246,6 +247,6 @@ def test_lowered_dependencies_are_cached_by_the_graphs_structure(tmp_path, monke
     assert again.task_waits == first.task_waits and torch.equal(again.desc, first.desc)
     assert graph(1).structure_key() != graph(0).structure_key()
     other = lower(graph(0), num_workers=3)  # the last task now rewrites tile 0: it waits on the one before
-    assert len(list(deps_cache_dir().glob("*.pkl"))) == 2 and other.task_waits != first.task_waits
+    assert len(list(cache_dir("deps").glob("*.pkl"))) == 2 and other.task_waits != first.task_waits
     files[0].write_bytes(b"not a pickle")
     assert lower(graph(1), num_workers=3).task_waits == first.task_waits
