@@ -15,7 +15,8 @@ import torch.nn.functional as F
 class TorchLlamaStep(torch.nn.Module):
     """``step(ids [B], pos [1]) -> next ids [B]``: one decode step for B sequences at cache
     position ``pos``, attending to positions <= pos. ``forward(ids [B, T], pos [T])`` for
-    prefill (returns the last token's logits)."""
+    prefill at any positions, ``prefill(ids [B, T])`` for a fresh prompt (both return the
+    last token's logits)."""
 
     def __init__(self, model, batch: int):
         super().__init__()
@@ -68,6 +69,29 @@ class TorchLlamaStep(torch.nn.Module):
             vc.index_copy_(2, pos, v.transpose(1, 2))
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask[None, None],
                                                enable_gqa=True)
+            x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T
+            gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ g("down").T
+        return (self._norm(x[:, -1], self.final_norm) @ self.lm_head.T).float()
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T], a fresh prompt per row at positions 0..T-1 -> logits of the last token
+        [B, V]. Causal attention over the prompt's own K/V (SDPA's flash / cuDNN kernels),
+        which are also written to the cache, as gpt-fast's prefill does."""
+        c = self.c
+        B, T = ids.shape
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        pos = torch.arange(T, device=ids.device)
+        x = self.embed[ids]
+        for L in range(c.num_hidden_layers):
+            g = lambda name: getattr(self, f"l{L}_{name}")  # noqa: E731
+            h = self._norm(x, g("attn_norm"))
+            q, k, v = (h @ g("qkv").T).view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            q, k = self._rope(q, pos).transpose(1, 2), self._rope(k, pos).transpose(1, 2)
+            v = v.transpose(1, 2)
+            getattr(self, f"k{L}")[:, :, :T] = k
+            getattr(self, f"v{L}")[:, :, :T] = v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T
             gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ g("down").T

@@ -1,7 +1,7 @@
 """``Llama``: a Hugging Face Llama that decodes through the megakernel.
 
-Prefill runs the prompt through mk's task ops (tensor-core linear tiles, prefill
-attention, RoPE + KV append). Each decode step is **one launch** of the planned
+Prefill runs the prompts, packed without padding, through the layers in chunks of up to
+8192 tokens (:mod:`mk.models.prefill`: precision modes, the workspace bound). Each decode step is **one launch** of the planned
 megakernel: every layer, the final norm, the LM head, the next-token choice and the
 bookkeeping (the token appended to a device-side history, the position advanced), so
 step after step is enqueued with no host work; the host reads the history in blocks to
@@ -32,12 +32,14 @@ from mk.tasks.linear import interleave_gate_up, linear
 from mk.tasks.prefill_attention import prefill_attention
 from mk.tasks.rmsnorm import rmsnorm
 from mk.tasks.rope import deinterleave_rotary, interleave_rotary, rope_inv_freq, rope_kv
+from mk.tasks.silu_mul import silu_mul
 from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
                              scale_logits_ref)
 
 from mk.planner.lower import WEIGHT
 
 from .config import LlamaConfig
+from . import prefill as _prefill
 from .weights import load_weights, random_weights
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
@@ -47,11 +49,6 @@ def _check_plan_mode(plan_mode) -> None:
     if plan_mode not in PLAN_MODES:
         raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
 
-
-#: Bytes of float32 activations a prefill chunk may hold (:meth:`Llama.prefill_chunk`): with
-#: the decode steps' activations (8B batch 8: 12 MiB), generation stays within weights + KV
-#: cache + 64 MiB (H200, 32 MiB chunks: 8B batch 8 added 55 MiB; bench/NOTES.md session 17).
-PREFILL_ACTIVATION_BYTES = 24 * 2**20
 
 #: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
 MEASURE_BURST, MEASURE_REPS = 20, 3
@@ -89,10 +86,20 @@ class Llama:
     :meth:`from_config` (random weights). ``device`` defaults to CUDA when there is a GPU
     (else the CPU, through the Triton interpreter); ``dtype`` to bfloat16 on CUDA and
     float32 on the CPU. The KV cache for ``max_batch_size`` sequences of ``max_seq_len``
-    tokens is allocated here, once, in ``kv_dtype`` (default: ``dtype``). Activations are
-    float32 whatever the dtype: weights and the cache are all that is rounded, and a
-    ``kv_dtype=torch.float32`` cache leaves only the weights (twice the cache memory; on a
-    random-weight Llama-3-8B the bf16 cache alone puts the logits ~2% off float32).
+    tokens is allocated here, once, in ``kv_dtype`` (default: ``dtype``). The decode
+    step's activations are float32 whatever the dtype: weights and the cache are all that
+    is rounded, and a ``kv_dtype=torch.float32`` cache leaves only the weights (twice the
+    cache memory; on a random-weight Llama-3-8B the bf16 cache alone puts the logits ~2%
+    off float32).
+
+    Prefill (:mod:`mk.models.prefill`) packs the prompts without padding and runs them in
+    chunks that fit ``prefill_workspace`` bytes of activations (default: 5% of the GPU's
+    memory, at most 2 GiB; reported by :meth:`footprint`). ``prefill_precision="fast"``
+    (default) multiplies in the weights' dtype with float32 accumulation and a float32
+    residual stream, on cuBLAS and SDPA kernels on a GPU; ``"exact"`` keeps every
+    activation float32 as the decode step does (logits closest to float32, about half the
+    tensor-core rate).
+
     ``plan_mode="measure"`` times the planner's top plans on the device the first time a
     batch size decodes and keeps the fastest (cached on disk like predicted plans).
     A request's steps are planned for the length its sequences can reach (the first of
@@ -102,13 +109,16 @@ class Llama:
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
                  max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str = "llama",
-                 tokenizer=None, plan_mode: str = "predict", kv_dtype=None):
+                 tokenizer=None, plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
+                 prefill_workspace: int | None = None):
         self.device, self.dtype, self.kv_dtype = _resolve_target(device, dtype, kv_dtype)
         for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
         _check_plan_mode(plan_mode)
         self.config, self.name, self.tokenizer, self.plan_mode = config, name, tokenizer, plan_mode
+        self.prefill_precision = prefill_precision
+        self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.shape = config.to_model_shape(name, dtype_bytes=self.dtype.itemsize, kv_dtype_bytes=self.kv_dtype.itemsize)
         self.weights = self._pack(weights)
@@ -132,37 +142,43 @@ class Llama:
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
                         max_seq_len: int = 4096, progress: bool = True, device_spec=None,
-                        plan_mode: str = "predict", kv_dtype=None) -> "Llama":
+                        plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
+                        prefill_workspace: int | None = None) -> "Llama":
         """Load ``folder`` (config.json + model.safetensors, or shards with an index).
 
         Everything is checked (config, files, every tensor's name and shape) before any
         weight reaches the device; errors name the file or tensor. A ``tokenizer.json`` in
-        the folder enables text prompts (:attr:`tokenizer`). ``kv_dtype``: see :class:`Llama`.
+        the folder enables text prompts (:attr:`tokenizer`). ``kv_dtype``, ``prefill_precision``
+        and ``prefill_workspace``: see :class:`Llama`.
         """
         from .tokenizer import load_tokenizer
 
         _check_plan_mode(plan_mode)
+        _prefill.check_precision(prefill_precision)
         config = LlamaConfig.from_pretrained(folder)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         t0 = time.perf_counter()
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
-                    tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype)
+                    tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype,
+                    prefill_precision=prefill_precision, prefill_workspace=prefill_workspace)
         model.build_stats["load_s"] = time.perf_counter() - t0
         return model
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
                     max_seq_len: int = 4096, device_spec=None, name: str = "random-llama",
-                    plan_mode: str = "predict", kv_dtype=None) -> "Llama":
+                    plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
+                    prefill_workspace: int | None = None) -> "Llama":
         """A model of any shape with random weights (deterministic for ``seed``)."""
         _check_plan_mode(plan_mode)
+        _prefill.check_precision(prefill_precision)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         weights = random_weights(config, seed=seed, device=device, dtype=dtype)
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, prefill_precision=prefill_precision, prefill_workspace=prefill_workspace)
 
     def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hugging Face tensors -> the megakernel's (fused QKV, interleaved gate/up), by op name."""
@@ -215,12 +231,14 @@ class Llama:
     # ------------------------------------------------------------------ planning
 
     def footprint(self) -> dict[str, int]:
-        """Bytes this model holds on its device: ``weights`` (tied tensors once) and
-        ``kv_cache``. Generation adds the decode steps' activations and state and a
-        prefill chunk's activations (:meth:`prefill_chunk`), a few tens of MiB."""
+        """Bytes this model holds on its device, ``weights`` (tied tensors once) and
+        ``kv_cache``, and the most its prefill's activations take at once,
+        ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`). Generation adds
+        the decode steps' activations and state, a few tens of MiB."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
         return {"weights": sum(storages.values()),
-                "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2}
+                "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2,
+                "prefill_workspace": self.prefill_budget.bound}
 
     @property
     def device_spec(self):
@@ -377,81 +395,128 @@ class Llama:
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
         return ids.to(self.device), lengths
 
-    def prefill_chunk(self, batch: int) -> int:
-        """Prompt tokens a prefill runs through the layers at once for ``batch`` prompts: as
-        many as keep its float32 activations within :data:`PREFILL_ACTIVATION_BYTES`
-        (a longer prompt goes a chunk at a time, each chunk attending to the cache)."""
+    @property
+    def prefill_precision(self) -> str:
+        """``"fast"`` or ``"exact"``: see :mod:`mk.models.prefill`."""
+        return self._prefill_precision
+
+    @prefill_precision.setter
+    def prefill_precision(self, value: str) -> None:
+        self._prefill_precision = _prefill.check_precision(value)
+
+    @property
+    def prefill_workspace(self) -> int:
+        """Bytes of activations a prefill chunk may hold (chunks are cut to fit)."""
+        return self._prefill_workspace
+
+    @prefill_workspace.setter
+    def prefill_workspace(self, value: int) -> None:
+        self._prefill_budget(value)  # refuses a workspace that holds no token
+        self._prefill_workspace = value
+
+    @property
+    def prefill_budget(self) -> _prefill.PrefillBudget:
+        """Bytes a prefill token holds, the workspace, and the chunk length they give."""
+        return self._prefill_budget(self._prefill_workspace)
+
+    def _prefill_budget(self, workspace) -> _prefill.PrefillBudget:
         c = self.config
-        h, q = c.hidden_size, c.num_attention_heads * c.head_dim
+        q = c.num_attention_heads * c.head_dim
         qkv = q + 2 * c.num_key_value_heads * c.head_dim
-        # Float32 activations live at once a token, at each step of _prefill_layers: the
-        # residual with qkv and the rotated q; with q and the attention output; old and new
-        # residual with the attention output (O-proj), or with SiLU·mul's output (down).
-        per_token = 4 * max(h + qkv + q, h + 2 * q, 2 * h + q, 2 * h + c.intermediate_size)
-        return max(1, PREFILL_ACTIVATION_BYTES // (per_token * batch))
+        fast = self.prefill_precision == "fast"
+        per_token = _prefill.per_token_bytes(c.hidden_size, q, qkv, c.intermediate_size,
+                                             self.dtype.itemsize if fast else 4, fast)
+        return _prefill.PrefillBudget.make(per_token, workspace)
 
     def _prefill(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run the prompts through every layer, filling the cache, a chunk of
-        :meth:`prefill_chunk` tokens at a time; float32 logits of each row's last token
-        [B, V] (or of every token [B, T, V])."""
+        """Run the prompts (``ids`` right-padded ``[B, T]``, ``lengths``) through every layer,
+        filling the cache, packed a chunk at a time; float32 logits of each prompt's last
+        token ``[B, V]`` (or of every token ``[B, T, V]``, zeros past a prompt's end)."""
         B, T = ids.shape
-        seqlens = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-        chunk = self.prefill_chunk(B)
+        V = self.config.vocab_size
+        budget = self.prefill_budget
+        budget.check_fits(self.device, sum(lengths), B * T * V * 4 if all_logits else 0)
         if all_logits:
-            logits = torch.empty(B, T, self.config.vocab_size, dtype=torch.float32, device=self.device)
+            logits = torch.zeros(B, T, V, dtype=torch.float32, device=self.device)
+            # LM-head rows at a time within the workspace: its float32 logits too.
+            head_rows = max(1, budget.bound // (4 * V + 4 * self.config.hidden_size))
         else:
             last = torch.empty(B, self.config.hidden_size, dtype=torch.float32, device=self.device)
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
-            x = self._prefill_layers(ids[:, t0:t1].contiguous(), t0, seqlens)
-            if all_logits:
-                logits[:, t0:t1] = self._lm_head(x).view(B, t1 - t0, -1)
-                continue
-            for b, n in enumerate(lengths):  # each row's last prompt token, in the chunk that holds it
-                if t0 < n <= t1:
-                    last[b] = x[b * (t1 - t0) + n - 1 - t0]
+        for segments in _prefill.pack(lengths, budget.chunk_tokens):
+            x = self._prefill_layers(torch.cat([ids[s.row, s.start:s.stop] for s in segments]), segments)
+            for s in segments:
+                if all_logits:
+                    for r in range(0, s.tokens, head_rows):
+                        n = min(head_rows, s.tokens - r)
+                        logits[s.row, s.start + r:s.start + r + n] = self._lm_head(x[s.offset + r:s.offset + r + n])
+                elif s.stop == lengths[s.row]:  # the chunk that holds the prompt's last token
+                    last[s.row] = x[s.offset + s.tokens - 1]
         return logits if all_logits else self._lm_head(last)
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weights
-        return linear(rmsnorm(x, w[WEIGHT + "final_norm"], self.config.rms_norm_eps), w[WEIGHT + "lm_head"]).float()
+        """Float32 logits of float32 final residuals ``[n, H]``."""
+        w, eps = self.weights, self.config.rms_norm_eps
+        if self.prefill_precision == "fast":
+            return _mm(rmsnorm(x, w[WEIGHT + "final_norm"], eps, out_dtype=self.dtype), w[WEIGHT + "lm_head"],
+                       torch.float32)
+        return linear(rmsnorm(x, w[WEIGHT + "final_norm"], eps), w[WEIGHT + "lm_head"]).float()
 
-    def _prefill_layers(self, ids: torch.Tensor, t0: int, seqlens: torch.Tensor) -> torch.Tensor:
-        """Tokens [t0, t0 + C) of every prompt (``ids`` [B, C]) through every layer, their
-        K/V appended to the cache (tokens before t0 are there already); the final
-        residual, float32 [B * C, H]."""
+    def _prefill_layers(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
+        """One chunk's tokens (``ids`` ``[n]``, the :class:`~mk.models.prefill.Segment` s of
+        their prompts) through every layer, their K/V appended to the cache (each prompt's
+        earlier tokens are there already); the final residual, float32 ``[n, H]``."""
         c, w = self.config, self.weights
 
         def W(name):
             return w[WEIGHT + name]
 
-        B, C = ids.shape
+        n = ids.numel()
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps = c.rms_norm_eps
-        positions = torch.arange(t0, t0 + C, device=self.device, dtype=torch.int32).expand(B, C).contiguous()
-        f32 = torch.float32
-        # Every activation is float32, as in the decode step (mk.planner.lower): only the
-        # weights and the KV cache are rounded.
-        x = embedding(ids.reshape(-1), W("embed")).float()
+        eps, f32, fast = c.rms_norm_eps, torch.float32, self.prefill_precision == "fast"
+        positions, rows = _prefill.chunk_indices(segments, self.device)
+        x = embedding(ids, W("embed")).float()  # the residual stream is float32 in both precisions
+        delta = None  # fast: the last projection's output, added into x by the next norm
         for L in range(c.num_hidden_layers):
-            qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
-            q, k, v = qkv.view(B, C, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
-            kc, vc = self.k_cache[L, :B], self.v_cache[L, :B]
-            # Positions (an arange) and lengths were checked against the cache with the prompts:
-            # no per-layer read-back (each waited for the GPU: a third of a 1B prefill's time).
-            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True, check_values=False)
+            kc, vc = self.k_cache[L], self.v_cache[L]
+            if fast:
+                h, x = self._add_norm(x, delta, W(f"l{L}.attn_norm"))
+                qkv = _mm(h, W(f"l{L}.qkv"))
+                del h
+            else:
+                qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
+            q, k, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            # Positions and rows were built here from checked lengths: no checks, no read-back.
+            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True, cache_rows=rows, validate=False)
             del qkv, k, v
-            # Attention reads the rotated keys back from the cache ([B, Hkv, T, D] -> [B, T, Hkv, D] views).
-            attn = prefill_attention(q, kc[:, :, :t0 + C].transpose(1, 2), vc[:, :, :t0 + C].transpose(1, 2),
-                                     seqlens, check_values=False, q_start=t0)
+            attn = _prefill.attention(q[0], kc, vc, segments, self.prefill_precision)
             del q
-            x = linear(attn.reshape(B * C, hq * d), W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
-            del attn
-            act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
-                         out_dtype=f32)
-            x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=f32)
-            del act
+            if fast:
+                delta = _mm(attn, W(f"l{L}.o_proj"))
+                del attn
+                h, x = self._add_norm(x, delta, W(f"l{L}.mlp_norm"))
+                gu = _mm(h, W(f"l{L}.gate_up"))  # gate and up rows interleaved
+                del h
+                act = silu_mul(gu[:, 0::2], gu[:, 1::2], validate=False)
+                del gu
+                delta = _mm(act, W(f"l{L}.down"))
+                del act
+            else:
+                x = linear(attn, W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
+                del attn
+                act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
+                             out_dtype=f32)
+                x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=f32)
+                del act
+        if delta is not None:
+            x += delta
         return x
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """Fast precision: ``x += delta`` (float32) and RMSNorm of the sum, in the weights'
+        dtype, in one pass. Returns (normalised, new x)."""
+        if delta is None:
+            return rmsnorm(x, weight, self.config.rms_norm_eps, out_dtype=self.dtype, validate=False), x
+        return rmsnorm(delta, weight, self.config.rms_norm_eps, residual=x, out_dtype=self.dtype, validate=False)
 
     @torch.no_grad()
     def logits(self, input_ids) -> torch.Tensor:
@@ -635,6 +700,14 @@ def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None)
     """How a decode step ends: greedy and temperature sampling finish inside the megakernel;
     top-k / top-p take the step's logits to the radix-select sampler."""
     return "argmax" if temperature == 0.0 else "sample" if top_k is None and top_p is None else "logits"
+
+
+def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a @ weight.T`` by PyTorch (cuBLAS on a GPU), float32 accumulation; the result in
+    ``out_dtype`` (default a's)."""
+    if out_dtype is None or out_dtype == a.dtype:
+        return torch.mm(a, weight.t())
+    return torch.mm(a, weight.t(), out_dtype=out_dtype)
 
 
 def _rows(input_ids) -> list[list[int]]:

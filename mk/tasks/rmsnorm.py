@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import jit, check_same_dtype, check_tensor
+from ._device import jit, check_same_device, check_tensor, supported_dtypes
 
 #: Widest chunk one program holds in registers; longer rows loop over chunks.
 MAX_BLOCK_N = 8192
@@ -88,7 +88,8 @@ def rmsnorm_num_warps(block_n: int) -> int:
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None, *,
+    out_dtype: torch.dtype | None = None, validate: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of ``x`` over its last dim.
 
@@ -96,23 +97,33 @@ def rmsnorm(
         x: ``[..., N]``, rows may be strided but the last dim must be contiguous.
         weight: ``[N]``.
         eps: added to the mean square.
-        residual: optional ``[..., N]`` added to x first.
+        residual: optional ``[..., N]`` added to x first (the sum is float32, then rounded
+            to residual's dtype: a float32 residual stream may take a bf16 update).
+        out_dtype: dtype of the normalised output (default x's): a float32 residual
+            stream normalised straight into a bf16 matmul operand.
+        validate: False skips the argument checks (their host time is a launch's), for a
+            caller that built the arguments (mk's prefill); bad arguments are then undefined.
 
     Returns:
-        ``out`` (same shape and dtype as x), or ``(out, x + residual)`` with a residual.
+        ``out`` (x's shape, ``out_dtype``), or ``(out, x + residual)`` with a residual, the
+        sum in residual's dtype.
     """
-    check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
+    if validate:
+        check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
+        check_tensor("weight", weight, shape=(x.shape[-1],))
+        if not (isinstance(eps, (int, float)) and eps >= 0):
+            raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+        if residual is not None:
+            check_tensor("residual", residual, shape=tuple(x.shape), contiguous=False, last_dim_contiguous=True)
+            check_same_device(x=x, residual=residual)
+        if out_dtype is not None and out_dtype not in supported_dtypes(x):
+            raise TypeError(f"out_dtype must be one of {list(supported_dtypes(x))}, got {out_dtype!r}")
     n = x.shape[-1]
-    check_tensor("weight", weight, shape=(n,))
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    if residual is not None:
-        check_tensor("residual", residual, shape=tuple(x.shape), contiguous=False, last_dim_contiguous=True)
-        check_same_dtype(x=x, residual=residual)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     x2 = x.reshape(-1, n)
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     res2 = residual.reshape(-1, n) if residual is not None else x2
-    res_out = torch.empty_like(out) if residual is not None else out
+    res_out = torch.empty(x2.shape, dtype=residual.dtype, device=x.device) if residual is not None else out
     rows = x2.shape[0]
     if rows and n:
         block_n = rmsnorm_block_n(n)

@@ -239,7 +239,7 @@ def rope_kernel(
 
 @jit
 def rope_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, rows_ptr,
     T, num_q_heads, num_kv_heads, max_seq,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -249,8 +249,13 @@ def rope_kv_kernel(
     stride_kcb, stride_kch, stride_kcs,
     stride_vcb, stride_vch, stride_vcs,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if HAS_ROWS:  # a packed batch (B = 1): token t's cache row is rows[t]
+        row = tl.load(rows_ptr + pid).to(tl.int64)
+        k_cache_ptr += row * stride_kcb
+        v_cache_ptr += row * stride_vcb
     rope_kv_tile(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                  pid // T, pid % T, num_q_heads, num_kv_heads, max_seq,
                  stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -362,6 +367,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
 def rope_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False, check_values: bool = True,
+    cache_rows: torch.Tensor | None = None, validate: bool = True,
 ) -> torch.Tensor:
     """Rotate q and k at ``positions``, append k and v to the KV cache, return the rotated q.
 
@@ -377,9 +383,15 @@ def rope_kv(
             docstring); the rotated q and the cache rows have the usual layout.
         check_values: False skips the position checks below (reading positions back to the
             host waits for the device), for a caller that built them (a prefill's arange).
+        cache_rows: optional int32/int64 ``[T]`` for a packed batch of several sequences
+            (B = 1): token t belongs to cache row ``cache_rows[t]`` (the caches may then
+            have any number of rows), and (row, position) pairs must be distinct.
+        validate: False skips every check (their host time is several launches'), for a
+            caller that built the arguments (mk's prefill); bad arguments are then undefined.
 
     Writes ``k_cache[b, h, positions[b, t]] = rope(k[b, t, h])`` and
-    ``v_cache[b, h, positions[b, t]] = v[b, t, h]``; no other cache row changes.
+    ``v_cache[b, h, positions[b, t]] = v[b, t, h]`` (``b = cache_rows[t]`` with cache_rows);
+    no other cache row changes.
 
     Returns:
         Rotated q, a new contiguous ``[B, T, Hq, D]`` tensor in q's dtype.
@@ -387,43 +399,56 @@ def rope_kv(
     Every argument is checked before anything is written (position values only outside
     CUDA graph capture, where reading them back is impossible, and with check_values).
     """
-    check_tensor("q", q, ndim=4, contiguous=False, last_dim_contiguous=True)
+    if validate:
+        check_tensor("q", q, ndim=4, contiguous=False, last_dim_contiguous=True)
+        _check_head_dim("q", q)
+        check_tensor("k", k, ndim=4, contiguous=False, last_dim_contiguous=True)
+        check_tensor("k_cache", k_cache, ndim=4, contiguous=False, last_dim_contiguous=True)
     batch, tokens, hq, d = q.shape
-    _check_head_dim("q", q)
-    check_tensor("k", k, ndim=4, contiguous=False, last_dim_contiguous=True)
-    hkv = k.shape[2]
-    check_tensor("k", k, shape=(batch, tokens, hkv, d), contiguous=False)
-    check_tensor("v", v, shape=(batch, tokens, hkv, d), contiguous=False, last_dim_contiguous=True)
-    _check_positions(positions, batch, tokens)
-    _check_inv_freq(inv_freq, d // 2)
-    _check_interleaved(interleaved)
-    check_tensor("k_cache", k_cache, ndim=4, contiguous=False, last_dim_contiguous=True)
-    max_seq = k_cache.shape[2]
-    check_tensor("k_cache", k_cache, shape=(batch, hkv, max_seq, d), contiguous=False)
-    check_tensor("v_cache", v_cache, shape=(batch, hkv, max_seq, d), contiguous=False,
-                 last_dim_contiguous=True)
-    # The cache may be wider than q/k/v (a float32 cache under bf16 weights): stores convert.
-    check_same_dtype(q=q, k=k, v=v)
-    check_same_dtype(k_cache=k_cache, v_cache=v_cache)
-    check_same_device(q=q, k=k, v=v, positions=positions, inv_freq=inv_freq, k_cache=k_cache,
-                      v_cache=v_cache)
-    # Range checks need the values on the host: not possible while a CUDA graph is
-    # captured, so then positions are trusted (the kernel still skips out-of-range rows).
-    if check_values and positions.numel() and not is_capturing(positions):
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= max_seq:
-            raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "
-                             f"got values from {lo} to {hi}")
-        if tokens > 1:
-            ordered = positions.sort(dim=1).values
-            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-                raise ValueError("positions repeat within a row: two tokens would write one cache slot")
+    hkv, max_seq = k.shape[2], k_cache.shape[2]
+    cache_batch = batch if cache_rows is None else k_cache.shape[0]
+    if validate:
+        check_tensor("k", k, shape=(batch, tokens, hkv, d), contiguous=False)
+        check_tensor("v", v, shape=(batch, tokens, hkv, d), contiguous=False, last_dim_contiguous=True)
+        _check_positions(positions, batch, tokens)
+        _check_inv_freq(inv_freq, d // 2)
+        _check_interleaved(interleaved)
+        if cache_rows is not None:
+            if batch != 1:
+                raise ValueError(f"cache_rows packs several sequences into one row of q: q must have B = 1, got {batch}")
+            check_tensor("cache_rows", cache_rows, shape=(tokens,), dtype=_POSITION_DTYPES)
+        check_tensor("k_cache", k_cache, shape=(cache_batch, hkv, max_seq, d), contiguous=False)
+        check_tensor("v_cache", v_cache, shape=(cache_batch, hkv, max_seq, d), contiguous=False,
+                     last_dim_contiguous=True)
+        # The cache may be wider than q/k/v (a float32 cache under bf16 weights): stores convert.
+        check_same_dtype(q=q, k=k, v=v)
+        check_same_dtype(k_cache=k_cache, v_cache=v_cache)
+        check_same_device(q=q, k=k, v=v, positions=positions, inv_freq=inv_freq, k_cache=k_cache,
+                          v_cache=v_cache, **({} if cache_rows is None else {"cache_rows": cache_rows}))
+        # Range checks need the values on the host: not possible while a CUDA graph is
+        # captured, so then positions are trusted (the kernel still skips out-of-range rows).
+        if check_values and positions.numel() and not is_capturing(positions):
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= max_seq:
+                raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "
+                                 f"got values from {lo} to {hi}")
+            if cache_rows is not None:
+                if tokens and (int(cache_rows.min()) < 0 or int(cache_rows.max()) >= cache_batch):
+                    raise ValueError(f"cache_rows must lie in [0, {cache_batch}) (the cache's rows), got values "
+                                     f"from {int(cache_rows.min())} to {int(cache_rows.max())}")
+                slots = cache_rows.long() * max_seq + positions[0].long()
+                if slots.unique().numel() != tokens:
+                    raise ValueError("(cache row, position) pairs repeat: two tokens would write one cache slot")
+            elif tokens > 1:
+                ordered = positions.sort(dim=1).values
+                if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                    raise ValueError("positions repeat within a row: two tokens would write one cache slot")
 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch * tokens and hq + hkv:
         block_h, block_half = rope_blocks(d, max(hq, hkv))
         rope_kv_kernel[(batch * tokens,)](
-            q, k, v, positions, inv_freq, q_out, k_cache, v_cache,
+            q, k, v, positions, inv_freq, q_out, k_cache, v_cache, positions if cache_rows is None else cache_rows,
             tokens, hq, hkv, max_seq,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -433,7 +458,7 @@ def rope_kv(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HALF=d // 2, BLOCK_H=block_h, BLOCK_HALF=block_half, INTERLEAVED=interleaved,
-            num_warps=rope_num_warps(block_h, block_half),
+            HAS_ROWS=cache_rows is not None, num_warps=rope_num_warps(block_h, block_half),
         )
     return q_out
 
@@ -459,6 +484,7 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *
 def rope_kv_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False,
+    cache_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference for :func:`rope_kv`; changes nothing it is given.
 
@@ -470,9 +496,9 @@ def rope_kv_ref(
     k_after, v_after = k_cache.float().clone(), v_cache.float().clone()
     for b in range(q.shape[0]):
         for t in range(q.shape[1]):
-            pos = int(positions[b, t])
-            k_after[b, :, pos] = k_rot[b, t]
-            v_after[b, :, pos] = v[b, t].float()
+            pos, row = int(positions[b, t]), b if cache_rows is None else int(cache_rows[t])
+            k_after[row, :, pos] = k_rot[b, t]
+            v_after[row, :, pos] = v[b, t].float()
     return q_rot, k_after, v_after
 
 

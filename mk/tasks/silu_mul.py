@@ -26,18 +26,19 @@ def silu_mul_tile(
     gate_ptr, up_ptr, out_ptr,
     row, col_block, I,
     stride_gate, stride_up, stride_out,
-    BLOCK_I: tl.constexpr,
+    BLOCK_I: tl.constexpr, COL_STRIDE: tl.constexpr = 1,
 ):
     """out[row, cols] = silu(gate[row, cols]) * up[row, cols] for cols in block ``col_block``.
 
-    ``row`` and ``col_block`` are int32 scalars; each tensor has unit stride along I and
-    row stride ``stride_*`` (gate and up may be two halves of one fused projection).
+    ``row`` and ``col_block`` are int32 scalars; gate and up have stride ``COL_STRIDE``
+    along I (2: the even and odd columns of one interleaved gate/up projection) and row
+    stride ``stride_*`` (or two halves of one fused projection); out has unit stride.
     """
     cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < I
     row64 = tl.cast(row, tl.int64)  # rows * I can pass 2**31 elements for long prompts
-    g = tl.load(gate_ptr + row64 * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row64 * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row64 * stride_gate + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row64 * stride_up + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
     # g / (1 + exp(-g)) is -0 for g -> -inf and g for g -> +inf: no NaN at either end.
     out = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row64 * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -47,10 +48,10 @@ def silu_mul_tile(
 def silu_mul_kernel(
     gate_ptr, up_ptr, out_ptr, I,
     stride_gate, stride_up, stride_out,
-    BLOCK_I: tl.constexpr,
+    BLOCK_I: tl.constexpr, COL_STRIDE: tl.constexpr,
 ):
     silu_mul_tile(gate_ptr, up_ptr, out_ptr, tl.program_id(0), tl.program_id(1), I,
-                  stride_gate, stride_up, stride_out, BLOCK_I=BLOCK_I)
+                  stride_gate, stride_up, stride_out, BLOCK_I=BLOCK_I, COL_STRIDE=COL_STRIDE)
 
 
 def silu_mul_block_i(i: int) -> int:
@@ -63,29 +64,38 @@ def silu_mul_num_warps(block_i: int) -> int:
     return max(1, min(8, block_i // 256))
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     """``silu(gate) * up`` elementwise.
 
     Args:
-        gate: ``[..., I]``, unit stride in the last dim (rows may be strided).
-        up: same shape and dtype as gate, same layout rules.
+        gate: ``[..., I]``, unit stride in the last dim (rows may be strided), or stride 2
+            for the even columns of an interleaved gate/up projection (``gu[..., 0::2]``).
+        up: same shape, dtype and last-dim stride as gate (``gu[..., 1::2]``).
+        validate: False skips the argument checks, for a caller that built the arguments
+            (mk's prefill); bad arguments are then undefined.
 
     Returns:
         A new contiguous tensor shaped and typed like gate.
     """
-    check_tensor("gate", gate, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
-    check_tensor("up", up, shape=tuple(gate.shape), contiguous=False, last_dim_contiguous=True)
-    check_same_dtype(gate=gate, up=up)
-    check_same_device(gate=gate, up=up)
+    if validate:
+        check_tensor("gate", gate, ndim=range(1, 9), contiguous=False)
+        check_tensor("up", up, shape=tuple(gate.shape), contiguous=False)
+        check_same_dtype(gate=gate, up=up)
+        check_same_device(gate=gate, up=up)
     n = gate.shape[-1]
+    # reshape keeps a view where it can (it may copy strided leading dims: then stride 1).
     gate2, up2 = gate.reshape(-1, n), up.reshape(-1, n)
+    col_stride = gate2.stride(-1) if n > 1 else 1
+    if validate and (col_stride not in (1, 2) or (n > 1 and up2.stride(-1) != col_stride)):
+        raise ValueError(f"gate and up need one last-dim stride, 1 or 2 (interleaved pairs), got "
+                         f"{gate.stride(-1)} and {up.stride(-1)}")
     out = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
     rows = gate2.shape[0]
     if rows and n:
         block_i = silu_mul_block_i(n)
         silu_mul_kernel[(rows, triton.cdiv(n, block_i))](
             gate2, up2, out, n, gate2.stride(0), up2.stride(0), out.stride(0),
-            BLOCK_I=block_i, num_warps=silu_mul_num_warps(block_i),
+            BLOCK_I=block_i, COL_STRIDE=col_stride, num_warps=silu_mul_num_warps(block_i),
         )
     return out.reshape(gate.shape)
 

@@ -49,3 +49,24 @@ def test_rmsnorm_rejects_bad_input(device):
     if device.type == "cpu":
         with pytest.raises(TypeError, match="x"):
             rmsnorm(x.to(torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_a_float32_stream_normalised_into_another_dtype(with_residual, device):
+    # The prefill's fused step: a float32 residual stream takes a projection's update in the
+    # weights' dtype, and its norm comes out in that dtype for the next matmul.
+    low = torch.float32 if device.type == "cpu" else torch.bfloat16
+    x = torch.randn(5, 300, device=device)
+    delta = torch.randn(5, 300, device=device).to(low)
+    w = (1 + 0.1 * torch.randn(300, device=device)).to(low)
+    if with_residual:
+        out, res = rmsnorm(delta, w, eps=1e-5, residual=x, out_dtype=low)
+        ref, ref_res = rmsnorm_ref(delta, w, eps=1e-5, residual=x)
+        assert res.dtype == torch.float32 and out.dtype == low
+        assert_close(res, ref_res, torch.float32, "residual")
+    else:
+        out, ref = rmsnorm(x, w, eps=1e-5, out_dtype=low), rmsnorm_ref(x, w, eps=1e-5)
+        assert out.dtype == low
+    assert_close(out, ref, low, "out")
+    with pytest.raises(TypeError, match="out_dtype"):
+        rmsnorm(x, w, out_dtype=torch.int32)

@@ -289,3 +289,40 @@ def test_unchecked_positions_skip_the_host_check_and_the_kernel_still_guards_the
     _, k_ref, v_ref = rope_kv_ref(q[1:], k[1:], v[1:], positions[1:], inv_freq, caches[0][1:], caches[1][1:])
     assert_close(caches[0][1], k_ref[0], torch.float32, "k row of the good position")
     assert torch.equal(caches[1][1], v_ref[0])
+
+
+def test_rope_kv_packed_sequences_write_their_own_cache_rows(device):
+    # A packed ragged batch (B = 1): each token names its cache row; rows and positions
+    # interleave, and the cache may have more rows than the packed batch touches.
+    rows_of = [2, 0, 2, 0, 0, 3]
+    pos_of = [5, 0, 6, 1, 2, 0]
+    hq, hkv, d, max_seq, cache_rows = 4, 2, 32, 8, 4
+    n = len(rows_of)
+    qkv = torch.randn(1, n, hq + 2 * hkv, d, device=device)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=2)
+    positions = torch.tensor([pos_of], dtype=torch.int32, device=device)
+    rows = torch.tensor(rows_of, dtype=torch.int32, device=device)
+    inv_freq = rope_inv_freq(d, 10000.0).to(device)
+    shape = (cache_rows, hkv, max_seq, d)
+    k_cache = torch.full(shape, float("nan"), device=device)
+    v_cache = torch.full(shape, float("nan"), device=device)
+    q_ref, k_ref, v_ref = rope_kv_ref(q, k, v, positions, inv_freq, k_cache, v_cache, cache_rows=rows)
+    q_rot = rope_kv(q, k, v, positions, inv_freq, k_cache, v_cache, cache_rows=rows)
+    assert_close(q_rot, q_ref, torch.float32, "q_rot")
+    written = torch.zeros(shape, dtype=torch.bool)
+    for r, p in zip(rows_of, pos_of):
+        written[r, :, p] = True
+    written = written.to(device)
+    assert_close(k_cache[written], k_ref[written], torch.float32, "k_cache")
+    assert torch.equal(v_cache[written], v_ref[written])
+    assert torch.isnan(k_cache[~written]).all() and torch.isnan(v_cache[~written]).all()
+    # Bad rows or a repeated (row, position) are refused before anything is written.
+    before = k_cache.clone()
+    for bad, match in ((torch.tensor(rows_of[:-1] + [4], dtype=torch.int32, device=device), "cache_rows"),
+                       (torch.tensor([2, 0, 2, 0, 0, 0], dtype=torch.int32, device=device), "repeat")):
+        with pytest.raises(ValueError, match=match):
+            rope_kv(q, k, v, positions, inv_freq, k_cache, v_cache, cache_rows=bad)
+    assert torch.equal(k_cache.nan_to_num(7.0), before.nan_to_num(7.0))
+    with pytest.raises(ValueError, match="B = 1"):
+        rope_kv(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+                positions.expand(2, -1), inv_freq, k_cache, v_cache, cache_rows=rows)

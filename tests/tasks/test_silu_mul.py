@@ -84,3 +84,16 @@ def test_silu_mul_empty_and_hooks(device):
     assert silu_mul_block_i(200) == 256 and silu_mul_block_i(14336) == MAX_BLOCK_I
     cost = silu_mul_cost(rows=3, i=200, dtype_bytes=2)
     assert (cost.bytes_read, cost.bytes_written, cost.flops) == (2 * 600 * 2, 600 * 2, FLOPS_PER_ELEMENT * 600)
+
+
+def test_silu_mul_interleaved_pairs_of_one_projection(device):
+    # gate/up rows interleaved (mk's packing): gate the even columns, up the odd ones.
+    gate_up = torch.randn(3, 2 * 300, device=device)
+    gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    got = silu_mul(gate, up)
+    assert got.is_contiguous() and got.shape == (3, 300)
+    assert_close(got, silu_mul_ref(gate, up), torch.float32)
+    with pytest.raises(ValueError, match="stride"):
+        silu_mul(gate_up[:, 0::3], gate_up[:, 1::3])
+    with pytest.raises(ValueError, match="stride"):
+        silu_mul(gate, gate_up[:, 300:])
