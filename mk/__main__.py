@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(row 0 streams, the others print at the end)")
     gen.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                      help="KV-cache dtype (default: the weights'); float32 rounds nothing but the weights")
+    gen.add_argument("--prefill-precision", default="fast", choices=["fast", "exact"],
+                     help="fast (default): bf16 matmul operands in prefill; exact: float32 activations")
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
     args = parser.parse_args(argv)
     try:

@@ -198,11 +198,12 @@ def run_generate(args) -> int:
     if args.model:
         status(f"loading weights from {args.model}")
         model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total, kv_dtype=kv_dtype,
-                                      progress=status.tty)
+                                      progress=status.tty, prefill_precision=args.prefill_precision)
     else:
         status("building the default model (random weights)")
         model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=total,
-                                  name="mk-default-llama", kv_dtype=kv_dtype)
+                                  name="mk-default-llama", kv_dtype=kv_dtype,
+                                  prefill_precision=args.prefill_precision)
     status.clear()
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"model {model.name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
