@@ -26,19 +26,25 @@ def silu_mul_tile(
     gate_ptr, up_ptr, out_ptr,
     row, col_block, I,
     stride_gate, stride_up, stride_out,
-    BLOCK_I: tl.constexpr, COL_STRIDE: tl.constexpr = 1,
+    BLOCK_I: tl.constexpr, COL_STRIDE: tl.constexpr = 1, PAIRS: tl.constexpr = False,
 ):
     """out[row, cols] = silu(gate[row, cols]) * up[row, cols] for cols in block ``col_block``.
 
     ``row`` and ``col_block`` are int32 scalars; gate and up have stride ``COL_STRIDE``
     along I (2: the even and odd columns of one interleaved gate/up projection) and row
     stride ``stride_*`` (or two halves of one fused projection); out has unit stride.
+    PAIRS: up is gate's next element (interleaved pairs), read as one contiguous load.
     """
     cols = col_block * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < I
     row64 = tl.cast(row, tl.int64)  # rows * I can pass 2**31 elements for long prompts
-    g = tl.load(gate_ptr + row64 * stride_gate + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row64 * stride_up + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
+    if PAIRS:  # up = gate + 1, both stride 2: one contiguous load of the pairs, split in registers
+        both = col_block * 2 * BLOCK_I + tl.arange(0, 2 * BLOCK_I)
+        gu = tl.load(gate_ptr + row64 * stride_gate + both, mask=both < 2 * I, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(gu, (BLOCK_I, 2)))
+    else:
+        g = tl.load(gate_ptr + row64 * stride_gate + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row64 * stride_up + cols * COL_STRIDE, mask=mask, other=0.0).to(tl.float32)
     # g / (1 + exp(-g)) is -0 for g -> -inf and g for g -> +inf: no NaN at either end.
     out = g / (1.0 + tl.exp(-g)) * u
     tl.store(out_ptr + row64 * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -48,10 +54,10 @@ def silu_mul_tile(
 def silu_mul_kernel(
     gate_ptr, up_ptr, out_ptr, I,
     stride_gate, stride_up, stride_out,
-    BLOCK_I: tl.constexpr, COL_STRIDE: tl.constexpr,
+    BLOCK_I: tl.constexpr, COL_STRIDE: tl.constexpr, PAIRS: tl.constexpr,
 ):
     silu_mul_tile(gate_ptr, up_ptr, out_ptr, tl.program_id(0), tl.program_id(1), I,
-                  stride_gate, stride_up, stride_out, BLOCK_I=BLOCK_I, COL_STRIDE=COL_STRIDE)
+                  stride_gate, stride_up, stride_out, BLOCK_I=BLOCK_I, COL_STRIDE=COL_STRIDE, PAIRS=PAIRS)
 
 
 def silu_mul_block_i(i: int) -> int:
@@ -95,7 +101,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, validate: bool = True) -> 
         block_i = silu_mul_block_i(n)
         silu_mul_kernel[(rows, triton.cdiv(n, block_i))](
             gate2, up2, out, n, gate2.stride(0), up2.stride(0), out.stride(0),
-            BLOCK_I=block_i, COL_STRIDE=col_stride, num_warps=silu_mul_num_warps(block_i),
+            BLOCK_I=block_i, COL_STRIDE=col_stride,
+            PAIRS=col_stride == 2 and up2.data_ptr() == gate2.data_ptr() + gate2.element_size()
+            and up2.stride(0) == gate2.stride(0),
+            num_warps=silu_mul_num_warps(block_i),
         )
     return out.reshape(gate.shape)
 

@@ -467,3 +467,34 @@ def test_skinny_config_fits_the_shared_memory_it_is_given():
     assert linear_config(8, 6144, 4096, torch.bfloat16, smem_limit=101376).num_stages == 2
     # The GEMV body needs (almost) no shared memory: a limit changes nothing.
     assert linear_config(1, 6144, 4096, torch.bfloat16, smem_limit=40000) == linear_config(1, 6144, 4096, torch.bfloat16)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_tma_gemm_tile_matches_reference_through_the_interpreter(silu):
+    # The prefill GEMM (persistent grid, TMA descriptors, fused SiLU·mul over interleaved
+    # gate/up columns) in float32 through the interpreter: ragged tiles on every edge and
+    # more tiles than programs.
+    from mk.tasks.linear import linear_tma_kernel
+
+    M, N, K = 40, 48, 40
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    out = torch.empty(M, N // 2 if silu else N)
+    linear_tma_kernel[(3,)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), NUM_SMS=3, SILU_MUL=silu,
+                            BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, NUM_STAGES=1)
+    assert rel_err(out, linear_ref(x, w, silu_mul=silu)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("M,N,K", [(2048, 3072, 2048), (300, 1008, 520), (17, 256, 64)])
+def test_prefill_rows_take_the_tma_gemm_on_hopper(M, N, K, silu):
+    from mk.tasks.linear import _tma_gemm_fits
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (0.05 * torch.randn(N, K, device="cuda")).to(torch.bfloat16)
+    got = linear(x, w, silu_mul=silu)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N // 2 if silu else N)
+    assert rel_err(got, linear_ref(x, w, silu_mul=silu)) < 1e-2
+    out = torch.empty(M, N // 2 if silu else N, device="cuda", dtype=torch.bfloat16)
+    fits = _tma_gemm_fits(x, w, out, None, None, linear_config(M, N, K, torch.bfloat16))
+    assert fits == (torch.cuda.get_device_capability()[0] >= 9)
