@@ -105,6 +105,15 @@ def test_generate_time_to_first_token(record, long_llama):
            ms_per_token=mid["decode_s"] / 127 * 1e3)
 
 
+def _graph_ms(fn, calls: int = 10) -> float:
+    """ms of one ``fn()`` on the GPU alone: ``calls`` of it replayed from a CUDA graph (the
+    ops' throughput without the host's launch time, for mk and its peer alike)."""
+    from mk.timing import capture_graph, event_time_us
+
+    graph = capture_graph([fn] * calls)
+    return event_time_us(graph.replay, reps=10, warmup=2) / calls / 1e3
+
+
 def _linear_shapes(model):
     c = model.config
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -114,7 +123,10 @@ def _linear_shapes(model):
 
 @pytest.mark.parametrize("tokens", [2048, LONG])
 def test_linear_throughput(record, long_llama, tokens):
-    """mk's Triton linear tile (bf16 operands) against torch.matmul (cuBLAS)."""
+    """mk's Triton linear tile (bf16 operands: the persistent TMA GEMM on Hopper) against
+    torch.matmul (cuBLAS), both replayed from CUDA graphs; and gate/up with mk's fused
+    SiLU·mul epilogue against cuBLAS followed by mk's SiLU·mul."""
+    from mk.tasks.silu_mul import silu_mul
     from mk.tasks.linear import linear
 
     key, model = long_llama
@@ -122,17 +134,22 @@ def test_linear_throughput(record, long_llama, tokens):
         x = torch.randn(tokens, K, device="cuda", dtype=torch.bfloat16)
         w = model.weights[f"w.l0.{name}"]
         flops = 2 * tokens * N * K
-        mm_ms = back_to_back_ms(lambda: torch.mm(x, w.t()))
-        mk_ms = back_to_back_ms(lambda: linear(x, w), reps=10)
+        mm_ms = _graph_ms(lambda: torch.mm(x, w.t()))
+        mk_ms = _graph_ms(lambda: linear(x, w))
         err = _rel(linear(x, w), torch.mm(x, w.t()))
+        fused = {}
+        if name == "gate_up":
+            fused = dict(fused_silu_ms=_graph_ms(lambda: linear(x, w, silu_mul=True)),
+                         cublas_then_silu_ms=_graph_ms(lambda: silu_mul((g := torch.mm(x, w.t()))[:, 0::2], g[:, 1::2])))
         record("prefill", op="linear", model=key, name=name, M=tokens, N=N, K=K, mk_tflops=flops / mk_ms / 1e9,
-               torch_mm_tflops=flops / mm_ms / 1e9, mk_of_torch=mm_ms / mk_ms)
+               torch_mm_tflops=flops / mm_ms / 1e9, mk_of_torch=mm_ms / mk_ms, **fused)
         assert err < 0.02
 
 
 @pytest.mark.parametrize("tokens", [2048, LONG])
 def test_attention_throughput(record, long_llama, tokens):
-    """mk's prefill attention against SDPA (its default backend, and flash forced): causal, GQA."""
+    """mk's prefill attention against SDPA (its default backend, and flash forced): causal,
+    GQA, each replayed from a CUDA graph."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from mk.tasks.prefill_attention import prefill_attention
@@ -149,10 +166,10 @@ def test_attention_throughput(record, long_llama, tokens):
     def sdpa():
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
 
-    mk_ms = back_to_back_ms(lambda: prefill_attention(q, k, v, check_values=False))
-    default_ms = back_to_back_ms(sdpa)
+    mk_ms = _graph_ms(lambda: prefill_attention(q, k, v, check_values=False))
+    default_ms = _graph_ms(sdpa)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        flash_ms = back_to_back_ms(sdpa)
+        flash_ms = _graph_ms(sdpa)
     err = _rel(prefill_attention(q, k, v), sdpa().transpose(1, 2))
     record("prefill", op="attention", model=key, T=tokens, heads=f"{hq}/{hkv}", head_dim=d,
            mk_tflops=flops / mk_ms / 1e9, sdpa_default_tflops=flops / default_ms / 1e9,
