@@ -90,19 +90,22 @@ class PrefillBudget:
         """Refuse, before any work, a prefill of ``tokens`` tokens (plus ``extra`` output
         bytes) that the device's free memory cannot hold."""
         need = min(tokens, self.chunk_tokens) * self.per_token + extra
-        free = free_bytes(device)
+        free = free_bytes(device, need)
         if free is not None and need > free:
             raise MemoryError(f"prefill needs {need / 2**20:.0f} MiB of workspace on {device} but only "
                               f"{free / 2**20:.0f} MiB are free: lower prefill_workspace (now "
                               f"{self.workspace / 2**20:.0f} MiB), the batch or the prompt lengths")
 
 
-def free_bytes(device: torch.device) -> int | None:
-    """Bytes a new tensor on ``device`` can take: the GPU's free memory and the blocks
-    PyTorch's allocator holds unused; None on the CPU (no bound is enforced there)."""
+def free_bytes(device: torch.device, need: int = 0) -> int | None:
+    """Bytes a new tensor on ``device`` can take: the GPU's free memory, and when that is
+    under ``need`` the blocks PyTorch's allocator holds unused too (reading the allocator's
+    statistics costs the host a millisecond); None on the CPU (no bound is enforced)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
+    if free >= need:
+        return free
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
@@ -139,10 +142,27 @@ def pack(lengths: list[int], chunk_tokens: int) -> list[list[Segment]]:
 
 
 def chunk_indices(segments: list[Segment], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's position in its prompt ``[1, n]`` and its cache row ``[n]`` (int32)."""
-    pos = torch.cat([torch.arange(s.start, s.stop, dtype=torch.int32) for s in segments])
-    rows = torch.cat([torch.full((s.tokens,), s.row, dtype=torch.int32) for s in segments])
-    return pos[None].to(device, non_blocking=True), rows.to(device, non_blocking=True)
+    """Each token's position in its prompt ``[1, n]`` and its cache row ``[n]`` (int32),
+    made on the device (no copy from the host: a CUDA graph can capture them)."""
+    pos = [torch.arange(s.start, s.stop, dtype=torch.int32, device=device) for s in segments]
+    rows = [torch.full((s.tokens,), s.row, dtype=torch.int32, device=device) for s in segments]
+    return (pos[0] if len(pos) == 1 else torch.cat(pos))[None], rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+#: Prompt tokens of a captured chunk are rounded up to a multiple of this (see
+#: :func:`graph_tokens`); padded tokens write cache rows past the prompt, which decode
+#: overwrites before it reads them.
+GRAPH_TOKEN_STEP = 128
+#: Captured prefill chunks a model keeps (their graphs share one memory pool; each keeps
+#: its output rows, tokens x hidden x 4 bytes).
+MAX_GRAPHS = 4
+
+
+def graph_tokens(tokens: int, limit: int) -> int:
+    """The token count a one-prompt chunk of ``tokens`` is captured at: rounded up to
+    :data:`GRAPH_TOKEN_STEP`, unless that passes ``limit`` (the cache or the chunk)."""
+    padded = -(-tokens // GRAPH_TOKEN_STEP) * GRAPH_TOKEN_STEP
+    return padded if padded <= limit else tokens
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],

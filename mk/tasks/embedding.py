@@ -62,7 +62,7 @@ def embedding_num_warps(block_h: int) -> int:
     return max(1, min(8, block_h // 256))
 
 
-def embedding(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: bool = True) -> torch.Tensor:
     """Rows of ``table`` picked by ``token_ids``.
 
     Args:
@@ -70,6 +70,8 @@ def embedding(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
             (checked on the host before launch, which synchronises with the device;
             skipped while a CUDA graph is captured).
         table: ``[V, H]``, unit stride in the last dim (rows may be strided).
+        check_values: False skips the id range check (no wait for the device), for a
+            caller that checked the ids itself; an id outside ``[0, V)`` is then undefined.
 
     Returns:
         ``[*token_ids.shape, H]`` contiguous, dtype of table.
@@ -79,7 +81,7 @@ def embedding(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     check_same_device(token_ids=token_ids, table=table)
     vocab, hidden = table.shape
     ids = token_ids.reshape(-1)
-    if ids.numel() and not is_capturing(ids):  # a value check would break graph capture
+    if check_values and ids.numel() and not is_capturing(ids):  # a value check would break graph capture
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
