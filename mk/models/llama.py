@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -130,7 +131,7 @@ class Llama:
         self._decoders: dict[tuple[int, str, int], _Decoder] = {}
         # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
-        self._graph_pool = None
+        self._graph_pool, self._graphs_failed = None, False
         self.last_decoder: _Decoder | None = None  # the step the last stream() ran
         #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
         #: (plan_s, lower_s, compile_s; 0 when its step was built before).
@@ -466,7 +467,7 @@ class Llama:
         (1B, 2048 tokens: ~150 launches, 8-14 ms of host time for 7.6 ms of kernels)."""
         seg = segments[0]
         if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1
-                or seg.start != 0 or torch.cuda.is_current_stream_capturing()):
+                or seg.start != 0 or self._graphs_failed or torch.cuda.is_current_stream_capturing()):
             return self._prefill_layers(ids, segments)
         n = seg.tokens
         padded = _prefill.graph_tokens(n, min(self.max_seq_len, self.prefill_budget.chunk_tokens))
@@ -479,11 +480,17 @@ class Llama:
             static_ids[:n] = ids
             whole = [_prefill.Segment(seg.row, 0, padded, 0)]
             x = self._prefill_layers(static_ids, whole)
-            if self._graph_pool is None:
+            if not self._prefill_graphs:  # a pool no live graph uses cannot take a capture again
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                out = self._prefill_layers(static_ids, whole)
+            try:
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    out = self._prefill_layers(static_ids, whole)
+            except RuntimeError as e:  # the chunk still ran eagerly: keep its result, capture no more
+                warnings.warn(f"mk: prefill chunks run eagerly from now on; capturing one as a CUDA graph "
+                              f"failed: {e}", RuntimeWarning, stacklevel=2)
+                self._graphs_failed = True
+                return x[:n]
             self._prefill_graphs[key] = (graph, static_ids, out)
             while len(self._prefill_graphs) > _prefill.MAX_GRAPHS:
                 self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
