@@ -1407,7 +1407,7 @@ def linear(
     out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return out.reshape(*x.shape[:-1], n_out)
-    if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config):
+    if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k):
         tma = TMA_GEMM
         enable_device_descriptors()
         sms = _sm_count(x.get_device())
@@ -1477,7 +1477,16 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _tma_gemm_fits(x2, weight, out, norm_weight, residual, config) -> bool:
+def tma_gemm_serves(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
+    """Whether :func:`linear` of ``x`` ``[M, K]`` by ``weight`` (no RMSNorm, residual or
+    split-K; result in x's dtype) runs :func:`linear_tma_kernel` on this device."""
+    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device="meta")
+    return (x.dim() == 2 and x.is_cuda and x.device == weight.device
+            and _tma_gemm_fits(x, weight, out, None, None, 1))
+
+
+def _tma_gemm_fits(x2, weight, out, norm_weight, residual, split_k: int) -> bool:
     """Whether :func:`linear_tma_kernel` serves this call: a Hopper-or-later GPU, 16-bit
     operands and result of one dtype, prefill rows (above SKINNY_MAX_M), no RMSNorm
     prologue, residual or split-K, and the 16-byte strides and bases TMA needs."""
@@ -1485,10 +1494,11 @@ def _tma_gemm_fits(x2, weight, out, norm_weight, residual, config) -> bool:
         return False
     if x2.dtype not in (torch.bfloat16, torch.float16) or not x2.dtype == weight.dtype == out.dtype:
         return False
-    if norm_weight is not None or residual is not None or config.split_k != 1 or x2.shape[0] <= SKINNY_MAX_M:
+    if norm_weight is not None or residual is not None or split_k != 1 or x2.shape[0] <= SKINNY_MAX_M:
         return False
     eb = x2.element_size()
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * eb) % 16 == 0 and t.stride(1) == 1
+    # (An output not allocated yet, on the meta device, is contiguous and aligned once it is.)
+    return all((t.is_meta or t.data_ptr() % 16 == 0) and (t.stride(0) * eb) % 16 == 0 and t.stride(1) == 1
                for t in (x2, weight, out)) and (weight.shape[0] // 2) % 8 == 0
 
 

@@ -488,13 +488,12 @@ def test_tma_gemm_tile_matches_reference_through_the_interpreter(silu):
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("M,N,K", [(2048, 3072, 2048), (300, 1008, 520), (17, 256, 64)])
 def test_prefill_rows_take_the_tma_gemm_on_hopper(M, N, K, silu):
-    from mk.tasks.linear import _tma_gemm_fits
+    from mk.tasks.linear import tma_gemm_serves
 
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = (0.05 * torch.randn(N, K, device="cuda")).to(torch.bfloat16)
     got = linear(x, w, silu_mul=silu)
     assert got.dtype == torch.bfloat16 and got.shape == (M, N // 2 if silu else N)
     assert rel_err(got, linear_ref(x, w, silu_mul=silu)) < 1e-2
-    out = torch.empty(M, N // 2 if silu else N, device="cuda", dtype=torch.bfloat16)
-    fits = _tma_gemm_fits(x, w, out, None, None, linear_config(M, N, K, torch.bfloat16))
-    assert fits == (torch.cuda.get_device_capability()[0] >= 9)
+    assert tma_gemm_serves(x, w, silu) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert not tma_gemm_serves(x.float(), w.float(), silu) and not tma_gemm_serves(x[:16], w, silu)
