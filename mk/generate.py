@@ -208,7 +208,7 @@ def run_generate(args) -> int:
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU (Triton interpreter)"
     print(f"model {model.name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
           f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} (KV cache "
-          f"{str(model.kv_dtype).replace('torch.', '')}) on {where} "
+          f"{str(model.kv_dtype).replace('torch.', '')}, {model.prefill_precision} prefill) on {where} "
           f"(ready in {time.perf_counter() - t0:.1f} s)", flush=True)
     prompts = [ids] * args.batch
     if new == 0:   # as Llama.generate: the prompts come back unchanged

@@ -161,6 +161,8 @@ class Llama:
         _prefill.check_precision(prefill_precision)
         config = LlamaConfig.from_pretrained(folder)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
+        if prefill_workspace is not None:  # refused before any weight is read
+            _prefill.PrefillBudget.make(_prefill_per_token(config, dtype, prefill_precision), prefill_workspace)
         t0 = time.perf_counter()
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
@@ -237,12 +239,16 @@ class Llama:
     def footprint(self) -> dict[str, int]:
         """Bytes this model holds on its device, ``weights`` (tied tensors once) and
         ``kv_cache``, and the most its prefill's activations take at once,
-        ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`). Generation adds
-        the decode steps' activations and state, a few tens of MiB."""
+        ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`), and the outputs
+        the captured prefill chunks keep now, ``prefill_graphs`` (at most
+        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32; their
+        activations share one memory pool the size of a chunk's workspace, held by PyTorch's
+        allocator). Generation adds the decode steps' activations and state, a few tens of MiB."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
         return {"weights": sum(storages.values()),
                 "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2,
-                "prefill_workspace": self.prefill_budget.bound}
+                "prefill_workspace": self.prefill_budget.bound,
+                "prefill_graphs": sum(out.numel() * out.element_size() for _, _, out in self._prefill_graphs.values())}
 
     @property
     def device_spec(self):
@@ -406,7 +412,14 @@ class Llama:
 
     @prefill_precision.setter
     def prefill_precision(self, value: str) -> None:
+        old = getattr(self, "_prefill_precision", None)
         self._prefill_precision = _prefill.check_precision(value)
+        if hasattr(self, "_prefill_workspace"):
+            try:
+                self.prefill_budget  # a token of the other precision may not fit the workspace
+            except ValueError:
+                self._prefill_precision = old
+                raise
         self._prefill_graphs = {}
 
     @property
@@ -426,13 +439,8 @@ class Llama:
         return self._prefill_budget(self._prefill_workspace)
 
     def _prefill_budget(self, workspace) -> _prefill.PrefillBudget:
-        c = self.config
-        q = c.num_attention_heads * c.head_dim
-        qkv = q + 2 * c.num_key_value_heads * c.head_dim
-        fast = self.prefill_precision == "fast"
-        per_token = _prefill.per_token_bytes(c.hidden_size, q, qkv, c.intermediate_size,
-                                             self.dtype.itemsize if fast else 4, fast)
-        return _prefill.PrefillBudget.make(per_token, workspace)
+        return _prefill.PrefillBudget.make(_prefill_per_token(self.config, self.dtype, self.prefill_precision),
+                                           workspace)
 
     def _prefill(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run the prompts (``ids`` right-padded ``[B, T]``, ``lengths``) through every layer,
@@ -464,7 +472,9 @@ class Llama:
         usual request) runs as a CUDA graph captured for its length, rounded up to
         :data:`~mk.models.prefill.GRAPH_TOKEN_STEP` tokens: launched one kernel at a time,
         a small model's prefill is bound by the host's time per launch, not by the GPU
-        (1B, 2048 tokens: ~150 launches, 8-14 ms of host time for 7.6 ms of kernels)."""
+        (1B, 2048 tokens: ~150 launches, 8-14 ms of host time for 7.6 ms of kernels).
+        A replayed chunk's result is a view of the graphs' shared output memory: valid until
+        the next chunk runs (the caller reads it at once)."""
         seg = segments[0]
         if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1
                 or seg.start != 0 or self._graphs_failed or torch.cuda.is_current_stream_capturing()):
@@ -536,6 +546,7 @@ class Llama:
             kc, vc = self.k_cache[L], self.v_cache[L]
             if fast:
                 h, x = self._add_norm(x, delta, W(f"l{L}.attn_norm"))
+                delta = None  # added in: its memory goes back before the next projection
                 qkv = _mm(h, W(f"l{L}.qkv"))
                 del h
             else:
@@ -550,6 +561,7 @@ class Llama:
                 delta = _mm(attn, W(f"l{L}.o_proj"))
                 del attn
                 h, x = self._add_norm(x, delta, W(f"l{L}.mlp_norm"))
+                delta = None
                 gu = _mm(h, W(f"l{L}.gate_up"))  # gate and up rows interleaved
                 del h
                 act = silu_mul(gu[:, 0::2], gu[:, 1::2], validate=False)
@@ -758,12 +770,23 @@ def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None)
     return "argmax" if temperature == 0.0 else "sample" if top_k is None and top_p is None else "logits"
 
 
+def _prefill_per_token(c: LlamaConfig, dtype: torch.dtype, precision: str) -> int:
+    """Prefill activation bytes a token of a chunk holds (:func:`mk.models.prefill.per_token_bytes`)."""
+    q = c.num_attention_heads * c.head_dim
+    fast = precision == "fast"
+    return _prefill.per_token_bytes(c.hidden_size, q, q + 2 * c.num_key_value_heads * c.head_dim,
+                                    c.intermediate_size, dtype.itemsize if fast else 4, fast)
+
+
 def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``a @ weight.T`` by PyTorch (cuBLAS on a GPU), float32 accumulation; the result in
     ``out_dtype`` (default a's)."""
     if out_dtype is None or out_dtype == a.dtype:
         return torch.mm(a, weight.t())
-    return torch.mm(a, weight.t(), out_dtype=out_dtype)
+    try:
+        return torch.mm(a, weight.t(), out_dtype=out_dtype)
+    except TypeError:  # PyTorch before 2.8: round to a's dtype, then widen
+        return torch.mm(a, weight.t()).to(out_dtype)
 
 
 def _rows(input_ids) -> list[list[int]]:

@@ -179,7 +179,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg
     """
     n, hq, d = q.shape
     sdpa = precision == "fast" and q.is_cuda and q.dtype == k_cache.dtype and q.dtype != torch.float32
-    if sdpa and len(segments) > 1:
+    # Several whole prompts (the usual ragged batch) in one varlen launch; its packed keys are
+    # then the chunk's own (a segment past a prompt's start would gather its whole prefix).
+    if sdpa and len(segments) > 1 and all(s.start == 0 for s in segments) and _varlen_attn() is not None:
         return _varlen_attention(q, k_cache, v_cache, segments).reshape(n, hq * d)
     outs = []
     for s in segments:
@@ -211,14 +213,33 @@ def _varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     causal masking is aligned to each segment's end, as the cache holds its earlier tokens.
     One launch instead of a launch a segment: a ragged batch of short prompts is otherwise
     bound by the host's time per launch."""
-    from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn, gqa_flag = _varlen_attn()
     k = torch.cat([k_cache[s.row, :, :s.stop].transpose(0, 1) for s in segments])
     v = torch.cat([v_cache[s.row, :, :s.stop].transpose(0, 1) for s in segments])
     cu_q = torch.tensor([0] + [s.offset + s.tokens for s in segments], dtype=torch.int32)
     cu_k = torch.tensor([0] + [s.stop for s in segments], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    # Grouped heads: flash attention takes fewer K/V heads as they are; PyTorch releases
+    # that have the flag want it said.
+    extra = {"enable_gqa": q.shape[1] != k.shape[1]} if gqa_flag else {}
     return varlen_attn(q, k, v, cu_q.to(q.device, non_blocking=True), cu_k.to(q.device, non_blocking=True),
-                       max(s.tokens for s in segments), max(s.stop for s in segments), window_size=(-1, 0))
+                       max(s.tokens for s in segments), max(s.stop for s in segments), window_size=(-1, 0), **extra)
+
+
+_VARLEN: list = []
+
+
+def _varlen_attn():
+    """PyTorch's varlen flash attention and whether it takes ``enable_gqa``; None before
+    PyTorch 2.10 (prefill then runs one SDPA call a prompt)."""
+    if not _VARLEN:
+        try:
+            import inspect
+
+            from torch.nn.attention.varlen import varlen_attn
+            _VARLEN.append((varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters))
+        except (ImportError, AttributeError):
+            _VARLEN.append(None)
+    return _VARLEN[0]
 
 
 def per_token_bytes(hidden: int, q_width: int, qkv_width: int, intermediate: int, act_bytes: int,
@@ -227,15 +248,17 @@ def per_token_bytes(hidden: int, q_width: int, qkv_width: int, intermediate: int
     (the residual stream is float32; ``act_bytes`` is the matmul operands' size).
 
     Fast: the normalised input, QKV, the rotated q, attention's output (its segments and
-    their concatenation), the projections' outputs, gate/up and SiLU·mul's output, each in
-    ``act_bytes``; two residuals while the fused add + RMSNorm writes the new one.
+    their concatenation, or the varlen launch's packed K/V), the projections' outputs,
+    gate/up and SiLU·mul's output, each in ``act_bytes``; two residuals while the fused
+    add + RMSNorm writes the new one.
     Exact: float32 throughout, with the norms and SiLU·mul fused into the linear tiles.
     """
     x, a = 4 * hidden, act_bytes
     if fast:
+        kv_width = (qkv_width - q_width) // 2
         stages = (x + a * (hidden + qkv_width),            # QKV projection
                   x + a * (qkv_width + q_width),           # RoPE + KV append
-                  x + a * (q_width + 2 * q_width),         # attention
+                  x + a * (q_width + 2 * q_width + 2 * kv_width),  # attention (+ its packed K/V)
                   x + a * (q_width + hidden),              # O projection
                   2 * x + a * (2 * hidden),                # add + RMSNorm
                   x + a * (hidden + 2 * intermediate),     # gate/up projection

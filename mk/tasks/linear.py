@@ -1354,8 +1354,9 @@ def linear(
         out_dtype: dtype of the result; x's dtype when None.
 
     Prefill rows (more than SKINNY_MAX_M) with 16-bit x, weight and result, no RMSNorm,
-    residual or split-K and no config given run :func:`linear_tma_kernel` on a Hopper GPU
-    (persistent, TMA-fed; 0.95-1.02 of cuBLAS at Llama prefill shapes on an H200).
+    residual or split-K and no config given run :func:`linear_tma_kernel` on a GPU with TMA
+    and the shared memory for its tile (persistent, TMA-fed; 0.88-1.02 of cuBLAS at the Llama
+    prefill shapes on an H200).
 
     Returns:
         ``[..., N]`` (``[..., N/2]`` with silu_mul) in ``out_dtype``.
@@ -1407,7 +1408,7 @@ def linear(
     out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return out.reshape(*x.shape[:-1], n_out)
-    if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k):
+    if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k, silu_mul):
         tma = TMA_GEMM
         enable_device_descriptors()
         sms = _sm_count(x.get_device())
@@ -1453,8 +1454,8 @@ def linear(
 @dataclass(frozen=True)
 class TmaGemmConfig:
     """Tile of :func:`linear_tma_kernel` (H200, bf16, the Llama 1B/8B prefill GEMMs at
-    2048-8192 rows: 128 x 256 x 64 with a 3-deep ring and 8 warps ran 0.95-1.13 of cuBLAS;
-    128 x 128 0.85-0.95)."""
+    2048-8192 rows, replayed from CUDA graphs: 128 x 256 x 64 with a 3-deep ring and 8 warps
+    ran 0.88-1.02 of cuBLAS, 0.75 on the 1B QKV at 2048 rows; 128 x 128 tiles ran slower)."""
 
     block_m: int = 128
     block_n: int = 256
@@ -1483,14 +1484,23 @@ def tma_gemm_serves(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = Fals
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device="meta")
     return (x.dim() == 2 and x.is_cuda and x.device == weight.device
-            and _tma_gemm_fits(x, weight, out, None, None, 1))
+            and _tma_gemm_fits(x, weight, out, None, None, 1, silu_mul))
 
 
-def _tma_gemm_fits(x2, weight, out, norm_weight, residual, split_k: int) -> bool:
-    """Whether :func:`linear_tma_kernel` serves this call: a Hopper-or-later GPU, 16-bit
-    operands and result of one dtype, prefill rows (above SKINNY_MAX_M), no RMSNorm
-    prologue, residual or split-K, and the 16-byte strides and bases TMA needs."""
+def tma_gemm_smem_bytes(config: TmaGemmConfig = TMA_GEMM, dtype_bytes: int = 2) -> int:
+    """Shared memory of :func:`linear_tma_kernel`: the x and w rings and the output tile."""
+    ring = config.num_stages * (config.block_m + config.block_n) * config.block_k * dtype_bytes
+    return ring + config.block_m * config.block_n * dtype_bytes
+
+
+def _tma_gemm_fits(x2, weight, out, norm_weight, residual, split_k: int, silu_mul: bool) -> bool:
+    """Whether :func:`linear_tma_kernel` serves this call: a GPU with TMA (compute
+    capability 9+) and the shared memory of its tile, 16-bit operands and result of one
+    dtype, prefill rows (above SKINNY_MAX_M), no RMSNorm prologue, residual or split-K, and
+    the 16-byte strides and bases TMA needs."""
     if not x2.is_cuda or _capability(x2.get_device())[0] < 9:
+        return False
+    if (smem_per_block(x2) or 0) < tma_gemm_smem_bytes(dtype_bytes=x2.element_size()):
         return False
     if x2.dtype not in (torch.bfloat16, torch.float16) or not x2.dtype == weight.dtype == out.dtype:
         return False
@@ -1499,7 +1509,7 @@ def _tma_gemm_fits(x2, weight, out, norm_weight, residual, split_k: int) -> bool
     eb = x2.element_size()
     # (An output not allocated yet, on the meta device, is contiguous and aligned once it is.)
     return all((t.is_meta or t.data_ptr() % 16 == 0) and (t.stride(0) * eb) % 16 == 0 and t.stride(1) == 1
-               for t in (x2, weight, out)) and (weight.shape[0] // 2) % 8 == 0
+               for t in (x2, weight, out)) and (not silu_mul or (weight.shape[0] // 2) % 8 == 0)
 
 
 def linear_ref(

@@ -250,7 +250,7 @@ def rope_kernel(
 
 @jit
 def rope_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, rows_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, num_rows,
     T, num_q_heads, num_kv_heads, max_seq,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -265,6 +265,10 @@ def rope_kv_kernel(
     pid = tl.program_id(0)
     if HAS_ROWS:  # a packed batch (B = 1): token t's cache row is rows[t]
         row = tl.load(rows_ptr + pid).to(tl.int64)
+        # A row outside the cache writes nothing (max_seq 0 turns the cache writes off); the
+        # launcher rejects such rows first, this guards an unchecked call.
+        max_seq = tl.where((row >= 0) & (row < num_rows), max_seq, 0)
+        row = tl.where((row >= 0) & (row < num_rows), row, 0)
         k_cache_ptr += row * stride_kcb
         v_cache_ptr += row * stride_vcb
     rope_kv_tile(q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
@@ -460,7 +464,7 @@ def rope_kv(
         block_h, block_half = rope_blocks(d, max(hq, hkv))
         rope_kv_kernel[(batch * tokens,)](
             q, k, v, positions, inv_freq, q_out, k_cache, v_cache, positions if cache_rows is None else cache_rows,
-            tokens, hq, hkv, max_seq,
+            cache_batch, tokens, hq, hkv, max_seq,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),

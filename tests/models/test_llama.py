@@ -360,6 +360,28 @@ def test_fast_prefill_logits_are_within_the_stated_tolerance_and_greedy_decode_f
 
 
 @pytest.mark.gpu
+def test_fast_prefill_over_a_bf16_cache_agrees_with_exact_per_token_when_prompts_split_across_chunks():
+    """The fast path's own kernels on a bf16 cache (SDPA for a whole prompt, one varlen
+    flash launch for several whole prompts, SDPA with lower-right causal masks for a chunk
+    that continues a prompt): every token's logits within 5% of the exact precision's, with
+    a workspace small enough that prompts split across chunks."""
+    cfg = LlamaConfig.tiny(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=32, eos_token_id=None)
+    model = Llama.from_config(cfg, seed=11, dtype=torch.bfloat16, max_batch_size=4, max_seq_len=512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (300, 41, 170, 7)]
+    model.prefill_precision = "exact"
+    want = model.logits(prompts)
+    model.prefill_precision = "fast"
+    for workspace_tokens in (None, 128, 200):
+        if workspace_tokens:
+            model.prefill_workspace = workspace_tokens * model.prefill_budget.per_token
+        got = model.logits(prompts)
+        for b, p in enumerate(prompts):
+            assert rel_err(got[b, :len(p)], want[b, :len(p)]) < 5e-2, (workspace_tokens, b)
+
+
+@pytest.mark.gpu
 def test_generation_holds_at_most_the_stated_workspace_beyond_weights_and_cache():
     """GPU memory while generating: the weights, the KV cache, the prefill workspace that
     footprint() states, and at most 64 MiB more (the decode step's activations and state).

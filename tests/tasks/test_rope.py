@@ -326,3 +326,18 @@ def test_rope_kv_packed_sequences_write_their_own_cache_rows(device):
     with pytest.raises(ValueError, match="B = 1"):
         rope_kv(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                 positions.expand(2, -1), inv_freq, k_cache, v_cache, cache_rows=rows)
+
+
+def test_rope_kv_unchecked_rows_outside_the_cache_write_nothing(device):
+    # validate=False trusts the caller; a cache row outside the cache is still never written.
+    hq, hkv, d, max_seq = 2, 1, 16, 4
+    qkv = torch.randn(1, 2, hq + 2 * hkv, d, device=device)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=2)
+    k_cache = torch.full((2, hkv, max_seq, d), float("nan"), device=device)
+    v_cache = torch.full((2, hkv, max_seq, d), float("nan"), device=device)
+    positions = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    rows = torch.tensor([5, 1], dtype=torch.int32, device=device)
+    rope_kv(q, k, v, positions, rope_inv_freq(d, 10000.0).to(device), k_cache, v_cache, cache_rows=rows,
+            validate=False)
+    assert torch.isnan(k_cache[0]).all() and torch.isnan(v_cache[0]).all()
+    assert not torch.isnan(k_cache[1, :, 1]).any() and torch.isnan(k_cache[1, :, 0]).all()
