@@ -1,4 +1,4 @@
-"""The Llama shapes of the GPU probes and their random bf16 weights."""
+"""The Llama shapes of the GPU benchmarks and their random bf16 weights."""
 import torch
 
 SHAPES = {

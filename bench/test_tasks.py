@@ -33,13 +33,11 @@ def _copies(nbytes: int) -> int:
     return max(2, math.ceil(400e6 / nbytes))
 
 
-@pytest.mark.parametrize("provider", ["mk", "mk_no_pdl", "torch"])
+@pytest.mark.parametrize("provider", ["mk", "torch"])
 @pytest.mark.parametrize("M", [1, 8])
 @pytest.mark.parametrize("K,N", GEMV_SHAPES)
-def test_linear(benchmark, record, gpu_env, monkeypatch, provider, M, K, N):
-    """mk with programmatic dependent launch (the default on Hopper), mk without, torch."""
-    if provider == "mk_no_pdl":
-        monkeypatch.setenv("MK_PDL", "0")
+def test_linear(benchmark, record, gpu_env, provider, M, K, N):
+    """mk (programmatic dependent launch on Hopper) against torch."""
     nbytes = N * K * 2
     ws = [torch.randn(N, K, device="cuda", dtype=BF16) for _ in range(_copies(nbytes))]
     x = torch.randn(M, K, device="cuda", dtype=BF16)

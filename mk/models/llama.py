@@ -57,7 +57,7 @@ MEASURE_BURST, MEASURE_REPS = 20, 3
 #: first of these (or max_seq_len) that its longest sequence can reach. Decode attention is
 #: cut into KV splits for the planned length, and the splits a shorter sequence leaves empty
 #: still cost a task each: the 1B batch-8 step at 6-60 positions measured 1.233 ms with the
-#: 4 splits planned for 1024 and 1.214 with 1 (H100, bench/NOTES.md session 27).
+#: 4 splits planned for 1024 and 1.214 with 1 (H100).
 PLAN_LENGTHS = (64, 256, 1024, 4096, 16384, 65536)
 
 

@@ -172,7 +172,7 @@ class _LinearShape:
         GEMV tile through the TMA ring (which waits for its inputs inside the stream, with
         the ring's first chunks already in flight: :attr:`OpSpec.waits_in_body`). (Decode
         tl.dot tiles of one tile a task measured slower as runs of one: 1B batch-8 step
-        1.34 -> 1.62 ms on an H200, bench/NOTES.md session 15.)"""
+        1.34 -> 1.62 ms on an H200.)"""
         return self.run > 1 or self.waits_in_body(tma)
 
     def stream(self, tma: int):
@@ -334,7 +334,7 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     buffering). By default only for tiles of one chunk: on an H200 it takes a 64x2048^2
     chain from 7.8 to 4.3 us a layer, but slows 16-chunk tiles (8192 columns) by a
     third, whose loop then converts the chunk's layout every iteration, and two-chunk
-    tiles far more (calibration chains, bench/NOTES.md session 6: a 2048^2 layer of
+    tiles far more (calibration chains: a 2048^2 layer of
     16 x 1024 tiles took 51 us, a 4096^2 layer of 8 x 2048 tiles 167 us). A TMA ring
     replaces both.
     """

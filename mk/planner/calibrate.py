@@ -72,7 +72,7 @@ CHAINS = (
     ChainConfig(4096, 32, tma_stages=4, split_k=2),  # 256 partials of 128 KiB, 128 reduces
     # Register path, tiles of one chunk (those of several chunks run far slower than the
     # model allows: a 2048^2 layer of 16 x 1024 tiles 55 us, an 8192^2 layer of 8 x 2048
-    # tiles 612 us on an H200; bench/NOTES.md session 6).
+    # tiles 612 us on an H200).
     ChainConfig(1024, 8, block_k=1024),  # 128 tasks of 16 KiB
     ChainConfig(2048, 8, block_k=2048),  # 256 tasks of 32 KiB
 )

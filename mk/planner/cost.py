@@ -279,7 +279,7 @@ def exposed_chunk_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, ta
 def dot_tile_waits_in_stream(node: OpNode, choice: OpChoice) -> bool:
     """Whether a linear's decode tl.dot tiles wait for x inside their TMA weight loop, the
     ring's prologue in flight during the wait (:func:`mk.tasks.linear.dot_waits_in_stream`).
-    Measured in the 1B batch-8 step on an H200 (bench/NOTES.md, session 24), weight-major
+    Measured in the 1B batch-8 step on an H200, weight-major
     partials after their wait: QKV 5.6 -> 4.2 us, O projection 5.0 -> 3.6, gate/up 19.4 ->
     17.5, down 12.8 -> 12.0."""
     return decode_dot_tile(node) and dot_waits_in_stream(_tile_rows_for(node.dims["M"], choice.block_n),
@@ -370,7 +370,7 @@ def idle_wait_ops(graph) -> set[str]:
     wait on a latency-bound chain while DRAM idles, so what they ask for before their wait
     arrives during it (:func:`prologue_seconds`). After a weight-streaming op the wait
     overlaps that op's tail, which still has DRAM busy: a 56 KiB QKV prologue after the
-    down projection measured no faster than 24 KiB (1B, H100, bench/NOTES.md session 19)."""
+    down projection measured no faster than 24 KiB (1B, H100)."""
     producers = graph.producers()
     kinds = {n.name: n.kind for n in graph.nodes}
     return {n.name for n in graph.nodes
@@ -386,7 +386,7 @@ def prologue_seconds(node: OpNode, choice: OpChoice, device: DeviceSpec, stream_
     a weight-major decode tl.dot tile (:func:`dot_tile_waits_in_stream`). Where chunks
     are left to ask for, the next is asked for only after the wait (when the first frees its
     slot), so at least one :attr:`DeviceSpec.load_latency_s` stays after the wait. 0 for
-    other tasks. Measured (1B on an H100, bench/NOTES.md session 19): the O projection's
+    other tasks. Measured (1B on an H100): the O projection's
     tasks after attention took 4.2 us with 3 of their 8 chunks in flight before the wait,
     3.9 with 7, 3.1 with all 8."""
     if node.kind != "linear" or not choice.tma_stages:
@@ -459,7 +459,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         # A linear tile also streams its x rows over its K range (from L2, not DRAM), through
         # the same worker: at batch 8 a [16, 256] float32 x chunk is as big as a 32-row bf16
         # weight chunk, which halved what each worker's ring carried of weights (1B: 2.19 ms
-        # with 32-row tiles, 1.51 with 128-row; 8B: 15.8 and 6.2; bench/NOTES.md, session 8).
+        # with 32-row tiles, 1.51 with 128-row; 8B: 15.8 and 6.2).
         reread = _x_task_bytes(node, choice) if node.kind == "linear" and i == 0 else 0
         if node.kind == "attention":
             # The live splits carry the bytes (a split past the length returns at once, but is

@@ -144,7 +144,7 @@ class DeviceSpec:
     dot_worker_bandwidth: float = 0.0
     xmajor_dot_bandwidth: float = 0.0
     xmajor_kernel_slowdown: float = 0.0
-    # Measured in the 1B step on an H200 (bench/NOTES.md, session 4): halving the GEMV
+    # Measured in the 1B step on an H200: halving the GEMV
     # tile (twice the tasks) cost ~2.6 µs of worker time per extra task at one worker an
     # SM: the TMA ring fills again at every task. 1.5 µs with two workers an SM, which
     # hide part of it.
@@ -152,10 +152,9 @@ class DeviceSpec:
     # One dependency phase (producers' signals seen, the consumers ramping up): 2 µs
     # between the ops of the 1B step's trace; the bare signal/wait hop is ~0.5-0.85 µs.
     wait_overhead_s: float = 2.0e-6
-    # Placeholder: a CUDA-graph-replayed launch cost ~2 µs of ramp-up and tail on an H200
-    # (bench/NOTES.md).
+    # Placeholder: a CUDA-graph-replayed launch cost ~2 µs of ramp-up and tail on an H200.
     launch_overhead_s: float = 2.0e-6
-    # A 128256 x 2048 GEMV over 264 workers on an H200 (bench/NOTES.md, session 11): 8 x 256
+    # A 128256 x 2048 GEMV over 264 workers on an H200: 8 x 256
     # boxes in a 4-deep ring (12 KiB in flight a worker) streamed at 0.81 of the copy
     # bandwidth, as Little's law gives with 0.9 µs; 24 KiB or more in flight reached 0.96-0.98.
     load_latency_s: float = 0.9e-6
@@ -400,7 +399,7 @@ class DeviceSpec:
 # ---- presets ----------------------------------------------------------------------------
 
 def _hopper(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float) -> DeviceSpec:
-    # Decode tl.dot tiles in the H200's batch-8 steps (bench/NOTES.md, session 16): x-major
+    # Decode tl.dot tiles in the H200's batch-8 steps: x-major
     # 64-row boxes took 10.3-14.4 GB/s a worker (RMSNorm prologue the slower), weight-major
     # 128-row boxes 15.7 GB/s with only 224 of 264 workers busy (the 8B gate_up: an even
     # share of DRAM would be 19 GB/s). The same SM on an H100.
@@ -409,7 +408,7 @@ def _hopper(name: str, sm_count: int, l2_bytes: int, dram_bandwidth: float) -> D
                       max_blocks_per_sm=32, l2_bytes=l2_bytes, dram_bandwidth=dram_bandwidth,
                       bf16_flops=989e12, compute_capability=(9, 0), dot_worker_bandwidth=16e9,
                       # 1B batch 8, all weight-major against o_proj and down x-major (255
-                      # registers, 8 spills against 26; bench/NOTES.md, sessions 23-24): the
+                      # registers, 8 spills against 26): the
                       # step 1.5% faster on an H200, 1.7-2.4% on an H100.
                       xmajor_dot_bandwidth=11e9, xmajor_kernel_slowdown=0.02, l1_reserve_per_sm=64 * KiB)
 
@@ -434,7 +433,7 @@ PRESETS: dict[str, DeviceSpec] = {
     # llama-nvidia-h100-2026-11-25-s18*.json.
     # A weight chunk arrives later than on the H200 while every worker streams: the 1B down
     # projection's GEMV tasks (8 x 256 boxes, 12 KiB in flight a worker) streamed at 10.6 GB/s
-    # a worker where 32 KiB in flight gave 12.5 (bench/NOTES.md, sessions 18-19): Little's
+    # a worker where 32 KiB in flight gave 12.5: Little's
     # law says 1.15 us.
     # Its x-major decode tiles (batch 8) streamed slower than the H200's: 8.4-9.7 GB/s a worker
     # in the 1B batch-8 trace (gate_up with its RMSNorm 8.4, the down partials 9.7; session 23),
@@ -442,14 +441,14 @@ PRESETS: dict[str, DeviceSpec] = {
     # faster a step.
     "h100-sxm": replace(_hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, 3.02e12), load_latency_s=1.15e-6,
                         xmajor_dot_bandwidth=9.0e9),
-    # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured in bench/results
-    # (tasks-nvidia-h200-2026-11-22.json, copy_Bps). L2: torch reports 60 MiB on this
-    # project's H200 (spec sheets often say 50 MB, the H100's figure).
-    # TMA worker rate from `python -m mk calibrate` on this project's H200 (bench/results/
-    # probes/calibration-s6-nvidia-h200-2026-11-22.json); the register-path rate was not
-    # measurable there (its chains are DRAM-limited), so it is left unmeasured.
+    # Peak HBM3e 4.8 TB/s; 4.29e12 is the copy kernel measured by the benchmarks
+    # (copy_Bps in bench/results). L2: torch reports 60 MiB on this project's H200 (spec
+    # sheets often say 50 MB, the H100's figure).
+    # TMA worker rate from `python -m mk calibrate` on this project's H200; the
+    # register-path rate was not measurable there (its chains are DRAM-limited), so it is
+    # left unmeasured.
     # Weight-major decode tiles: 20.5 GB/s a worker (1B batch-8 down partials, 128 x 64
-    # boxes, 256 KiB a task in 12.8 us, its ramp included; bench/NOTES.md, session 24).
+    # boxes, 256 KiB a task in 12.8 us, its ramp included).
     "h200": replace(_hopper("NVIDIA H200", 132, 60 * MiB, 4.29e12), tma_worker_bandwidth=31.9e9,
                     dot_worker_bandwidth=20e9),
     # Peak HBM2e 2.04 TB/s (80 GB SXM); not measured here.

@@ -38,7 +38,7 @@ meets a bf16 weight or cache in two bf16 halves on the tensor cores (:func:`mk.t
 or in float32 FMAs (the GEMV), so nothing between them is rounded: on a random-weight
 Llama-3-8B, a bf16 residual stream put the logits 3.5-4.5% off the float32 reference, and
 rounding q/k/v, the attention output and SiLU·mul's output still cost ~1%
-(bench/probes/precision_probe.py). A decode activation is a few KiB a row.
+(measured against float32 on an H200). A decode activation is a few KiB a row.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from .simulate import simulate_step
 #: the interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. Not for tiles
 #: that stream through the TMA ring: issued one task ahead it slowed the 1B step on an H200
 #: (1.087 ms without, 1.175 with 1024 columns, 1.34 with whole rows), and issued just before
-#: the task's own wait too (1.009 -> 1.106 ms; 8B 4.57 -> 5.50; bench/NOTES.md sessions 5, 9).
+#: the task's own wait too (1.009 -> 1.106 ms; 8B 4.57 -> 5.50; H200).
 PREFETCH_K = 1024
 
 STATE_BUFFERS = ("ids", "pos", "tokens")

@@ -140,7 +140,7 @@ def _narrow_reduce(node: OpNode, c: OpChoice, workers: int) -> OpChoice | None:
     (:attr:`OpChoice.reduce_block_n`, down to :data:`REDUCE_MIN_COLS`), or None where they
     cannot be narrower. A reduce reads split_k float32 partials a column: the 1B batch-8
     O projection's 16 reduce tasks of 128 columns (split 16, 64 KiB each) took 2.9 us, the
-    gate_up's 128 of 64 (split 2) 1.4 (H200 trace, bench/NOTES.md session 27)."""
+    gate_up's 128 of 64 (split 2) 1.4 (H200 trace)."""
     if c.split_k == 1:
         return None
     blocks = linear_tiles_n(node, c)[0]
@@ -191,9 +191,9 @@ def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> li
     skinny = d["M"] > 1
     # GEMV weights stream through the TMA ring where there is one (Hopper on): in the
     # whole 1B step on an H200, register-path tiles ran at 4-7 GB/s a worker against
-    # 25-28 GB/s for TMA 32 x 256 tiles (bench/NOTES.md, session 4).
+    # 25-28 GB/s for TMA 32 x 256 tiles (H200).
     # Skinny tl.dot tiles (batch > 1) too: pipelined plain loads kept a worker near 10 GB/s,
-    # the batch-8 step 2-3x its batch-1 time (bench/NOTES.md, session 7).
+    # the batch-8 step 2-3x its batch-1 time.
     tma = device.compute_capability >= (9, 0) and (d["K"] * dtype_bytes) % 16 == 0
     register_block_ns = [] if tma else _pow2s(16 if skinny else 2, 64 if skinny else 32)
     for block_n in register_block_ns:
@@ -214,7 +214,7 @@ def _linear_candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int) -> li
         # ([16, block_k] a chunk), so more weight rows a chunk carry them further; a
         # 3-deep ring is what fits a 99 KiB budget, 6 deep keeps narrow-K chunks in flight.
         # 8-row GEMV boxes give the 2048-row projections of a 1B-sized layer 256 tasks
-        # instead of 128 (1B step 1.009 -> 0.998 ms on an H200, bench/NOTES.md, session 9).
+        # instead of 128 (1B step 1.009 -> 0.998 ms on an H200).
         shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
                   else [(8, 256), (16, 256), (32, 256)])
         # A box no wider than K (a wider one only moves zeros; the op then streams without TMA).
@@ -318,8 +318,7 @@ def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, bea
     """:func:`_search` with the worker count fixed, or chosen as :func:`search` says."""
     if workers is not None:
         return _search(graph, device, workers, device.smem_per_block, beam_width, top_k, progress, xmajor)
-    # Two workers an SM keep twice the weight bytes in flight: measured on an H200 (bench/
-    # NOTES.md, session 4), 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit in
+    # Two workers an SM keep twice the weight bytes in flight: measured on an H200: 1B step 1.32 -> 1.24 ms, 8B 5.55 -> 5.13 ms. Both must fit in
     # the SM's shared memory, so each gets at most half of it, less what is left to L1
     # (DeviceSpec.l1_reserve_per_sm; on a 100 KiB Ada SM the 8B shape's attention tile
     # does not fit: one worker an SM there).

@@ -12,7 +12,6 @@ raises a ``TypeError`` or ``ValueError`` that names it, before anything is writt
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Sequence
 
@@ -202,10 +201,9 @@ def use_pdl(t: torch.Tensor) -> bool:
 
     With PDL a kernel may start while the previous kernel on the stream drains; mk's
     kernels that take it issue their weight prefetches, then ``gdc_wait`` before touching
-    anything the previous kernel may write. Needs Hopper (sm_90) or newer; ``MK_PDL=0``
-    turns it off.
+    anything the previous kernel may write. Needs Hopper (sm_90) or newer.
     """
-    if not t.is_cuda or os.environ.get("MK_PDL", "1").strip() in ("0", "false", "no", "off"):
+    if not t.is_cuda:
         return False
     return torch.cuda.get_device_capability(t.device)[0] >= 9
 

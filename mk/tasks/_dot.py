@@ -16,7 +16,7 @@ def mma(a, b, acc):
       ``lo = a - hi`` rounded again, and both go through the tensor cores. ``hi + lo``
       holds ~16 of a's 24 mantissa bits, where ``hi`` alone holds 8: rounding only ``a``
       put a random-weight Llama-3-8B's logits ~1% further off float32
-      (bench/probes/precision_probe.py). Twice the MMAs; decode is bound by memory.
+      (measured against float32 on an H200). Twice the MMAs; decode is bound by memory.
     * A 16-bit ``a`` against a float32 ``b``: ``a`` widens, IEEE float32.
     """
     if a.dtype == b.dtype:

@@ -4,7 +4,7 @@ Decode attention's KV splits wait for no one: each stores its partial, then coun
 and the one that completes the count merges the group. No member waits for another, so a
 team may run in any order, or all on one program. The count costs every member a round
 trip to L2 (the branch needs the atomic's value): split-K linears summed the same way
-measured 2-3% slower than reduce tasks (bench/NOTES.md, session 25).
+measured 2-3% slower than reduce tasks.
 """
 
 import triton.language as tl

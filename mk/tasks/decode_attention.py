@@ -147,7 +147,7 @@ def _attend_slice(
     # Padded group rows load as zeros: their scores are 0 (finite) and they are never stored.
     # Heads of at most 64: q in the loop's first step, after the pipelined K/V loads are
     # issued, so the two round trips overlap (1B step -0.8%). Wider heads load it first: q
-    # carried into the loop spilled the 8B step's kernel (18 -> 42 spills, +6%; NOTES s21).
+    # carried into the loop spilled the 8B step's kernel (18 -> 42 spills, +6%).
     Q_IN_LOOP: tl.constexpr = BLOCK_D <= 64
     if Q_IN_LOOP:
         q = tl.zeros([BLOCK_G, BLOCK_D], dtype=q_ptr.dtype.element_ty)

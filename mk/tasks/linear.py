@@ -43,7 +43,6 @@ fewer than 2**31 elements.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -79,7 +78,7 @@ def weight_major(rows: int, block_n: int) -> bool:
     tiles (at most SKINNY_MAX_M rows) of at least :data:`WEIGHT_MAJOR_MIN_N` weight rows.
     (The device functions test the same with literals: a jit function reads no globals.)
 
-    Measured on an H200 (bench/NOTES.md, session 15; a batch-8 65536 x 2048 linear with
+    Measured on an H200 (a batch-8 65536 x 2048 linear with
     RMSNorm streamed by 264 workers of 4 warps, fraction of the copy bandwidth, x-major ->
     weight-major): 128 x 128 boxes 0.77 -> 0.78, 128 x 64 0.77 -> 0.83, 256 x 64 0.84 ->
     0.87, but 64 x 128 0.57 -> 0.49 (a 64-row wgmma waits on every chunk's MMA). With
@@ -90,13 +89,13 @@ def weight_major(rows: int, block_n: int) -> bool:
 
 def dot_waits_in_stream(rows: int, block_n: int, tma_stages: int, tiles_per_task: int = 1) -> bool:
     """Whether a decode tl.dot tile of ``rows`` x rows and ``block_n`` weight rows, one a task
-    through a TMA ring, waits for x inside its weight loop (:func:`_linear_acc`'s WAIT;
-    :data:`DOT_WAITS_IN_STREAM`): weight-major tiles only (:func:`weight_major`), whose x
-    chunks are a few registers. An x-major tile's [16, block_k] float32 chunks held ahead
-    spilled the 1B batch-8 kernel (26 -> 60 spills, step 1.155 -> 1.340 ms on an H200,
-    bench/NOTES.md session 24). The megakernel's lowering and the planner's cost model both
-    ask this."""
-    return DOT_WAITS_IN_STREAM and tma_stages > 0 and tiles_per_task == 1 and weight_major(rows, block_n)
+    through a TMA ring, waits for x inside its weight loop (:func:`_linear_acc`'s WAIT), as
+    GEMV tasks do: the ring's prologue is then in flight while the worker waits. Weight-major
+    tiles only (:func:`weight_major`), whose x chunks are a few registers. An x-major tile's
+    [16, block_k] float32 chunks held ahead spilled the 1B batch-8 kernel (26 -> 60 spills,
+    step 1.155 -> 1.340 ms on an H200). The megakernel's lowering and the planner's cost
+    model both ask this."""
+    return tma_stages > 0 and tiles_per_task == 1 and weight_major(rows, block_n)
 
 #: Widest global load of one thread (bytes): ld.global.v4.b32.
 VEC_BYTES = 16
@@ -104,25 +103,17 @@ VEC_BYTES = 16
 #: Longest stream (weight chunks a task) that waits for x inside it. The wait in the stream
 #: puts the ring's prologue in flight before the inputs are ready, but x then comes by
 #: volatile loads converted through shared memory every chunk (:func:`linear_run`'s WAIT).
-#: Measured on an H200 (bench/NOTES.md, session 12): 8- to 32-chunk tasks gained 0.7-1.5 us
+#: Measured on an H200: 8- to 32-chunk tasks gained 0.7-1.5 us
 #: each (1B step 0.947 -> 0.893 ms); the 8B down projection's 56-chunk tasks lost 4.5 us and
 #: the 1B LM head's 128-chunk runs ~1.7 us. (A grouped stream, :func:`gemv_stream`, has no limit.)
 WAIT_IN_STREAM_MAX_CHUNKS = 32
-
-#: Whether a decode tl.dot tile through the TMA ring (batch > 1, one tile a task) waits for
-#: x inside its weight loop (:func:`_linear_acc`'s WAIT), as GEMV tasks do: the ring's
-#: prologue is then in flight while the worker waits, where it used to start after the wait.
-#: MK_DOT_WAITS_IN_STREAM=0 keeps the wait before the loop (for comparisons).
-DOT_WAITS_IN_STREAM = os.environ.get("MK_DOT_WAITS_IN_STREAM", "1") != "0"
-
 
 #: Chunks an iteration of a grouped GEMV stream (:func:`linear_run`'s X_GROUP) and the
 #: largest chunk (bytes) grouped. A task that waits for x inside its stream reads x by
 #: volatile loads, which the compiler converts to the weight chunk's layout by the next
 #: iteration: one chunk a loop iteration leaves an x chunk one chunk's streaming time to
-#: arrive, X_GROUP chunks an iteration a group's. Measured on an H100 (bench/NOTES.md,
-#: session 18): 8 chunks in flight as two groups of 4, the 1B down projection's tasks
-#: 12.3 -> 10.2 us, the 8B down 40 -> 36 us and gate_up 77 -> 73 us.
+#: arrive, X_GROUP chunks an iteration a group's. Measured on an H100: 8 chunks in flight
+#: as two groups of 4, the 1B down projection's tasks 12.3 -> 10.2 us, the 8B down 40 -> 36 us and gate_up 77 -> 73 us.
 X_GROUP = 4
 X_GROUP_MAX_CHUNK_BYTES = 8192
 
@@ -289,7 +280,7 @@ def _linear_acc(
     # scales by rstd after the loop (rstd is one number per row, so it factors out of the
     # sum): a separate pass over x first would cost K/BLOCK_K more round trips to L2.
     # tl.dot tiles through the ring too: a pass over x first (K / BLOCK_K round trips, ~2.4 us
-    # for the 1B batch-8 QKV partials, bench/NOTES.md session 23) held back the ring's start.
+    # for the 1B batch-8 QKV partials) held back the ring's start.
     LATE_RSTD: tl.constexpr = HAS_NORM & (TMA_STAGES > 0)
     if HAS_NORM & (not LATE_RSTD):
         # x is small next to W (M*K vs N*K), so every tile recomputes its rows' rstd over
@@ -923,7 +914,7 @@ def linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k: tl.constexpr, stride_
 
     One unrolled pass issues every load (partials and sums of squares) before the first add:
     a reduce runs on the layer's critical path, and the compiled loop otherwise waited for the
-    squares' round trip before it asked for the partials (bench/NOTES.md, session 24)."""
+    squares' round trip before it asked for the partials."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -964,7 +955,7 @@ def linear_splitk_reduce_tile(
     if HAS_RESIDUAL:
         # Asked for before the partials: compiled after them, its round trip came after the
         # sum's (sm_90 SASS of a lone reduce). Alone this measured within the noise (1B
-        # batch 8, H200, bench/NOTES.md session 27); it costs nothing.
+        # batch 8, H200); it costs nothing.
         res = _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M,
                              BLOCK_N=BLOCK_N)
     acc = linear_splitk_sum(ws_ptr, pid_m, pid_n, M, N, split_k, stride_ws_split, stride_ws_m,
@@ -1146,14 +1137,14 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
     db = _dtype_bytes(dtype)
     vec = max(VEC_BYTES // db, 1)
     if M <= 1:
-        # Winner of bench/probes/pdl_probe.py on an H200 (bf16, CUDA-graph replays, PDL on):
+        # Fastest on an H200 in a sweep (bf16, CUDA-graph replays, PDL on):
         # 2 rows x 2048 columns x 2 warps, prefetching each row's first 512 columns into L2
         # before the dependency wait: 0.90 / 1.04 / 1.03 of copy bandwidth at 4096->6144,
         # 4096->28672 and 14336->4096 (0.82 / 1.01 / 0.96 without PDL). Many small tiles
         # keep every SM streaming until the very end of the product.
         bm, bn, bk, warps, stages, prefetch_k = 1, 2, vec * 32 * 2 * 4, 2, 1, 512
     elif M <= SKINNY_MAX_M:
-        # Winner of bench/probes/skinny_sweep.py on an H200 (M=8, bf16): 64 weight rows x
+        # Fastest on an H200 in a sweep (M=8, bf16): 64 weight rows x
         # 512 B of K, 2 warps, 4 stages: 0.73 / 0.91 / 0.81 of copy at 4096->6144,
         # 4096->28672, 14336->4096, level with torch (0.75 / 0.89 / 0.84); the earlier
         # 16-row tiles reached 0.55-0.65. Stages drop where shared memory is smaller.

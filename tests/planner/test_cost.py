@@ -205,7 +205,7 @@ def test_a_ring_prologue_counts_as_early_work_only_after_attention():
     assert phase_costs(g8.node("l1.o_proj"), w_major, spec, 264)[0].early_s == 0
     # A ring of one has an empty prologue: nothing early, and its one chunk's latency after
     # the wait (H200 1B batch 8: o_proj 128 x 128 split 16 in a ring of 1 measured 1.104 ms,
-    # 128 x 64 split 16 in a ring of 3 1.041; bench/NOTES.md session 24).
+    # 128 x 64 split 16 in a ring of 3 1.041).
     one = OpChoice(block_n=128, block_k=128, tma_stages=1, split_k=16)
     three = OpChoice(block_n=128, block_k=64, tma_stages=3, split_k=16)
     assert phase_costs(g8.node("l1.o_proj"), one, spec, 264, idle_wait=True)[0].early_s == 0
@@ -214,7 +214,7 @@ def test_a_ring_prologue_counts_as_early_work_only_after_attention():
 
 
 def test_the_h100_plan_for_the_1b_takes_the_rings_that_measured_fastest():
-    # bench/NOTES.md session 19 (one H100): QKV ring 4, O projection ring 9, down ring 9
+    # Measured on one H100: QKV ring 4, O projection ring 9, down ring 9
     # 1.043 / 1.046 ms; the same with QKV ring 8 1.059, O projection ring 8 1.053, all
     # ring 4 (the plan before) 1.074 / 1.079.
     from mk.planner.search import search

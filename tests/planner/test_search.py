@@ -84,7 +84,7 @@ def test_batch_8_plans_pay_for_x_major_tiles_on_the_whole_step():
     plans = search(g, spec, top_k=12)
     assert not holds_xmajor(plans[0])
     # The down projection's 16 weight-major tiles a K split fill the workers at split 16
-    # (measured on an H100: 1.307 -> 1.276 ms against split 8, bench/NOTES.md session 24).
+    # (measured on an H100: 1.307 -> 1.276 ms against split 8).
     assert plans[0].choices["l3.down"].split_k == 16
     free = {tuple(sorted(p.choices.items())): p.predicted_s
             for p in search(g, replace(spec, xmajor_kernel_slowdown=0.0), top_k=12)}
