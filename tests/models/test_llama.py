@@ -107,6 +107,29 @@ def test_prefill_settings_are_checked_and_a_request_that_cannot_fit_is_refused(p
     assert len(model.generate([[1, 2, 3]], max_new_tokens=1)[0]) == 4
 
 
+def test_a_precision_whose_token_outgrows_the_workspace_is_refused_and_nothing_changes(pair):
+    # A float32 model's fast token holds more than its exact one (exact fuses the norms and
+    # SiLU·mul into its linear tiles; fast keeps their outputs between cuBLAS calls).
+    model, _ = pair
+    model.prefill_precision = "exact"
+    model.prefill_workspace = model.prefill_budget.per_token  # one exact token
+    try:
+        with pytest.raises(ValueError, match="holds no token"):
+            model.prefill_precision = "fast"
+        assert model.prefill_precision == "exact" and model.prefill_budget.chunk_tokens == 1
+    finally:
+        model.prefill_workspace = mk.models.prefill.default_workspace(model.device)
+        model.prefill_precision = "fast"
+
+
+def test_captured_chunk_lengths_round_up_within_their_limit():
+    from mk.models.prefill import GRAPH_TOKEN_STEP, graph_tokens
+
+    step = GRAPH_TOKEN_STEP
+    assert [graph_tokens(n, 4096) for n in (1, step, step + 1, 2048)] == [step, step, 2 * step, 2048]
+    assert graph_tokens(300, 320) == 300  # rounding up would pass the cache or the chunk: no padding
+
+
 def test_pack_cuts_prompts_into_chunks_in_order():
     from mk.models.prefill import Segment, pack
 
