@@ -491,10 +491,11 @@ class Llama:
             whole = [_prefill.Segment(seg.row, 0, padded, 0)]
             x = self._prefill_layers(static_ids, whole)
             if not self._prefill_graphs:  # a pool no live graph uses cannot take a capture again
-                self._graph_pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.device(self.device):
+                    self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._graph_pool):
+                with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._graph_pool):
                     out = self._prefill_layers(static_ids, whole)
             except RuntimeError as e:  # the chunk still ran eagerly: keep its result, capture no more
                 warnings.warn(f"mk: prefill chunks run eagerly from now on; capturing one as a CUDA graph "
@@ -509,7 +510,8 @@ class Llama:
         static_ids[:n] = ids
         static_ids[n:] = 0
         try:
-            graph.replay()
+            with torch.cuda.device(self.device):
+                graph.replay()
         except RuntimeError as e:
             warnings.warn(f"mk: prefill chunks run eagerly from now on; replaying a captured one failed: {e}",
                           RuntimeWarning, stacklevel=2)
