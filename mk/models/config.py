@@ -22,6 +22,17 @@ from typing import Any
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 #: Parameters of llama3 rope scaling, all required.
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+#: config.json fields of Llama look-alikes that change the computation, with what they ask
+#: for; set to anything but null / false / 0, they are refused at load.
+UNSUPPORTED_FIELDS = {
+    "sliding_window": "sliding-window attention",
+    "attn_logit_softcapping": "attention logit softcapping",
+    "final_logit_softcapping": "final logit softcapping",
+    "num_local_experts": "mixture-of-experts layers",
+    "num_experts": "mixture-of-experts layers",
+    "use_qk_norm": "RMSNorm on q and k",
+    "qk_layernorm": "RMSNorm on q and k",
+}
 #: Fields config.json must hold; the others have Llama's defaults.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -138,6 +149,12 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
                 raise ValueError(f"{source}: {flag} is true; mk supports Llama without biases")
+        # Features of Llama look-alikes that mk does not implement: a config that sets one
+        # would load and run, wrongly, if they were ignored.
+        for field, what in UNSUPPORTED_FIELDS.items():
+            value = d.get(field)
+            if value not in (None, False, 0):
+                raise ValueError(f"{source}: {field} is {value!r}; mk does not implement {what}")
 
         rope_params = d.get("rope_parameters")
         if rope_params is not None:   # transformers 5: theta lives inside rope_parameters

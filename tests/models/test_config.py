@@ -118,6 +118,10 @@ def test_invalid_json(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
+    ({"sliding_window": 4096}, "sliding_window is 4096; mk does not implement sliding-window attention"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"num_local_experts": 8}, "num_local_experts is 8; mk does not implement mixture-of-experts"),
+    ({"use_qk_norm": True}, "use_qk_norm"),
 ])
 def test_rejected_configs_name_file_and_field(tmp_path, change, pattern):
     d = {**LLAMA_32_1B, **change}
@@ -127,6 +131,12 @@ def test_rejected_configs_name_file_and_field(tmp_path, change, pattern):
     with pytest.raises(ValueError, match=pattern) as e:
         LlamaConfig.from_pretrained(tmp_path)
     assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_unsupported_features_left_off_load(tmp_path):
+    # Null, false or 0 asks for nothing: such configs load.
+    _write(tmp_path, {**LLAMA_32_1B, "sliding_window": None, "num_local_experts": 0, "use_qk_norm": False})
+    assert LlamaConfig.from_pretrained(tmp_path).hidden_size == LLAMA_32_1B["hidden_size"]
 
 
 def test_missing_fields_all_named():
