@@ -323,7 +323,7 @@ def proxy_fence_pass(enabled: bool):
     stage), which stays. Measured on an H100: the 1B decode step
     1.031 -> 1.021 ms, batch 8 1.474 -> 1.460, the 8B 5.358 -> 5.354, the same tokens.
 
-    ``enabled``: leave the pass in (``Megakernel(proxy_fences=True)``, or ``MK_PROXY_FENCES=1``).
+    ``enabled``: leave the pass in (``Megakernel(proxy_fences=True)``).
     Not thread-safe against other threads compiling Triton kernels at the same moment.
     """
     if enabled:

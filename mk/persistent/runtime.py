@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,16 +106,13 @@ class Megakernel:
             threads for more resident workers.
         proxy_fences: compile with Triton's proxy-fence pass, whose fence before every TMA
             refill of a ring slot mk's streams do not need
-            (:func:`mk.persistent.codegen.proxy_fence_pass`). Default: the environment
-            variable ``MK_PROXY_FENCES`` (``1``: with), else without.
+            (:func:`mk.persistent.codegen.proxy_fence_pass`). Default: without.
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
                  interpret_polls: int = 2000, backoff_ns: int = 0, defer_signals: bool = True,
-                 num_warps: int | None = None, proxy_fences: bool | None = None):
+                 num_warps: int | None = None, proxy_fences: bool = False):
         self.program = program
-        if proxy_fences is None:
-            proxy_fences = os.environ.get("MK_PROXY_FENCES", "0") not in ("", "0")
         self.proxy_fences = bool(proxy_fences)
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}

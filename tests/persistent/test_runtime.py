@@ -168,20 +168,17 @@ def test_generated_source_is_readable_and_cached(tmp_path):
     assert "def megakernel(" in text and "rmsnorm_tile(" in text and "wait_event(" in text
 
 
-def test_proxy_fences_are_off_unless_asked_for(monkeypatch):
-    """The megakernel compiles without Triton's proxy-fence pass unless Megakernel(proxy_fences=True)
-    or MK_PROXY_FENCES=1; the choice is a constexpr of the kernel, so the two binaries never share
-    a cache entry (tests/persistent/_compile_sm90.py compiles both)."""
+def test_proxy_fences_are_off_unless_asked_for():
+    """The megakernel compiles without Triton's proxy-fence pass unless Megakernel(proxy_fences=True);
+    the choice is a constexpr of the kernel, so the two binaries never share a cache entry
+    (tests/persistent/_compile_sm90.py compiles both)."""
     g = TaskGraph()
     g.buffer("x", torch.randn(1, 8, device=DEV)), g.buffer("w", torch.randn(8, device=DEV))
     g.buffer("y", torch.empty(1, 8, device=DEV))
     g.add(make_op("rmsnorm", n=8), x="x", w="w", out="y", row=0)
     program = lower(g, 1)
-    monkeypatch.delenv("MK_PROXY_FENCES", raising=False)
     assert Megakernel(program)._args()[1]["PROXY_FENCES"] is False
-    assert Megakernel(program, proxy_fences=True)._args()[1]["PROXY_FENCES"] is True
-    monkeypatch.setenv("MK_PROXY_FENCES", "1")
-    kernel = Megakernel(program)
+    kernel = Megakernel(program, proxy_fences=True)
     assert kernel.proxy_fences and kernel._args()[1]["PROXY_FENCES"] is True
     kernel.launch()  # under the interpreter the setting changes nothing
     assert torch.allclose(g.buffers["y"], rmsnorm(g.buffers["x"], g.buffers["w"], 1e-6), atol=1e-5)
