@@ -11,7 +11,7 @@ def bench_graph(benchmark, calls, rounds: int = 30):
     pytest-benchmark times whole replays (for --benchmark-compare); the returned figure
     is the median per-call time from CUDA events, which goes into the results JSON.
     """
-    from mk.timing import capture_graph, event_time_us
+    from mk.timing import capture_graph
 
     graph = capture_graph(calls)
 
@@ -20,9 +20,22 @@ def bench_graph(benchmark, calls, rounds: int = 30):
         torch.cuda.synchronize()
 
     benchmark.pedantic(replay, rounds=rounds, warmup_rounds=3)
-    us = event_time_us(graph.replay, reps=20, warmup=2) / len(calls)
+    us = graph_us(graph, len(calls))
     benchmark.extra_info["us_per_call"] = us
     return us
+
+
+def graph_us(graph_or_calls, calls: int | None = None) -> float:
+    """Median µs of one call on the GPU alone: a captured graph of ``calls`` calls (or the
+    list of calls, captured here) replayed and timed with CUDA events, so the host's launch
+    time is out of it."""
+    from mk.timing import capture_graph, event_time_us
+
+    if isinstance(graph_or_calls, (list, tuple)):
+        graph, calls = capture_graph(graph_or_calls), len(graph_or_calls)
+    else:
+        graph = graph_or_calls
+    return event_time_us(graph.replay, reps=20, warmup=2) / calls
 
 
 def back_to_back_ms(fn, reps: int = 20, warmup: int = 3) -> float:

@@ -54,44 +54,32 @@ class TorchLlamaStep(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """ids [B, T], pos [T] (absolute positions) -> logits of the last token [B, V]."""
-        c = self.c
-        B, T = ids.shape
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = self.embed[ids]
-        mask = torch.arange(self.S, device=ids.device)[None, :] <= pos[:, None]  # [T, S]
-        for L in range(c.num_hidden_layers):
-            g = lambda name: getattr(self, f"l{L}_{name}")  # noqa: E731
-            h = self._norm(x, g("attn_norm"))
-            q, k, v = (h @ g("qkv").T).view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
-            q, k = self._rope(q, pos), self._rope(k, pos)
-            kc, vc = getattr(self, f"k{L}"), getattr(self, f"v{L}")
-            kc.index_copy_(2, pos, k.transpose(1, 2))
-            vc.index_copy_(2, pos, v.transpose(1, 2))
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=mask[None, None],
-                                               enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T
-            gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ g("down").T
-        return (self._norm(x[:, -1], self.final_norm) @ self.lm_head.T).float()
+        return self._run(ids, pos, fresh=False)
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T], a fresh prompt per row at positions 0..T-1 -> logits of the last token
         [B, V]. Causal attention over the prompt's own K/V (SDPA's flash / cuDNN kernels),
         which are also written to the cache, as gpt-fast's prefill does."""
+        return self._run(ids, torch.arange(ids.shape[1], device=ids.device), fresh=True)
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, fresh: bool) -> torch.Tensor:
         c = self.c
         B, T = ids.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        pos = torch.arange(T, device=ids.device)
         x = self.embed[ids]
+        mask = None if fresh else torch.arange(self.S, device=ids.device)[None, :] <= pos[:, None]  # [T, S]
         for L in range(c.num_hidden_layers):
             g = lambda name: getattr(self, f"l{L}_{name}")  # noqa: E731
             h = self._norm(x, g("attn_norm"))
             q, k, v = (h @ g("qkv").T).view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
-            q, k = self._rope(q, pos).transpose(1, 2), self._rope(k, pos).transpose(1, 2)
-            v = v.transpose(1, 2)
-            getattr(self, f"k{L}")[:, :, :T] = k
-            getattr(self, f"v{L}")[:, :, :T] = v
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            q, k, v = self._rope(q, pos).transpose(1, 2), self._rope(k, pos).transpose(1, 2), v.transpose(1, 2)
+            kc, vc = getattr(self, f"k{L}"), getattr(self, f"v{L}")
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+            if fresh:  # the prompt attends to its own keys, causally
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask[None, None], enable_gqa=True)
             x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T
             gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ g("down").T

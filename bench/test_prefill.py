@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _harness import back_to_back_ms
+from _harness import back_to_back_ms, graph_us
 from _llama_peer import TorchLlamaStep
 from _llama_shapes import shape_model
 
@@ -121,12 +121,9 @@ def test_generate_time_to_first_token(record, long_llama):
 
 
 def _graph_ms(fn, calls: int = 10) -> float:
-    """ms of one ``fn()`` on the GPU alone: ``calls`` of it replayed from a CUDA graph (the
-    ops' throughput without the host's launch time, for mk and its peer alike)."""
-    from mk.timing import capture_graph, event_time_us
-
-    graph = capture_graph([fn] * calls)
-    return event_time_us(graph.replay, reps=10, warmup=2) / calls / 1e3
+    """ms of one ``fn()`` from CUDA-graph replays (the ops' throughput without the host's
+    launch time, for mk and its peer alike)."""
+    return graph_us([fn] * calls) / 1e3
 
 
 def _linear_shapes(model):

@@ -118,6 +118,9 @@ class Llama:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
         _check_plan_mode(plan_mode)
         self.config, self.name, self.tokenizer, self.plan_mode = config, name, tokenizer, plan_mode
+        # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._graph_pool, self._graphs_failed = None, False
         self.prefill_precision = prefill_precision
         self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -129,9 +132,6 @@ class Llama:
         self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self._device_spec = device_spec
         self._decoders: dict[tuple[int, str, int], _Decoder] = {}
-        # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
-        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
-        self._graph_pool, self._graphs_failed = None, False
         self.last_decoder: _Decoder | None = None  # the step the last stream() ran
         #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
         #: (plan_s, lower_s, compile_s; 0 when its step was built before).

@@ -429,8 +429,8 @@ _COPY_FRACTION = 0.88
 #: vendor spec sheets / architecture whitepapers (sparsity excluded); dram_bandwidth is a
 #: measured copy figure (read + written) where this project has one, else 0.88 × peak.
 PRESETS: dict[str, DeviceSpec] = {
-    # Peak HBM3 3.35 TB/s; the copy kernel measured 3.01-3.03e12 in bench/results/
-    # llama-nvidia-h100-2026-11-25-s18*.json.
+    # Peak HBM3 3.35 TB/s; the copy kernel measured 3.01-3.03e12 in this project's H100
+    # benchmark runs (copy_Bps in bench/results).
     # A weight chunk arrives later than on the H200 while every worker streams: the 1B down
     # projection's GEMV tasks (8 x 256 boxes, 12 KiB in flight a worker) streamed at 10.6 GB/s
     # a worker where 32 KiB in flight gave 12.5: Little's

@@ -203,22 +203,35 @@ def use_pdl(t: torch.Tensor) -> bool:
     kernels that take it issue their weight prefetches, then ``gdc_wait`` before touching
     anything the previous kernel may write. Needs Hopper (sm_90) or newer.
     """
-    if not t.is_cuda:
-        return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return t.is_cuda and capability(t)[0] >= 9
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_optin(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 49152))
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    """Compute capability of ``t``'s GPU (read once per device)."""
+    p = _properties(_index(t))
+    return p.major, p.minor
+
+
+def sm_count(t: torch.Tensor) -> int:
+    """Multiprocessors of ``t``'s GPU (read once per device)."""
+    return _properties(_index(t)).multi_processor_count
 
 
 def smem_per_block(t: torch.Tensor) -> int | None:
     """Shared memory (bytes) one block may use on ``t``'s GPU; None off the GPU (no limit)."""
     if not t.is_cuda:
         return None
-    return _smem_optin(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    props = _properties(_index(t))
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 49152))
 
 
 _ALLOCATOR_SET = False

@@ -44,7 +44,7 @@ from ._dot import mma
 from .linear import _prefetch_l2
 
 from ._cost import TaskCost
-from ._device import jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._device import jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count
 from ._team import last_to_arrive
 
 #: Most KV splits one call may use (the merge holds [num_splits, D] float32 in registers).
@@ -439,9 +439,9 @@ def decode_attention_merge_kernel(
 # --------------------------------------------------------------------------- launcher
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+def _num_sms(t: torch.Tensor) -> int:
+    if t.is_cuda:
+        return sm_count(t)
     # The interpreter runs programs one by one: a small stand-in still exercises splitting.
     return 4
 
@@ -508,7 +508,7 @@ def _default_splits(q, k_cache):
     batch, hq, d = q.shape
     _, hkv, max_seq, _ = k_cache.shape
     cfg = decode_attention_config(hq, hkv, d, q.element_size())
-    return decode_attention_num_splits(batch, hkv, max_seq, num_sms=_num_sms(q.device), block_n=cfg.block_n)
+    return decode_attention_num_splits(batch, hkv, max_seq, num_sms=_num_sms(q), block_n=cfg.block_n)
 
 
 def decode_attention(

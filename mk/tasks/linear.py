@@ -42,7 +42,6 @@ fewer than 2**31 elements.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -50,8 +49,8 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import (jit, supported_dtypes, check_positive_int, check_same_device, check_same_dtype, check_tensor,
-                      enable_device_descriptors, smem_per_block, use_pdl)
+from ._device import (jit, supported_dtypes, capability, check_positive_int, check_same_device, check_same_dtype,
+                      check_tensor, enable_device_descriptors, sm_count, smem_per_block, use_pdl)
 from ._dot import fold_weight_major, mma, mma_weight_major
 from .argmax import argmax_tile_into
 
@@ -1402,7 +1401,7 @@ def linear(
     if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k, silu_mul):
         tma = TMA_GEMM
         enable_device_descriptors()
-        sms = _sm_count(x.get_device())
+        sms = sm_count(x)
         tiles = triton.cdiv(M, tma.block_m) * triton.cdiv(N, tma.block_n)
         linear_tma_kernel[(min(sms, tiles),)](
             x2, weight, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
@@ -1459,16 +1458,6 @@ class TmaGemmConfig:
 TMA_GEMM = TmaGemmConfig()
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def tma_gemm_serves(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
     """Whether :func:`linear` of ``x`` ``[M, K]`` by ``weight`` (no RMSNorm, residual or
     split-K; result in x's dtype) runs :func:`linear_tma_kernel` on this device."""
@@ -1489,7 +1478,7 @@ def _tma_gemm_fits(x2, weight, out, norm_weight, residual, split_k: int, silu_mu
     capability 9+) and the shared memory of its tile, 16-bit operands and result of one
     dtype, prefill rows (above SKINNY_MAX_M), no RMSNorm prologue, residual or split-K, and
     the 16-byte strides and bases TMA needs."""
-    if not x2.is_cuda or _capability(x2.get_device())[0] < 9:
+    if not x2.is_cuda or capability(x2)[0] < 9:
         return False
     if (smem_per_block(x2) or 0) < tma_gemm_smem_bytes(dtype_bytes=x2.element_size()):
         return False
