@@ -57,9 +57,11 @@ def _is_pow2(n: int) -> bool:
 def prefill_attention_config(seq_len: int, head_dim: int, interpreted: bool = False) -> PrefillAttentionConfig:
     """Default tile for prompts of ``seq_len`` tokens and heads of ``head_dim``.
 
-    On a GPU: 128 query rows per tile for 64-wide heads, 64 for wider ones or short
-    prompts, against 64-key blocks (H200, causal GQA 32/8 heads: 64 x 64 with 4 warps ran
-    305 TFLOP/s at 8k tokens for 128-wide heads, 128 x 64 with 8 warps 288).
+    On a GPU: 64 query rows per tile, against 128-key blocks for heads up to 64 wide and
+    64-key blocks up to 128, through a 3-deep ring (H200, causal GQA 32/8 heads, graph
+    replays against SDPA's flash backend: 1.16 / 0.91 of it at 2k / 8k tokens for 64-wide
+    heads, where 128 x 64 tiles ran 0.96 / 0.85; 1.16 / 0.96 for 128-wide heads, where
+    2 stages ran 1.10 / 0.94).
     Under the interpreter every op costs the same whatever its size, so larger blocks
     simply mean fewer programs.
     """
@@ -67,10 +69,10 @@ def prefill_attention_config(seq_len: int, head_dim: int, interpreted: bool = Fa
     if interpreted:
         block = min(64, fit)
         return PrefillAttentionConfig(head_dim, block, block, num_stages=1, num_warps=4)
-    block_m = min(128 if head_dim <= 64 else 64, fit)
-    block_n = min(64 if head_dim <= 128 else 32, fit)
+    block_m = min(64, fit)
+    block_n = min(128 if head_dim <= 64 else 64 if head_dim <= 128 else 32, fit)
     num_warps = 4
-    num_stages = 3 if head_dim <= 64 else 2
+    num_stages = 3
     return PrefillAttentionConfig(head_dim, block_m, block_n, num_stages, num_warps)
 
 

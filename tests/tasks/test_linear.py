@@ -484,6 +484,17 @@ def test_tma_gemm_tile_matches_reference_through_the_interpreter(silu):
     assert rel_err(out, linear_ref(x, w, silu_mul=silu)) < 1e-5
 
 
+def test_tma_gemm_takes_narrow_tiles_only_where_wide_ones_leave_the_last_wave_idle():
+    from mk.tasks.linear import TMA_GEMM, TMA_GEMM_NARROW, tma_gemm_config
+
+    # 1B QKV at 2048 rows: 192 wide tiles fill 1.45 waves of 132 SMs (73% busy), 384
+    # narrow ones 2.9 (97%).
+    assert tma_gemm_config(2048, 3072, 132) == TMA_GEMM_NARROW
+    for M, N in ((2048, 2048), (2048, 16384), (8192, 3072), (2048, 6144), (8192, 28672)):
+        assert tma_gemm_config(M, N, 132) == TMA_GEMM, (M, N)
+    assert TMA_GEMM_NARROW.block_n < TMA_GEMM.block_n
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("M,N,K", [(2048, 3072, 2048), (300, 1008, 520), (17, 256, 64)])
