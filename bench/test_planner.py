@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mk.planner.device import DeviceSpec
-from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.models.blocks import ModelShape, decode_graph
 from mk.planner.search import search
 
 pytestmark = pytest.mark.cpu
@@ -30,7 +30,7 @@ SEARCH_FLOOR_S = 0.200
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_search_time_llama_3_8b(benchmark, record, batch):
-    graph = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch, 1024)
+    graph = decode_graph(ModelShape.preset("llama-3-8b"), batch, 1024)
     device = DeviceSpec.preset("h200")
     plans = benchmark.pedantic(lambda: search(graph, device), rounds=5, warmup_rounds=1)
     median = _median_s(lambda: search(graph, device), 5)
@@ -46,7 +46,7 @@ def test_plan_from_cache_llama_3_8b(benchmark, record, tmp_path, monkeypatch):
     from mk.planner.cache import cached_plan
 
     monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
-    graph = llama_decode_graph(ModelShape.preset("llama-3-8b"), 1, 1024)
+    graph = decode_graph(ModelShape.preset("llama-3-8b"), 1, 1024)
     device = DeviceSpec.preset("h200")
     assert not cached_plan(graph, device)[1]  # fill the cache
     plan, hit = benchmark.pedantic(lambda: cached_plan(graph, device), rounds=20, warmup_rounds=2)

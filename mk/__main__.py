@@ -103,30 +103,20 @@ def run_plan(args) -> int:
     The shape, ``--batch``, ``--kv-len`` (1 to the model's positions) and the device are
     checked before the search; without ``--device`` the live GPU is planned for, and a
     machine without one is told to name a preset."""
-    import json
     from pathlib import Path
 
     from .generate import Status
     from .planner.cache import cached_plan
     from .planner.device import PRESETS, DeviceSpec
-    from .planner.graph import ModelShape, llama_decode_graph
+    from .models.blocks import ModelShape, decode_graph
+    from .models.config import LlamaConfig
     from .planner.search import Plan, search
 
     folder = Path(args.model)
     if folder.is_dir():
-        config = folder / "config.json"
-        if not config.is_file():
-            raise ValueError(f"{folder} has no config.json")
-        try:
-            hf = json.loads(config.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{config} is not valid JSON: {err}") from err
-        if not isinstance(hf, dict):
-            raise ValueError(f"{config}: expected a JSON object, got {type(hf).__name__}")
-        shape = ModelShape.from_hf_config(hf, name=folder.name)
-        positions = hf.get("max_position_embeddings")
-        if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
-            positions = DEFAULT_MAX_POSITIONS
+        config = LlamaConfig.from_pretrained(folder)
+        shape = config.to_model_shape(name=folder.name)
+        positions = config.max_position_embeddings
     else:
         shape = ModelShape.preset(args.model)
         positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
@@ -145,7 +135,7 @@ def run_plan(args) -> int:
         device = DeviceSpec.from_gpu()
     if args.smem_budget:
         device = device.with_smem_budget(args.smem_budget)
-    graph = llama_decode_graph(shape, args.batch, args.kv_len)
+    graph = decode_graph(shape, args.batch, args.kv_len)
     status = Status()
     status(f"planning {shape.name}, batch {args.batch}, length {args.kv_len} for {device.name}", bar=True)
     if args.no_cache:

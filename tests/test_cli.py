@@ -22,7 +22,7 @@ def test_plan_command_prints_an_explained_plan(capsys, tmp_path):
     assert "unknown model shape 'gpt-9'" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{not json")
     assert main(["plan", "--model", str(tmp_path), "--device", "h200"]) == 1
-    assert "not valid JSON" in capsys.readouterr().err
+    assert "invalid JSON" in capsys.readouterr().err
 
 
 def test_generate_command_runs_the_default_model_and_checks_it(capsys):

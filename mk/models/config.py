@@ -225,9 +225,9 @@ class LlamaConfig:
         return path
 
     def to_model_shape(self, name: str = "llama", dtype_bytes: int = 2, kv_dtype_bytes: int | None = None):
-        """The planner's :class:`mk.planner.graph.ModelShape` of this config (``kv_dtype_bytes``:
-        of a KV-cache element, default the weights' ``dtype_bytes``)."""
-        from mk.planner.graph import ModelShape
+        """The :class:`mk.models.blocks.ModelShape` of this config, which the decode graph is
+        built from (``kv_dtype_bytes``: of a KV-cache element, default the weights' ``dtype_bytes``)."""
+        from mk.models.blocks import ModelShape
         return ModelShape(name=name, hidden=self.hidden_size, intermediate=self.intermediate_size,
                           layers=self.num_hidden_layers, heads=self.num_attention_heads,
                           kv_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab=self.vocab_size,

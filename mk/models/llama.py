@@ -37,7 +37,7 @@ from mk.tasks.silu_mul import silu_mul
 from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
                              scale_logits_ref)
 
-from mk.planner.lower import WEIGHT
+from mk.models.blocks import WEIGHT, cache_keys
 
 from .config import LlamaConfig
 from . import prefill as _prefill
@@ -273,12 +273,12 @@ class Llama:
         this device (:func:`mk.planner.search.pick_measured`). Any plan decodes every length
         up to ``max_seq_len`` correctly; ``kv_len`` is what it is fastest for."""
         from mk.planner.cache import cached_plan
-        from mk.planner.graph import llama_decode_graph
+        from mk.models.blocks import decode_graph
 
         kv_len = self.max_seq_len if kv_len is None else kv_len
         if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= self.max_seq_len:
             raise ValueError(f"kv_len must be an int in [1, max_seq_len={self.max_seq_len}], got {kv_len!r}")
-        graph = llama_decode_graph(self.shape, batch, kv_len)
+        graph = decode_graph(self.shape, batch, kv_len)
         if self.plan_mode == "measure":
             plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch),
                                   progress=progress)
@@ -336,7 +336,8 @@ class Llama:
                  "seed": torch.zeros(1, dtype=torch.int64, device=self.device)}
         bufs = dict(self.weights, **state)
         for L in range(self.config.num_hidden_layers):
-            bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = self.k_cache[L, :batch], self.v_cache[L, :batch]
+            kn, vn = cache_keys(L)
+            bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
         step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
 
         def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them

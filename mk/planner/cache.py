@@ -49,7 +49,7 @@ def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int, 
 
     from mk import __version__
 
-    blob = json.dumps({"model": graph.model.to_dict(), "batch": graph.batch, "kv_len": graph.kv_len,
+    blob = json.dumps({"graph": graph.to_json(), "batch": graph.batch, "kv_len": graph.kv_len,
                        "device": device.to_dict(), "workers": workers, "beam": beam_width,
                        "measured_top_k": measured_top_k,
                        "triton": triton.__version__, "mk": __version__,

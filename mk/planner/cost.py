@@ -519,7 +519,7 @@ def estimate_step(graph: OpGraph, plan: dict[str, OpChoice], device: DeviceSpec,
             raise ValueError(f"op {node.name} ({node.kind}) has no choice in the plan")
         choice = plan[node.name]
         step.ops.append(estimate_op(node, choice, device, workers, [nodes[f] for f in choice.fuse],
-                                    graph.model.dtype_bytes, node.name in idle))
+                                    graph.dtype_bytes, node.name in idle))
     return step
 
 

@@ -1,6 +1,6 @@
-"""Lowering: a plan of a Llama decode step -> the task graph one megakernel launch runs.
+"""Lowering: a plan of a decode step -> the task graph one megakernel launch runs.
 
-Each op of the plan becomes the tasks of its chosen tile (:mod:`mk.persistent.taskops`),
+Each op of the plan becomes the tasks of its chosen tile (the op's spec in :mod:`mk.tasks`),
 fused ops folded into their host's tile (an RMSNorm prologue, a residual or SiLU·mul
 epilogue). The runtime derives every dependency from the regions the tasks read and
 write, so they are exact at tile granularity: a QKV tile waits for the rows it
@@ -18,21 +18,21 @@ token itself (top-k / top-p) and appends it with :func:`mk.tasks.append_token.ap
 
 Buffers the caller provides (by name), all on one device:
 
-* weights, named ``w.`` + their op: ``w.embed`` [V, H]; per layer ``w.l{L}.attn_norm``
-  [H], ``w.l{L}.qkv`` [(Hq + 2 Hkv) D, H] (q rows, k rows, v rows; the q and k rows in the
-  interleaved rotary layout of :func:`mk.tasks.rope.interleave_rotary`, so that RoPE can fuse
-  into the QKV tiles), ``w.l{L}.o_proj`` [H, Hq D], ``w.l{L}.mlp_norm``
-  [H], ``w.l{L}.gate_up`` [2 I, H] (:func:`mk.tasks.linear.interleave_gate_up`),
-  ``w.l{L}.down`` [H, I]; ``w.final_norm`` [H], ``w.lm_head`` [V, H]; ``inv_freq``
-  float32 [D/2];
-* the caches ``l{L}.k_cache``, ``l{L}.v_cache`` [B, Hkv, S, D];
+* what the graph's ops bind (:attr:`mk.planner.graph.OpNode.buffers`): an embedding's
+  table ``w`` [V, H]; an RMSNorm's ``w`` [H]; a linear's ``w`` [N, K] (a QKV's q and k rows
+  in the interleaved rotary layout of :func:`mk.tasks.rope.interleave_rotary`, so that RoPE
+  can fuse into its tiles; a gate/up's rows interleaved by
+  :func:`mk.tasks.linear.interleave_gate_up`) and its optional ``bias`` [N]; RoPE's
+  ``inv_freq`` float32 [D/2], optional ``q_norm`` / ``k_norm`` [D] and, with attention,
+  the ``k_cache`` / ``v_cache`` [B, Hkv, S, D];
 * the step state: ``ids`` [B], ``pos`` [B] (the positions fed this step), ``tokens``
   [B, S] (each sequence's history), all int32; with ``next_token="sample"`` also
   ``temperature`` float32 [1] and ``seed`` int64 [1].
 
 Activations and workspaces are allocated here, named after the op graph's tensors, all
 float32: only the weights and the KV cache are stored in a 16-bit dtype. The layers'
-activations of one role are one tensor (``l0.qkv`` is ``l1.qkv``: :func:`_layer_shared`), so
+activations of one role are one tensor (``l0.qkv`` is ``l1.qkv``, their ops' scopes aside:
+:func:`_layer_shared`), so
 after a step each holds the last layer's values. A float32 activation
 meets a bf16 weight or cache in two bf16 halves on the tensor cores (:func:`mk.tasks._dot.mma`)
 or in float32 FMAs (the GEMV), so nothing between them is rounded: on a random-weight
@@ -43,7 +43,6 @@ rounding q/k/v, the attention output and SiLU·mul's output still cost ~1%
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -68,7 +67,6 @@ from .simulate import simulate_step
 PREFETCH_K = 1024
 
 STATE_BUFFERS = ("ids", "pos", "tokens")
-WEIGHT = "w."  # weight buffer names: the prefix keeps them apart from the activations
 SAMPLING_BUFFERS = ("temperature", "seed")
 #: How a step ends: greedy argmax, temperature sampling (both + append_token), or the logits.
 NEXT_TOKEN = ("argmax", "sample", "logits")
@@ -93,41 +91,45 @@ class DecodeStep:
 
 
 def weight_names(graph: OpGraph) -> list[str]:
-    """The weight buffers a step of ``graph`` reads (see the module docstring)."""
-    names = ["inv_freq"]
-    for node in graph.nodes:
-        if node.kind in ("embedding", "rmsnorm", "linear"):
-            names.append(WEIGHT + node.name)
-        elif node.kind == "rope_kv":
-            layer = node.name.rsplit(".", 1)[0]
-            names += [f"{layer}.k_cache", f"{layer}.v_cache"]
-    return names
+    """The buffers a step of ``graph`` binds besides its state (see the module docstring)."""
+    return list(dict.fromkeys(b for node in graph.nodes for b in node.buffers.values()))
 
 
-def meta_buffers(graph: OpGraph, max_seq: int) -> dict[str, torch.Tensor]:
+def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """Every buffer a decode step of ``graph`` binds, on the ``meta`` device (shapes and
     dtypes, no memory): enough to lower a step and read its tasks (what they read and
-    write) without weights, e.g. to analyse a plan or a trace on a machine without them."""
-    m, B = graph.model, graph.batch
+    write) without weights, e.g. to analyse a plan or a trace on a machine without them.
+    The cache's element size is the attention ops' (``kv_dtype_bytes``)."""
+    B = graph.batch
     meta = dict(device="meta")
     dtypes = {2: torch.bfloat16, 4: torch.float32}
-    if m.dtype_bytes not in dtypes or m.kv_dtype_bytes not in dtypes:
-        raise ValueError(f"meta_buffers: elements of {m.dtype_bytes} / {m.kv_dtype_bytes} bytes (weights / KV "
+    att = next((n.dims for n in graph.nodes if n.kind == "attention"), {})
+    kv_bytes = att.get("kv_dtype_bytes", graph.dtype_bytes)
+    if graph.dtype_bytes not in dtypes or kv_bytes not in dtypes:
+        raise ValueError(f"meta_buffers: elements of {graph.dtype_bytes} / {kv_bytes} bytes (weights / KV "
                          f"cache); mk's steps hold 2 or 4")
-    dtype, kv_dtype = dtypes[m.dtype_bytes], dtypes[m.kv_dtype_bytes]
-    bufs = {"inv_freq": torch.empty(m.head_dim // 2, **meta), "ids": torch.empty(B, dtype=torch.int32, **meta),
-            "pos": torch.empty(B, dtype=torch.int32, **meta),
+    dtype, kv_dtype = dtypes[graph.dtype_bytes], dtypes[kv_bytes]
+    bufs = {"ids": torch.empty(B, dtype=torch.int32, **meta), "pos": torch.empty(B, dtype=torch.int32, **meta),
             "tokens": torch.empty(B, max_seq, dtype=torch.int32, **meta),
             "temperature": torch.empty(1, **meta), "seed": torch.empty(1, dtype=torch.int64, **meta)}
-    for L in range(m.layers):
-        for c in ("k_cache", "v_cache"):
-            bufs[f"l{L}.{c}"] = torch.empty(B, m.kv_heads, max_seq, m.head_dim, dtype=kv_dtype, **meta)
     for n in graph.nodes:
-        shape = {"embedding": (m.vocab, m.hidden), "rmsnorm": (m.hidden,)}.get(n.kind)
-        if n.kind == "linear":
-            shape = (n.dims["N"], n.dims["K"])
-        if shape is not None:
-            bufs[WEIGHT + n.name] = torch.empty(*shape, dtype=dtype, **meta)
+        d = n.dims
+        for role, name in n.buffers.items():
+            if n.kind == "embedding":
+                shape = (d["vocab"], d["hidden"])
+            elif n.kind == "rmsnorm":
+                shape = (d["n"],)
+            elif n.kind == "linear":
+                shape = (d["N"], d["K"]) if role == "w" else (d["N"],)
+            elif role in ("k_cache", "v_cache"):
+                bufs[name] = torch.empty(B, d["kv_heads"], max_seq, d["head_dim"], dtype=kv_dtype, **meta)
+                continue
+            elif role == "inv_freq":
+                bufs[name] = torch.empty(d["head_dim"] // 2, **meta)
+                continue
+            else:  # q_norm / k_norm
+                shape = (d["head_dim"],)
+            bufs[name] = torch.empty(*shape, dtype=dtype, **meta)
     return bufs
 
 
@@ -140,23 +142,23 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     """
     if next_token not in NEXT_TOKEN:
         raise ValueError(f"lower_decode_step: next_token must be one of {NEXT_TOKEN}, got {next_token!r}")
-    m, B = graph.model, graph.batch
+    B = graph.batch
     need = (weight_names(graph) + list(STATE_BUFFERS)
             + (list(SAMPLING_BUFFERS) if next_token == "sample" else []))
     missing = [n for n in need if n not in buffers]
     if missing:
         raise ValueError(f"lower_decode_step: missing buffers {missing}")
-    weight = buffers[WEIGHT + "embed"]
+    embed = next(n for n in graph.nodes if n.kind == "embedding")
+    weight = buffers[embed.buffers["w"]]
     dtype, device = weight.dtype, weight.device
     S = buffers["tokens"].shape[1] if buffers["tokens"].dim() == 2 else -1
-    expect = {"ids": (B,), "pos": (B,), "tokens": (B, S), "inv_freq": (m.head_dim // 2,)}
-    for L in range(m.layers):
-        for c in ("k_cache", "v_cache"):
-            expect[f"l{L}.{c}"] = (B, m.kv_heads, S, m.head_dim)
-    for name, shape in expect.items():
-        if tuple(buffers[name].shape) != shape:
+    expect = meta_buffers(graph, max(S, 1))
+    for name in need:
+        if tuple(buffers[name].shape) != tuple(expect[name].shape):
             raise ValueError(f"lower_decode_step: buffer {name} has shape {tuple(buffers[name].shape)}, "
-                             f"expected {shape}")
+                             f"expected {tuple(expect[name].shape)}")
+    # One op publishes the sequence lengths attention reads: the step's first RoPE.
+    first_rope = next((n.name for n in graph.nodes if n.kind == "rope_kv"), None)
 
     g = TaskGraph()
     for name in need:
@@ -166,12 +168,13 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     step = DecodeStep(g, plan, B, S, next_token)
 
     shared: dict[tuple, torch.Tensor] = {}  # (role, shape, dtype) -> the one tensor every layer uses
+    scope = ""  # the scope of the op being lowered
 
     def activation(name: str, *shape: int, dt: torch.dtype = torch.float32) -> str:
         if name in buffers:
             raise ValueError(f"lower_decode_step: activation {name} would overwrite the caller's buffer of that name")
         if name not in g.buffers:
-            g.buffer(name, _layer_shared(shared, name, shape, dt, device))
+            g.buffer(name, _layer_shared(shared, name, scope, shape, dt, device))
         return name
 
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
@@ -186,36 +189,35 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         choice = plan.choices.get(node.name)
         if choice is None and node.name not in fused_into:
             raise ValueError(f"lower_decode_step: op {node.name} has no choice in the plan")
-        kind = node.kind
+        kind, d, scope = node.kind, node.dims, node.scope
         if kind == "embedding":
-            add_op(node.name, make_op("embedding", rows=B, vocab=m.vocab, hidden=m.hidden),
-                   ids="ids", table=WEIGHT + "embed", out=activation(node.outputs[0], B, m.hidden))
+            add_op(node.name, make_op("embedding", rows=B, vocab=d["vocab"], hidden=d["hidden"]),
+                   ids="ids", table=node.buffers["w"], out=activation(node.outputs[0], B, d["hidden"]))
         elif kind == "rmsnorm":
-            add_op(node.name, make_op("rmsnorm", n=m.hidden, eps=eps), B, x=node.inputs[0], w=WEIGHT + node.name,
-                   out=activation(node.outputs[0], B, m.hidden))
+            add_op(node.name, make_op("rmsnorm", n=d["n"], eps=eps), B, x=node.inputs[0], w=node.buffers["w"],
+                   out=activation(node.outputs[0], B, d["n"]))
         elif kind == "linear":
-            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps, S, next_token)
+            _lower_linear(node, choice, nodes, add_op, activation, dtype, eps, S, next_token, first_rope)
         elif kind == "rope_kv":
-            layer = node.name.rsplit(".", 1)[0]
-            first = layer == "l0"  # one layer publishes the lengths attention reads
-            spec = make_op("rope_kv", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads, head_dim=m.head_dim,
-                           max_seq=S, write_seqlens=first, interleaved=True)
+            first = node.name == first_rope
+            spec = make_op("rope_kv", batch=B, num_q_heads=d["heads"], num_kv_heads=d["kv_heads"],
+                           head_dim=d["head_dim"], max_seq=S, write_seqlens=first, interleaved=True)
             extra = {"seqlens": activation("seqlens", B, dt=torch.int32)} if first else {}
-            add_op(node.name, spec, qkv=node.inputs[0], pos="pos", inv_freq="inv_freq",
-                   q=activation(node.outputs[0], B, m.heads * m.head_dim), k_cache=f"{layer}.k_cache",
-                   v_cache=f"{layer}.v_cache", **extra)
+            add_op(node.name, spec, qkv=node.inputs[0], pos="pos", inv_freq=node.buffers["inv_freq"],
+                   q=activation(node.outputs[0], B, d["heads"] * d["head_dim"]), k_cache=node.buffers["k_cache"],
+                   v_cache=node.buffers["v_cache"], **extra)
         elif kind == "attention":
-            layer = node.name.rsplit(".", 1)[0]
-            splits = choice.kv_splits
+            splits, hq, dh = choice.kv_splits, d["heads"], d["head_dim"]
             # One phase: each KV group's last split merges it (with one split too: a copy). The
             # length from the positions: known before the wait (the step's QKV writes seqlens).
-            spec = make_op("decode_attention", batch=B, num_q_heads=m.heads, num_kv_heads=m.kv_heads,
-                           head_dim=m.head_dim, max_seq=S, num_splits=splits, from_positions=True)
-            add_op(node.name, spec, q=node.inputs[0], k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache",
-                   pos="pos", o_part=activation(f"{layer}.o_part", B, m.heads, splits * m.head_dim),
-                   lse=activation(f"{layer}.lse", B, m.heads, splits),
-                   arrivals=activation(f"{layer}.arrivals", B * m.kv_heads, dt=torch.int32),
-                   out=activation(node.outputs[0], B, m.heads * m.head_dim))
+            spec = make_op("decode_attention", batch=B, num_q_heads=hq, num_kv_heads=d["kv_heads"],
+                           head_dim=dh, max_seq=S, num_splits=splits, from_positions=True)
+            add_op(node.name, spec, q=node.inputs[0], k_cache=node.buffers["k_cache"],
+                   v_cache=node.buffers["v_cache"], pos="pos",
+                   o_part=activation(f"{node.name}.o_part", B, hq, splits * dh),
+                   lse=activation(f"{node.name}.lse", B, hq, splits),
+                   arrivals=activation(f"{node.name}.arrivals", B * d["kv_heads"], dt=torch.int32),
+                   out=activation(node.outputs[0], B, hq * dh))
         elif kind == "argmax":
             if next_token == "logits":
                 continue
@@ -225,16 +227,16 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                        pos="pos", tokens="tokens", best="argmax.best")
                 continue
             if next_token == "sample":
-                part = make_op("sample_gumbel_partial", rows=B, vocab=m.vocab)
+                part = make_op("sample_gumbel_partial", rows=B, vocab=d["v"])
                 extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
             else:
-                part = make_op("argmax_partial", rows=B, vocab=m.vocab)
+                part = make_op("argmax_partial", rows=B, vocab=d["v"])
                 extra = {}
             chunks = part.constexprs["N_CHUNKS"]
             pv = activation("argmax.val", B, chunks)
             pi = activation("argmax.idx", B, chunks, dt=torch.int32)
             add_op(node.name, part, logits=node.inputs[0], part_val=pv, part_idx=pi, **extra)
-            add_op(node.name, make_op("argmax_reduce", rows=B, vocab=m.vocab), part_val=pv, part_idx=pi,
+            add_op(node.name, make_op("argmax_reduce", rows=B, vocab=d["v"]), part_val=pv, part_idx=pi,
                    out_idx="ids", out_val=activation("next_val", B))
             add_op("append_token", make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos",
                    tokens="tokens")
@@ -244,13 +246,11 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     return step
 
 
-_LAYER_PREFIX = re.compile(r"^l\d+\.")
-
-
-def _layer_shared(shared: dict, name: str, shape: tuple, dt: torch.dtype, device) -> torch.Tensor:
-    """Zeros for activation ``name``; a layer's activation (``l{L}.role``) is the same memory
-    as every other layer's of that role, shape and dtype, so a step holds one layer's
-    activations and workspaces, not all of them (8B batch 8: 138 MiB -> a few).
+def _layer_shared(shared: dict, name: str, scope: str, shape: tuple, dt: torch.dtype, device) -> torch.Tensor:
+    """Zeros for activation ``name`` of an op in ``scope``; a layer's activation (its scope,
+    then its role: ``l3.qkv``) is the same memory as every other layer's of that role,
+    shape and dtype, so a step holds one layer's activations and workspaces, not all of
+    them (8B batch 8: 138 MiB -> a few).
 
     Safe because every layer begins with an RMSNorm over whole rows of the residual: each
     task of layer L+1 that writes an activation depends, through that row, on every task of
@@ -258,10 +258,9 @@ def _layer_shared(shared: dict, name: str, shape: tuple, dt: torch.dtype, device
     feed the next layer's normed input); the attention arrivals counters are left at zero
     by their last user. :func:`mk.persistent.vm.run_vm` checks this on the memory, not the
     names."""
-    m = _LAYER_PREFIX.match(name)
-    if m is None:
+    if not scope or not name.startswith(scope):
         return torch.zeros(*shape, dtype=dt, device=device)
-    key = (name[m.end():], tuple(shape), dt)
+    key = (name[len(scope):], tuple(shape), dt)
     if key not in shared:
         shared[key] = torch.zeros(*shape, dtype=dt, device=device)
     return shared[key]
@@ -295,7 +294,7 @@ def argmax_in_lm_head(plan: Plan, argmax: str, next_token: str) -> bool:
 
 
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
-                  max_seq: int, next_token: str) -> None:
+                  max_seq: int, next_token: str, first_rope: str | None) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
     tiles, or with RoPE + KV append fused, qkv_rope_kv tiles (split-K: partials, then
     qkv_rope_kv_reduce tiles); an LM head with the argmax fused also folds each row's
@@ -314,9 +313,9 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         out_name, out_cols = silu.outputs[0], N // 2
     if add is not None:
         out_name = add.outputs[0]
-    bind = {"x": x, "w": WEIGHT + node.name}
+    bind = {"x": x, "w": node.buffers["w"]}
     if norm is not None:
-        bind["norm_w"] = WEIGHT + norm.name
+        bind["norm_w"] = norm.buffers["w"]
     tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
     gemv = _streaming(choice, M, K)
     run = dict(tiles_per_task=choice.tiles_per_task)  # the reduces stay one tile a task
@@ -327,12 +326,12 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         if add is not None or silu is not None:
             raise ValueError(f"lower_decode_step: op {node.name} fuses {rope.name} and {[f.name for f in fused]}: "
                              f"RoPE fuses only into a QKV linear, beside its RMSNorm")
-        r, layer = rope.dims, node.name.rsplit(".", 1)[0]
-        first = layer == "l0"  # one layer publishes the lengths attention reads
+        r, first = rope.dims, rope.name == first_rope
         heads = dict(num_q_heads=r["heads"], num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], K=K,
                      max_seq=max_seq, write_seqlens=first)
-        epilogue.update(pos="pos", inv_freq="inv_freq", q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
-                        k_cache=f"{layer}.k_cache", v_cache=f"{layer}.v_cache")
+        epilogue.update(pos="pos", inv_freq=rope.buffers["inv_freq"],
+                        q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
+                        k_cache=rope.buffers["k_cache"], v_cache=rope.buffers["v_cache"])
         if first:
             epilogue["seqlens"] = activation("seqlens", M, dt=torch.int32)
     else:

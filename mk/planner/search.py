@@ -296,7 +296,7 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
         # one layer does not stand for the others (8B batch 8: 6.5 ms from the template,
         # 9.0 simulated whole): it is simulated over the whole step.
         times = _schedule_times(planned, choices, device, n_workers,
-                                graph.model.layers - 1 if template is not None else 0,
+                                graph.layers - 1 if template is not None else 0,
                                 [s for s in SCHEDULES if template is None or s != "zigzag"])
         if template is not None:
             choices = _expand(choices, graph)
@@ -308,7 +308,7 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
         if any(xmajor_decode_tile(graph.node(n), c) for n, c in choices.items()):
             times = {k: v * (1 + device.xmajor_kernel_slowdown) for k, v in times.items()}
         step = estimate_step(graph, choices, device, n_workers)
-        out.append(Plan(graph.model.name, graph.batch, graph.kv_len, device.name, n_workers, choices, times[best],
+        out.append(Plan(graph.name, graph.batch, graph.kv_len, device.name, n_workers, choices, times[best],
                         step.peak_smem_bytes, step.ops, schedule=best, schedule_s=times))
     return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))[:top_k]
 
@@ -351,8 +351,10 @@ def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: Device
     return times
 
 
-def _layer_key(node: OpNode, layer: int):
-    strip = (lambda name: name[len(f"l{layer}."):]) if layer >= 0 else (lambda name: name)
+def _layer_key(node: OpNode):
+    def strip(name: str) -> str:  # the op's role in its layer
+        return name[len(node.scope):] if name.startswith(node.scope) else name
+
     return (strip(node.name), node.kind, tuple(sorted(node.dims.items())), node.bytes_read, node.bytes_written,
             node.flops, strip(node.fuse_into) if node.fuse_into else None)
 
@@ -366,24 +368,25 @@ def _layer_template(graph: OpGraph) -> OpGraph | None:
     layers = sorted(k for k in by_layer if k >= 0)
     if len(layers) < 2 or layers != list(range(len(layers))):
         return None
-    first = [_layer_key(n, 0) for n in by_layer[0]]
-    if any([_layer_key(n, L) for n in by_layer[L]] != first for L in layers[1:]):
+    first = [_layer_key(n) for n in by_layer[0]]
+    if any([_layer_key(n) for n in by_layer[L]] != first for L in layers[1:]):
         return None
-    return OpGraph(graph.model, graph.batch, graph.kv_len, [n for n in graph.nodes if n.layer in (-1, 0)])
+    return replace(graph, nodes=[n for n in graph.nodes if n.layer in (-1, 0)])
 
 
 def _expand(choices: dict[str, OpChoice], graph: OpGraph) -> dict[str, OpChoice]:
     """Layer 0's choices (from :func:`_layer_template`'s plan) given to every layer of ``graph``."""
     out = {}
+    first = next(n.scope for n in graph.nodes if n.layer == 0)
     for n in graph.nodes:
         if n.layer <= 0:
             if n.name in choices:
                 out[n.name] = choices[n.name]
             continue
-        src = "l0." + n.name[len(f"l{n.layer}."):]
+        src = first + n.name[len(n.scope):]
         if src in choices:
             c = choices[src]
-            out[n.name] = replace(c, fuse=tuple(f"l{n.layer}." + f[len("l0."):] for f in c.fuse))
+            out[n.name] = replace(c, fuse=tuple(n.scope + f[len(first):] for f in c.fuse))
     return out
 
 
@@ -410,7 +413,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
         key = (shape(node), node.name in idle, choice, tuple(shape(nodes[f]) for f in fused_names))
         if key not in cache:
             cache[key] = estimate_op(node, replace(choice, fuse=fused_names), device, workers,
-                                     [nodes[f] for f in fused_names], graph.model.dtype_bytes, node.name in idle)
+                                     [nodes[f] for f in fused_names], graph.dtype_bytes, node.name in idle)
         return cache[key]
 
     ranked_of: dict = {}
@@ -418,7 +421,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
     for node in iterator:
         rank_key = (shape(node), node.name in idle)
         if rank_key not in ranked_of:
-            options = [c for c in candidates(node, device, graph.model.dtype_bytes, workers)
+            options = [c for c in candidates(node, device, graph.dtype_bytes, workers)
                        if cost_of(node, c, ()).smem_bytes <= budget and (xmajor or not xmajor_decode_tile(node, c))]
             if not options:
                 raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "

@@ -114,7 +114,7 @@ def step_phases(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
             continue
         choice = plan.get(node.name, OpChoice()) if unfused_argmax else plan[node.name]
         host_fused = [nodes[f] for f in choice.fuse if next_token == "argmax" or nodes[f].kind != "argmax"]
-        costs = phase_costs(node, choice, device, workers, host_fused, graph.model.dtype_bytes, node.name in idle)
+        costs = phase_costs(node, choice, device, workers, host_fused, graph.dtype_bytes, node.name in idle)
         d = node.dims
         if node.kind == "linear":
             silu = any(nodes[f].kind == "silu_mul" for f in choice.fuse)

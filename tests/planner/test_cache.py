@@ -4,7 +4,7 @@ import pytest
 
 from mk.planner.cache import cached_plan, plan_dir, schedule_variants
 from mk.planner.device import DeviceSpec
-from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.models.blocks import ModelShape, decode_graph
 from mk.planner.search import Plan
 from mk.planner.simulate import simulate_step
 
@@ -15,14 +15,14 @@ def _cache_in_tmp(tmp_path, monkeypatch):
 
 
 def test_hit_miss_and_corrupt_file():
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 128)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 128)
     h200 = DeviceSpec.preset("h200")
     first, hit = cached_plan(g, h200)
     assert not hit
     again, hit = cached_plan(g, h200)
     assert hit and again.choices == first.choices and again.predicted_s == first.predicted_s
     # A different batch, budget or device is a different plan.
-    assert not cached_plan(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 128), h200)[1]
+    assert not cached_plan(decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 128), h200)[1]
     assert not cached_plan(g, h200.with_smem_budget("99KiB"))[1]
     assert not cached_plan(g, DeviceSpec.preset("l40s"))[1]
     # A corrupt file is planned again and replaced.
@@ -36,7 +36,7 @@ def test_hit_miss_and_corrupt_file():
 
 
 def test_plan_json_round_trip_with_estimates():
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 2, 64)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 2, 64)
     h200 = DeviceSpec.preset("h200")
     plan, _ = cached_plan(g, h200)
     back = Plan.from_json(plan.to_json(), g, h200)
@@ -52,7 +52,7 @@ def test_plan_json_round_trip_with_estimates():
 def test_measure_mode_keeps_the_fastest_measured_plan_and_caches_it():
     """measure mode times the search's top plans and keeps the fastest measured one, even
     when it is not the cheapest predicted; the pick is cached apart from predicted plans."""
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 256)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 256)
     h200 = DeviceSpec.preset("h200")
     predicted, _ = cached_plan(g, h200)
     timed = []
@@ -73,7 +73,7 @@ def test_measure_mode_keeps_the_fastest_measured_plan_and_caches_it():
 
 
 def test_measure_mode_lets_the_gpu_pick_between_near_tie_schedules():
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 256)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 256)
     h200 = DeviceSpec.preset("h200")
     predicted, _ = cached_plan(g, h200)
     # At batch 1 every phase waits for the one before: list and round-robin simulate equal,
@@ -96,7 +96,7 @@ def test_measure_mode_lets_the_gpu_pick_between_near_tie_schedules():
 def test_pick_measured_refuses_a_bad_timing():
     from mk.planner.search import pick_measured, search
 
-    plans = search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"), top_k=2)
+    plans = search(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"), top_k=2)
     with pytest.raises(ValueError, match="must be positive"):
         pick_measured(plans, lambda p: 0.0)
     with pytest.raises(ValueError, match="at least one"):
@@ -108,7 +108,7 @@ def test_the_key_covers_the_task_rules_the_cost_model_reads(tmp_path, monkeypatc
     sizes): editing a task module must give a new key, as editing the planner does."""
     import mk.planner.cache as cache
 
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
     spec = DeviceSpec.preset("h200")
     names = {p.relative_to(p.parent.parent).as_posix() for p in cache._planner_sources()}
     assert {"planner/cost.py", "tasks/linear.py", "tasks/decode_attention.py"} <= names

@@ -7,7 +7,7 @@ import pytest
 from mk.planner.cost import (OpChoice, estimate_op, estimate_step, idle_wait_ops, naive_plan, op_tasks,
                              phase_costs)
 from mk.planner.device import DeviceSpec
-from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.models.blocks import ModelShape, decode_graph
 
 H200 = DeviceSpec.preset("h200")
 
@@ -15,7 +15,7 @@ H200 = DeviceSpec.preset("h200")
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3-8b"])
 def test_naive_step_is_above_the_bandwidth_floor_and_within_reason(name):
     m = ModelShape.preset(name)
-    g = llama_decode_graph(m, batch=1, kv_len=512)
+    g = decode_graph(m, batch=1, kv_len=512)
     step = estimate_step(g, naive_plan(g), H200, workers=2 * H200.sm_count)
     floor = m.weight_bytes / H200.dram_bandwidth
     assert floor < step.seconds < 5 * floor  # unfused 16-row register tiles: slow, not absurd
@@ -23,7 +23,7 @@ def test_naive_step_is_above_the_bandwidth_floor_and_within_reason(name):
 
 
 def test_fusing_the_norm_saves_its_hop_and_traffic():
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
     plan = naive_plan(g)
     base = estimate_step(g, plan, H200, workers=132)
     fused = dict(plan)
@@ -42,7 +42,7 @@ def test_fusing_the_norm_saves_its_hop_and_traffic():
 
 
 def test_more_tasks_than_workers_balance_and_few_tasks_are_capped():
-    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
+    g = decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
     down = g.node("l0.down")  # 4096 x 14336
     wide = estimate_op(down, OpChoice(block_n=512, block_k=256), H200, workers=132)   # 8 tasks
     narrow = estimate_op(down, OpChoice(block_n=16, block_k=256), H200, workers=132)  # 256 tasks
@@ -61,7 +61,7 @@ def test_batch_8_costs_little_more_than_batch_1_with_wide_tiles():
     from mk.planner.search import search
 
     m = ModelShape.preset("llama-3-8b")
-    g1, g8 = llama_decode_graph(m, 1, 512), llama_decode_graph(m, 8, 512)
+    g1, g8 = decode_graph(m, 1, 512), decode_graph(m, 8, 512)
     one, eight = estimate_step(g1, naive_plan(g1), H200, 132), estimate_step(g8, naive_plan(g8), H200, 132)
     assert eight.seconds > 1.4 * one.seconds
     best1, best8 = search(g1, H200, top_k=1)[0], search(g8, H200, top_k=1)[0]
@@ -79,7 +79,7 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     tests/planner/test_smem_gpu.py.)"""
     from mk.planner.cost import GEMV_RING_SCRATCH, MEGAKERNEL_DOT_BUFFERS, op_smem_bytes
 
-    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=8, kv_len=64)
+    g = decode_graph(ModelShape.preset("llama-3-8b"), batch=8, kv_len=64)
     down, qkv = g.node("l0.down"), g.node("l0.qkv")
     small = op_smem_bytes(down, OpChoice(block_n=64, block_k=256, stages=2))
     assert small == op_smem_bytes(down, OpChoice(block_n=64, block_k=256, stages=4))
@@ -87,7 +87,7 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     assert small == MEGAKERNEL_DOT_BUFFERS * (16 * 4 + 64 * 2) * 256 + halves  # 16 rows: tl.dot's least
     normed = op_smem_bytes(qkv, OpChoice(block_n=64, block_k=256, fuse=("l0.attn_norm",)))
     assert normed == small
-    g1 = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
+    g1 = decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
     ring = op_smem_bytes(g1.node("l0.qkv"), OpChoice(block_n=32, block_k=256, tma_stages=4, fuse=("l0.attn_norm",)))
     assert ring == 3 * (32 * 256 * 2 + 256 * 2 + 8) + GEMV_RING_SCRATCH
     # A stream of more than WAIT_IN_STREAM_MAX_CHUNKS pipelines x's chunks beside the weights'.
@@ -106,7 +106,7 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     assert wide == 3 * (256 * 64 * 2 + 8) + 2 * (8 * 64 * 4 + 64 * 2) + 2 * 8 * 64 * 2 == 104728
     # x-major TMA tiles (fewer weight rows, 16 x rows): S - 1 weight and x chunks; x's halves
     # are staged again only when normed in registers (compiled on an H200, Triton 3.6).
-    g1b = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=64)
+    g1b = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=64)
     xmajor = OpChoice(block_n=64, block_k=128, tma_stages=3, split_k=8)
     assert op_smem_bytes(g1b.node("l0.down"), xmajor) == 2 * (64 * 128 * 2 + 16 * 128 * 4 + 8) == 49168
     assert op_smem_bytes(g1b.node("l0.gate_up"), replace(xmajor, split_k=2, fuse=("l0.mlp_norm",))) == 57872
@@ -117,7 +117,7 @@ def test_k_split_cuts_the_whole_range_ring_of_a_down_projection():
     whole K range shrinks with the split: >= 40% less peak shared memory from split-K 2."""
     from mk.planner.cost import op_smem_bytes, whole_range_stages
 
-    down = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64).node("l0.down")
+    down = decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64).node("l0.down")
     K = down.dims["K"]
     smem = {s: op_smem_bytes(down, OpChoice(block_n=16, block_k=256, split_k=s,
                                             tma_stages=whole_range_stages(K, 256, s))) for s in (1, 2, 4, 8)}
@@ -140,7 +140,7 @@ def test_decode_dot_tiles_stream_at_their_measured_worker_rates():
 
     spec = DeviceSpec.preset("h200")
     assert spec.dot_worker_bandwidth > spec.xmajor_dot_bandwidth > 0
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=64)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=64)
     gate_up = g.node("l0.gate_up")  # 16384 x 2048 bf16
     x_major = phase_costs(gate_up, OpChoice(block_n=64, block_k=128, tma_stages=3), spec, 264)[0]
     assert x_major.tasks == 256
@@ -151,7 +151,7 @@ def test_decode_dot_tiles_stream_at_their_measured_worker_rates():
     assert wide.task_s == pytest.approx(spec.task_overhead_s + 128 * 2048 * 2 / spec.dot_worker_bandwidth, rel=0.02)
     free = replace(spec, dot_worker_bandwidth=0.0, xmajor_dot_bandwidth=0.0)
     assert phase_costs(gate_up, OpChoice(block_n=128, block_k=64, tma_stages=3), free, 264)[0].task_s < 0.8 * wide.task_s
-    gemv = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64).node("l0.gate_up")
+    gemv = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64).node("l0.gate_up")
     choice = OpChoice(block_n=32, block_k=256, tma_stages=4)
     assert phase_costs(gemv, choice, spec, 264) == phase_costs(gemv, choice, free, 264)
 
@@ -162,7 +162,7 @@ def test_a_task_that_waits_before_its_stream_pays_the_first_chunk_latency():
     The 8B down projection's 56-chunk tasks wait before a 4-deep ring, inside a grouped one."""
     from mk.planner.cost import exposed_chunk_seconds
 
-    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
+    g = decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
     down, dev = g.node("l0.down"), DeviceSpec.preset("h200")
     task_bytes = 16 * 14336 * 2
     chunks = task_bytes / (16 * 256 * 2)
@@ -178,7 +178,7 @@ def test_a_ring_prologue_counts_as_early_work_only_after_attention():
     # The O projection reads attention's output: while attention runs, DRAM idles and the
     # tasks' TMA rings fill. After a weight-streaming op (QKV after the down projection) the
     # wait overlaps that op's tail: no early part is priced there.
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=512)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=512)
     assert idle_wait_ops(g) == {f"l{L}.o_proj" for L in range(16)}
     spec = DeviceSpec.preset("h100")
     o_proj = g.node("l1.o_proj")  # 8 x 2048 rows a task: 8 chunks of 8 x 256
@@ -195,7 +195,7 @@ def test_a_ring_prologue_counts_as_early_work_only_after_attention():
     assert phase_costs(o_proj, OpChoice(block_n=8, block_k=256, tma_stages=9), spec, 264)[0].early_s == 0
     # Batch 8: x-major tl.dot tiles wait before their stream, nothing early; weight-major ones
     # wait inside it with tma_stages - 1 chunks in flight (2 of a split's 4 chunks here).
-    g8 = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=512)
+    g8 = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=512)
     x_major = OpChoice(block_n=64, block_k=128, tma_stages=3, split_k=8)
     assert phase_costs(g8.node("l1.o_proj"), x_major, spec, 264, idle_wait=True)[0].early_s == 0
     w_major = OpChoice(block_n=128, block_k=64, tma_stages=3, split_k=8)
@@ -219,7 +219,7 @@ def test_the_h100_plan_for_the_1b_takes_the_rings_that_measured_fastest():
     # ring 4 (the plan before) 1.074 / 1.079.
     from mk.planner.search import search
 
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=1024)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=1024)
     plan = search(g, DeviceSpec.preset("h100"), top_k=1)[0]
     rings = {n.split(".")[-1]: c.tma_stages for n, c in plan.choices.items() if n.startswith("l3.")}
     assert (rings["qkv"], rings["o_proj"], rings["down"]) == (4, 9, 9)
@@ -237,10 +237,10 @@ def test_attention_splits_past_the_planned_length_carry_no_bytes():
     shape = ModelShape.preset("llama-3.2-1b")
     for kv_len, splits, live in ((64, 1, 1), (64, 2, 1), (64, 16, 1), (65, 2, 2), (130, 4, 3), (1024, 16, 16),
                                  (1000, 4, 4)):
-        node = llama_decode_graph(shape, 8, kv_len).node("l0.attention")
+        node = decode_graph(shape, 8, kv_len).node("l0.attention")
         assert attention_live_splits(node.dims, splits) == live, (kv_len, splits)
         one, many = (op_bytes_flops(node, OpChoice(kv_splits=s))[0] for s in (1, splits))
         assert (many == one) == (live == 1), (kv_len, splits)  # merges only where two splits live
     for batch in (1, 8):
-        short, full = (search(llama_decode_graph(shape, batch, n), spec, top_k=1)[0] for n in (64, 1024))
+        short, full = (search(decode_graph(shape, batch, n), spec, top_k=1)[0] for n in (64, 1024))
         assert short.choices["l0.attention"].kv_splits == 1 < full.choices["l0.attention"].kv_splits

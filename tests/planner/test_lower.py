@@ -20,8 +20,9 @@ from mk.persistent.runtime import Megakernel
 from mk.persistent.vm import run_vm
 from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
-from mk.planner.graph import llama_decode_graph
-from mk.planner.lower import WEIGHT, lower_decode_step, meta_buffers
+from mk.models.blocks import decode_graph
+from mk.models.blocks import WEIGHT
+from mk.planner.lower import lower_decode_step, meta_buffers
 from mk.planner.search import search
 from tests.conftest import HAS_CUDA, rel_err
 
@@ -110,7 +111,7 @@ def check(step, state, setup_data, model, what):
 
 def test_every_plan_lowers_to_the_reference_step(setup):
     model = setup[0]
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    graph = decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
     for i, plan in enumerate(variants(graph)):
         step, state = run_step(model, plan, graph, setup)
         check(step, state, setup, model, f"plan {i} on the megakernel")
@@ -119,7 +120,7 @@ def test_every_plan_lowers_to_the_reference_step(setup):
 @pytest.mark.parametrize("workers", [3, 16])
 def test_vm_proves_the_lowered_dependencies(setup, workers):
     model = setup[0]
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    graph = decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
     for i, plan in enumerate(variants(graph)[2:]):  # the hand-edited plans: every kind of task
         step, state = run_step(model, plan, graph, setup, workers=workers, seed=workers + i)
         check(step, state, setup, model, f"plan {i} on the VM, {workers} workers")
@@ -130,12 +131,12 @@ def test_layers_share_their_activation_memory(setup):
     # same tensor as l0's of that role. The VM tests above run these steps and check the
     # sharing on the memory (a layer-1 write before a layer-0 read of it would fail them).
     model = setup[0]
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    graph = decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
     plan = variants(graph)[2]  # split-K workspaces and split-KV attention in both layers' ops
     step, _ = run_step(model, plan, graph, setup, workers=3)
     bufs = step.graph.buffers
     layer1 = [n for n in bufs if n.startswith("l1.") and not n.endswith("_cache")]
-    assert {"l1.o_part", "l1.lse", "l1.arrivals", "l1.qkv.ws"} <= set(layer1)
+    assert {"l1.attention.o_part", "l1.attention.lse", "l1.attention.arrivals", "l1.qkv.ws"} <= set(layer1)
     for name in layer1:
         twin = "l0." + name[3:]
         if twin in bufs and bufs[twin].shape == bufs[name].shape:
@@ -146,7 +147,7 @@ def test_layers_share_their_activation_memory(setup):
 
 def test_missing_or_misshapen_buffers_are_named(setup):
     model = setup[0]
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    graph = decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
     plan = search(graph, DeviceSpec.preset("h100"), top_k=1)[0]
     bufs = dict(model.weights)
     with pytest.raises(ValueError, match="missing buffers.*ids"):
@@ -173,7 +174,7 @@ def test_attention_reads_positions_no_task_writes_before_it(setup):
     # task may write pos until every attention task is done: its only writers must come
     # after all of them in the dependency order (append_token, at the step's end).
     model = setup[0]
-    graph = llama_decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
+    graph = decode_graph(CONFIG.to_model_shape(dtype_bytes=4), B, S)
     step, _ = run_step(model, variants(graph)[2], graph, setup, workers=3)
     g = step.graph
     attention = [t.index for t in g.tasks if t.op.name == "decode_attention"]
@@ -200,7 +201,7 @@ def test_meta_buffers_hold_the_model_s_weight_bytes_and_lower(dtype_bytes):
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     shape = replace(cfg.to_model_shape("tiny"), dtype_bytes=dtype_bytes)
-    graph = llama_decode_graph(shape, 2, 32)
+    graph = decode_graph(shape, 2, 32)
     bufs = meta_buffers(graph, 32)
     assert all(t.device.type == "meta" for t in bufs.values())
     streamed = sum(t.numel() * t.element_size() for n, t in bufs.items()
@@ -209,4 +210,4 @@ def test_meta_buffers_hold_the_model_s_weight_bytes_and_lower(dtype_bytes):
     step = lower_decode_step(search(graph, DeviceSpec.preset("h100"))[0], graph, bufs, eps=1e-5)
     assert len(step.graph.tasks) == sum(step.tasks_per_op.values())
     with pytest.raises(ValueError, match="2 or 4"):
-        meta_buffers(llama_decode_graph(replace(shape, dtype_bytes=1), 2, 32), 32)
+        meta_buffers(decode_graph(replace(shape, dtype_bytes=1), 2, 32), 32)

@@ -6,7 +6,7 @@ import pytest
 
 from mk.planner.cost import estimate_step, naive_plan
 from mk.planner.device import DeviceSpec
-from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.models.blocks import ModelShape, decode_graph
 from mk.planner.search import search
 from mk.planner.simulate import simulate_step
 
@@ -16,7 +16,7 @@ from mk.planner.simulate import simulate_step
 @pytest.mark.parametrize("device", ["h200", "l40s"])
 def test_plans_fit_the_budget_and_beat_the_naive_plan(name, batch, device):
     spec = DeviceSpec.preset(device)
-    g = llama_decode_graph(ModelShape.preset(name), batch, 512)
+    g = decode_graph(ModelShape.preset(name), batch, 512)
     plans = search(g, spec, beam_width=4, top_k=3)
     assert plans and [p.predicted_s for p in plans] == sorted(p.predicted_s for p in plans)
     best = plans[0]
@@ -33,7 +33,7 @@ def test_plans_fit_the_budget_and_beat_the_naive_plan(name, batch, device):
 
 
 def test_a_99_kib_budget_still_plans_and_a_tiny_one_names_the_op():
-    g = llama_decode_graph(ModelShape.preset("llama-3-8b"), 8, 512)
+    g = decode_graph(ModelShape.preset("llama-3-8b"), 8, 512)
     tight = DeviceSpec.preset("h200").with_smem_budget("99KiB")
     plan = search(g, tight)[0]
     assert plan.peak_smem_bytes <= 99 * 1024
@@ -42,7 +42,7 @@ def test_a_99_kib_budget_still_plans_and_a_tiny_one_names_the_op():
 
 
 def test_search_is_deterministic_and_explains_itself():
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 128)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 128)
     spec = DeviceSpec.preset("h200")
     a, b = search(g, spec), search(g, spec)
     assert [p.choices for p in a] == [p.choices for p in b]
@@ -59,12 +59,12 @@ def test_h100_batch_8_streams_the_1b_gate_up_in_weight_major_tiles():
     gate_up takes 128-row weight-major tiles with its RMSNorm fused, the plan that measured
     2-3% faster a step than 64-row x-major tiles; batch 1 keeps its GEMV runs."""
     spec = DeviceSpec.preset("h100")
-    g8 = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 1024)
+    g8 = decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 1024)
     plan = search(g8, spec)[0]
     gate_up = plan.choices["l1.gate_up"]
     assert (gate_up.block_n, gate_up.block_k) == (128, 64) and "l1.mlp_norm" in gate_up.fuse
     assert plan.workers == 2 * spec.sm_count
-    g1 = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 1024)
+    g1 = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 1024)
     assert search(g1, spec)[0].choices["l1.gate_up"].block_n == 32
 
 
@@ -77,7 +77,7 @@ def test_batch_8_plans_pay_for_x_major_tiles_on_the_whole_step():
 
     from mk.planner.cost import xmajor_decode_tile
 
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=1024)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=1024)
     spec = DeviceSpec.preset("h200")
     assert spec.xmajor_kernel_slowdown > 0
     holds_xmajor = lambda p: any(xmajor_decode_tile(g.node(n), c) for n, c in p.choices.items())  # noqa: E731
@@ -99,7 +99,7 @@ def test_batch_8_plans_pay_for_x_major_tiles_on_the_whole_step():
 
 def test_default_plans_put_two_workers_on_each_sm_within_half_its_shared_memory():
     spec = DeviceSpec.preset("h200")
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 512)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 512)
     plan = search(g, spec, beam_width=2, top_k=1)[0]
     assert plan.workers == 2 * spec.sm_count
     assert spec.max_resident_blocks(128, plan.peak_smem_bytes) >= 2
@@ -117,7 +117,7 @@ def test_two_workers_an_sm_leave_l1_its_reserve():
 
     spec = DeviceSpec.preset("h200")
     assert spec.l1_reserve_per_sm == 64 * 1024
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 1024)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), 8, 1024)
     plan = search(g, spec, beam_width=2, top_k=1)[0]
     assert plan.workers == 2 * spec.sm_count
     assert 2 * (plan.peak_smem_bytes + spec.reserved_smem_per_block) <= spec.smem_per_sm - spec.l1_reserve_per_sm
@@ -133,7 +133,7 @@ def test_two_workers_an_sm_leave_l1_its_reserve():
 def test_rope_fuses_into_qkv_with_or_without_split_k(batch):
     # RoPE + KV append rides in the QKV tiles' epilogue, or with split-K (batch 8's QKV) in
     # its reduce tiles: either way one task and one wait less a layer, so the search fuses it.
-    g = llama_decode_graph(ModelShape.preset("llama-3.2-1b"), batch, 1024)
+    g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch, 1024)
     plan = search(g, DeviceSpec.preset("h200"))[0]
     qkv = plan.choices["l0.qkv"]
     assert "l0.rope_kv" in qkv.fuse and "l0.rope_kv" not in plan.choices, qkv
@@ -152,7 +152,7 @@ def test_gemvs_with_more_tiles_than_workers_run_as_one_even_run_a_worker():
     spec = DeviceSpec.preset("h200")
     for name in ("llama-3.2-1b", "llama-3-8b"):
         for batch in (1, 8):
-            graph = llama_decode_graph(ModelShape.preset(name), batch, 1024)
+            graph = decode_graph(ModelShape.preset(name), batch, 1024)
             plan = search(graph, spec, top_k=1)[0]
             for op, c in plan.choices.items():
                 node = graph.node(op)
@@ -182,7 +182,7 @@ def test_split_k_reduces_are_cut_as_narrow_as_one_wave_of_workers_takes():
     spec = DeviceSpec.preset("h100")
     split = set()
     for name in ("llama-3.2-1b", "llama-3-8b"):
-        graph = llama_decode_graph(ModelShape.preset(name), 8, 1024)
+        graph = decode_graph(ModelShape.preset(name), 8, 1024)
         plan = search(graph, spec, top_k=1)[0]
         for op, c in plan.choices.items():
             node = graph.node(op)

@@ -18,7 +18,7 @@ from mk.persistent.deps import drop_implied
 from mk.persistent.graph import SCHEDULES, assign_workers, lower
 from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
-from mk.planner.graph import ModelShape, llama_decode_graph
+from mk.models.blocks import ModelShape, decode_graph
 from mk.planner.lower import lower_decode_step, meta_buffers, step_queues
 from mk.planner.search import Plan, search
 from mk.planner.simulate import simulate, simulate_step, step_phases
@@ -48,7 +48,7 @@ def random_case(rng):
                        heads=heads, kv_heads=kv_heads, head_dim=32,
                        vocab=rng.choice([61, 203]), dtype_bytes=4)
     batch, max_seq = rng.choice([1, 3]), 16
-    graph = llama_decode_graph(shape, batch, max_seq)
+    graph = decode_graph(shape, batch, max_seq)
     spec = DeviceSpec.preset(rng.choice(["h100", "h200"]))
     plan = search(graph, spec, top_k=1)[0]
     choices = dict(plan.choices)
@@ -110,7 +110,7 @@ def test_simulation_matches_a_run_over_the_exact_dependencies(case):
 def test_the_search_picks_the_shortest_simulated_schedule():
     spec = DeviceSpec.preset("h200")
     for name, batch in [("llama-3.2-1b", 1), ("llama-3-8b", 8)]:
-        graph = llama_decode_graph(ModelShape.preset(name), batch, 1024)
+        graph = decode_graph(ModelShape.preset(name), batch, 1024)
         for plan in search(graph, spec, top_k=2):
             assert set(plan.schedule_s) == set(SCHEDULES)
             assert plan.predicted_s == plan.schedule_s[plan.schedule] == min(plan.schedule_s.values())
@@ -138,8 +138,8 @@ def test_zigzag_doubles_up_workers_where_a_phase_turns_a_lap():
 
 
 def test_bad_queues_and_schedules_are_refused():
-    phases = step_phases(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
-                         search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
+    phases = step_phases(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
+                         search(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
                                 DeviceSpec.preset("h200"), top_k=1)[0].choices, DeviceSpec.preset("h200"), 8)
     with pytest.raises(ValueError, match="schedule must be one of"):
         simulate(phases, 8, "random")
@@ -154,7 +154,7 @@ def test_bad_queues_and_schedules_are_refused():
     with pytest.raises(ValueError, match="3 queues for 2 workers"):
         check_queues([[0], [1], [2]], 3, 2)
     with pytest.raises(ValueError, match="unknown schedule"):
-        bad = search(llama_decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"))[0]
+        bad = search(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64), DeviceSpec.preset("h200"))[0]
         Plan.from_json(replace(bad, schedule="spiral").to_json())
 
 

@@ -15,7 +15,7 @@ import torch
 
 from mk.models import Llama, LlamaConfig
 from mk.planner.cost import OpChoice, estimate_step
-from mk.planner.graph import llama_decode_graph
+from mk.models.blocks import decode_graph
 from mk.planner.search import search
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +68,7 @@ def models():
 @pytest.mark.parametrize("shape,batch,variant", CASES)
 def test_compiled_shared_memory_matches_the_model(models, shape, batch, variant):
     model = models(shape)
-    graph = llama_decode_graph(model.shape, batch, model.max_seq_len)
+    graph = decode_graph(model.shape, batch, model.max_seq_len)
     plan = search(graph, model.device_spec, top_k=1)[0]
     pick = (LINEAR_CHOICES if batch == 1 else DOT_CHOICES)[variant]
     if pick is not None:

@@ -1,0 +1,176 @@
+"""The blocks the model families share: a decoder's sizes and the op graph of its decode step.
+
+A :class:`ModelShape` is everything the planner needs to know about a family's decoder
+(sizes and the per-family options, not weights); :func:`decode_graph` turns it, with a batch
+size and a KV length, into the planner's :class:`~mk.planner.graph.OpGraph`: unfused ops
+with their shapes, bytes and flops (from the tasks' own cost hooks), the tensors between
+them, and the buffers each op binds (weights, KV cache, rotary table), named here and by
+the families' weight packing alike (:func:`weight_key`).
+
+Every supported family (Llama, Mistral, Qwen2, Qwen3) is this decoder: per layer RMSNorm
+-> QKV (Qwen2: with a bias) -> [Qwen3: per-head RMSNorm of q and k] RoPE + KV append ->
+attention (Mistral: over a sliding window) -> O projection + residual -> RMSNorm -> gate/up
+-> SiLU·mul -> down + residual; then the final RMSNorm, the LM head and the next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mk.planner.graph import OpGraph, OpNode, add_cost
+from mk.tasks.argmax import argmax_cost
+from mk.tasks.decode_attention import decode_attention_cost
+from mk.tasks.embedding import embedding_cost
+from mk.tasks.linear import linear_cost
+from mk.tasks.rmsnorm import rmsnorm_cost
+from mk.tasks.rope import rope_kv_cost
+from mk.tasks.silu_mul import silu_mul_cost
+
+#: Buffer-name prefix of the weights, which keeps them apart from the activations.
+WEIGHT = "w."
+
+
+def weight_key(op: str, role: str = "") -> str:
+    """Name of the weight buffer of op ``op`` (``role``: a second weight of the op, e.g. a
+    bias), as the decode graph binds it and a family's packing stores it."""
+    return WEIGHT + op + (f".{role}" if role else "")
+
+
+def cache_keys(layer: int) -> tuple[str, str]:
+    """Names of layer ``layer``'s K and V cache buffers."""
+    return f"l{layer}.k_cache", f"l{layer}.v_cache"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes and options of a decoder (what config.json says, without the weights).
+
+    ``qkv_bias``: the q/k/v projections add a bias (Qwen2); ``qk_norm``: q and k get a
+    per-head RMSNorm before RoPE (Qwen3); ``sliding_window``: each token attends to at most
+    this many latest positions, itself included (Mistral), None for all of them.
+    """
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_embeddings: bool = False
+    dtype_bytes: int = 2
+    #: bytes of a KV-cache element; None: the weights' (a float32 cache under bf16 weights is 4)
+    kv_dtype_bytes: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.kv_dtype_bytes is None:
+            object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
+        for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
+                  "kv_dtype_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape {self.name!r}: {f} must be an int >= 1, got {v!r}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"ModelShape {self.name!r}: sliding_window must be None or an int >= 1, got {w!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape {self.name!r}: heads ({self.heads}) must be a multiple of "
+                             f"kv_heads ({self.kv_heads}) for grouped-query attention")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (embedding rows excepted: one row per token)."""
+        h, i, d = self.hidden, self.intermediate, self.head_dim
+        qkv = (self.heads + 2 * self.kv_heads) * d
+        per_layer = (h * qkv + self.heads * d * h + 2 * h * i + i * h + 2 * h + (qkv if self.qkv_bias else 0)
+                     + (2 * d if self.qk_norm else 0))
+        return (self.layers * per_layer + h + self.vocab * h) * self.dtype_bytes
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelShape":
+        """A known shape by name (:data:`MODEL_PRESETS`)."""
+        key = name.lower().replace("_", "-")
+        if key not in MODEL_PRESETS:
+            raise ValueError(f"unknown model shape {name!r}; known: {sorted(MODEL_PRESETS)}")
+        return MODEL_PRESETS[key]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MODEL_PRESETS = {
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
+                               head_dim=64, vocab=128256, tie_embeddings=True),
+    "llama-3-8b": ModelShape("llama-3-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                             head_dim=128, vocab=128256),
+    "mistral-7b": ModelShape("mistral-7b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                             head_dim=128, vocab=32768),
+    "qwen2.5-7b": ModelShape("qwen2.5-7b", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
+                             head_dim=128, vocab=152064, qkv_bias=True),
+    "qwen3-8b": ModelShape("qwen3-8b", hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
+                           head_dim=128, vocab=151936, qk_norm=True),
+}
+
+
+def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
+    """The unfused ops of one decode step for ``batch`` sequences of ``kv_len`` cached tokens
+    (the new token included), with the buffers each binds (see the module docstring)."""
+    for name, v in (("batch", batch), ("kv_len", kv_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    m, B, db = model, batch, model.dtype_bytes
+    h, i, d, hq, hkv = m.hidden, m.intermediate, m.head_dim, m.heads, m.kv_heads
+    g = OpGraph(m.name, batch, kv_len, db)
+
+    def op(name, kind, inputs, outputs, dims, cost, layer=-1, fuse_into=None, buffers=None):
+        return g.add(OpNode(name, kind, tuple(inputs), tuple(outputs), dims, cost.bytes_read, cost.bytes_written,
+                            cost.flops, layer, fuse_into, {"w": weight_key(name)} if buffers is None else buffers,
+                            f"l{layer}." if layer >= 0 else ""))
+
+    op("embed", "embedding", ["tokens"], ["x0"], {"rows": B, "hidden": h, "vocab": m.vocab},
+       embedding_cost(B, h, db))
+    x = "x0"
+    attended = min(kv_len, m.sliding_window or kv_len)  # a window's keys are all the step reads
+    for L in range(m.layers):
+        p = f"l{L}."
+        k_cache, v_cache = cache_keys(L)
+        op(p + "attn_norm", "rmsnorm", [x], [p + "h"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), L,
+           fuse_into=p + "qkv")
+        n_qkv = (hq + 2 * hkv) * d
+        qkv_w = {"w": weight_key(p + "qkv")} | ({"bias": weight_key(p + "qkv", "bias")} if m.qkv_bias else {})
+        op(p + "qkv", "linear", [p + "h"], [p + "qkv"], {"M": B, "N": n_qkv, "K": h}, linear_cost(B, n_qkv, h, db),
+           L, buffers=qkv_w)
+        rope_bufs = {"inv_freq": "inv_freq", "k_cache": k_cache, "v_cache": v_cache}
+        if m.qk_norm:
+            rope_bufs |= {"q_norm": weight_key(p + "q_norm"), "k_norm": weight_key(p + "k_norm")}
+        op(p + "rope_kv", "rope_kv", [p + "qkv"], [p + "q", p + "kv_cache"],
+           {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "qk_norm": m.qk_norm},
+           rope_kv_cost(B, 1, hq, hkv, d, db), L, fuse_into=p + "qkv", buffers=rope_bufs)
+        op(p + "attention", "attention", [p + "q", p + "kv_cache"], [p + "attn"],
+           {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": attended,
+            "kv_dtype_bytes": m.kv_dtype_bytes, "window": m.sliding_window},
+           decode_attention_cost(B, hq, hkv, d, attended, dtype_bytes=m.kv_dtype_bytes), L,
+           buffers={"k_cache": k_cache, "v_cache": v_cache})
+        op(p + "o_proj", "linear", [p + "attn"], [p + "o"], {"M": B, "N": h, "K": hq * d},
+           linear_cost(B, h, hq * d, db), L)
+        op(p + "attn_residual", "add", [p + "o", x], [p + "x1"], {"rows": B, "n": h},
+           add_cost(B, h, db), L, fuse_into=p + "o_proj", buffers={})
+        op(p + "mlp_norm", "rmsnorm", [p + "x1"], [p + "h2"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), L,
+           fuse_into=p + "gate_up")
+        op(p + "gate_up", "linear", [p + "h2"], [p + "gu"], {"M": B, "N": 2 * i, "K": h},
+           linear_cost(B, 2 * i, h, db), L)
+        op(p + "silu_mul", "silu_mul", [p + "gu"], [p + "act"], {"rows": B, "i": i}, silu_mul_cost(B, i, db), L,
+           fuse_into=p + "gate_up", buffers={})
+        op(p + "down", "linear", [p + "act"], [p + "d"], {"M": B, "N": h, "K": i}, linear_cost(B, h, i, db), L)
+        op(p + "mlp_residual", "add", [p + "d", p + "x1"], [f"x{L + 1}"], {"rows": B, "n": h},
+           add_cost(B, h, db), L, fuse_into=p + "down", buffers={})
+        x = f"x{L + 1}"
+    op("final_norm", "rmsnorm", [x], ["hf"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), fuse_into="lm_head")
+    op("lm_head", "linear", ["hf"], ["logits"], {"M": B, "N": m.vocab, "K": h}, linear_cost(B, m.vocab, h, db))
+    op("argmax", "argmax", ["logits"], ["next_token"], {"rows": B, "v": m.vocab}, argmax_cost(B, m.vocab, db),
+       fuse_into="lm_head", buffers={})
+    return g
