@@ -161,7 +161,7 @@ class DeviceSpec:
     # The same GEMV with 8 x 256 boxes (4 KiB a chunk) in an 8-deep ring, 61 tiles a task:
     # 0.26 µs a chunk (0.29 with an RMSNorm prologue), whatever was in flight.
     chunk_overhead_s: float = 0.28e-6
-    # The 1B LM head in the step (H200, session 11): runs of 32-row tiles (128 chunks a
+    # The 1B LM head in the step (H200): runs of 32-row tiles (128 chunks a
     # task) took 115 µs a task, of 16-row tiles (248 chunks) 121 µs, the same bytes.
     chunk_exposed_s: float = 0.05e-6
     calibrated: bool = False
@@ -436,7 +436,7 @@ PRESETS: dict[str, DeviceSpec] = {
     # a worker where 32 KiB in flight gave 12.5: Little's
     # law says 1.15 us.
     # Its x-major decode tiles (batch 8) streamed slower than the H200's: 8.4-9.7 GB/s a worker
-    # in the 1B batch-8 trace (gate_up with its RMSNorm 8.4, the down partials 9.7; session 23),
+    # in the 1B batch-8 trace (gate_up with its RMSNorm 8.4, the down partials 9.7),
     # where 11 GB/s priced them ahead of the 128-row weight-major gate_up that measured 2-3%
     # faster a step.
     "h100-sxm": replace(_hopper("NVIDIA H100 80GB HBM3", 132, 50 * MiB, 3.02e12), load_latency_s=1.15e-6,

@@ -157,7 +157,7 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: 
     runs of adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker. (A run of
     register tiles has no double buffering, so only the ring's tiles get runs. Runs of tl.dot
     tiles work too, but measured no gain at batch 8: the 1B LM head as runs of four
-    128-row tiles, 1.382 ms a step against 1.363 one tile a task; H200, session 11.)"""
+    128-row tiles, 1.382 ms a step against 1.363 one tile a task; H200.)"""
     d = node.dims
     if node.kind == "linear":
         singles = _linear_candidates(node, device, dtype_bytes)
@@ -175,7 +175,7 @@ def candidates(node: OpNode, device: DeviceSpec, dtype_bytes: int = 2, workers: 
             # Runs are there to give every worker one even share; a run length that leaves
             # workers idle streams slower than the model's share of DRAM says (8B gate_up as
             # 224 runs of four 32-row tiles: +6 us a layer against 256 runs of seven 16-row
-            # tiles, H200, session 11).
+            # tiles, H200).
             if math.ceil(tiles / run) * c.split_k >= RUN_MIN_BUSY * workers:
                 runs.append(replace(c, tiles_per_task=run))
         return singles + runs
