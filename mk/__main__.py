@@ -9,7 +9,7 @@ Commands:
          measure the cost model's constants on the live GPU (copy bandwidth, matrix rate,
          launch, task and dependency-wait overheads) and save them for the planner.
   generate
-         decode with a Llama (a checkpoint folder, or a small random one built on the fly)
+         decode with a model (a checkpoint folder of any family, or a small random Llama)
          through the megakernel: the text (or ids) streamed as tokens arrive, then tokens/s
          and a check against the reference.
 
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run each task op against its reference")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     plan = sub.add_parser("plan", help="search a plan for a model shape and print it")
-    plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b) or a folder with config.json")
+    plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b, mistral-7b, qwen2.5-7b, "
+                      "qwen3-8b) or a folder with config.json of any family mk runs")
     plan.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     plan.add_argument("--kv-len", type=int, default=1024,
                       help="the sequence length the step is planned for (its KV splits)")
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         "arrive (its text after the prompt's, or with --chat the reply alone; without a tokenizer its ids); with "
         "--batch > 1 the other rows are printed when decoding ends. Then each row's ids, tokens/s and, when "
         "greedy, a check of the first tokens against the float32 torch reference.")
-    gen.add_argument("--model", default=None, help="a Hugging Face Llama folder (default: a small random Llama)")
+    gen.add_argument("--model", default=None, help="a Hugging Face checkpoint folder: Llama, Mistral, Qwen2 or "
+                     "Qwen3 (default: a small random Llama)")
     gen.add_argument("--prompt", default=None, help="prompt text (needs the folder's tokenizer.json)")
     gen.add_argument("--chat", action="store_true", help="send --prompt as a user message through the "
                      "checkpoint's chat template (Instruct models)")
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
 #: Positions of the model-shape presets (their config.json's max_position_embeddings):
 #: ``plan --kv-len`` may not exceed them. ModelShape does not carry it.
-PRESET_MAX_POSITIONS = {"llama-3.2-1b": 131072, "llama-3-8b": 8192}
+PRESET_MAX_POSITIONS = {"llama-3.2-1b": 131072, "llama-3-8b": 8192, "mistral-7b": 32768, "qwen2.5-7b": 32768,
+                        "qwen3-8b": 40960}
 #: A config.json without max_position_embeddings: Hugging Face's LlamaConfig default (and mk's).
 DEFAULT_MAX_POSITIONS = 2048
 
@@ -109,12 +112,12 @@ def run_plan(args) -> int:
     from .planner.cache import cached_plan
     from .planner.device import PRESETS, DeviceSpec
     from .models.blocks import ModelShape, decode_graph
-    from .models.config import LlamaConfig
+    from .models.auto import AutoConfig
     from .planner.search import Plan, search
 
     folder = Path(args.model)
     if folder.is_dir():
-        config = LlamaConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
         shape = config.to_model_shape(name=folder.name)
         positions = config.max_position_embeddings
     else:

@@ -1,6 +1,7 @@
-"""``python -m mk generate``: decode with a Llama through the megakernel, checked against the reference.
+"""``python -m mk generate``: decode through the megakernel, checked against the reference.
 
-With ``--model DIR`` it loads a Hugging Face checkpoint; without, it builds a small Llama
+With ``--model DIR`` it loads a Hugging Face checkpoint of any family mk runs (Llama,
+Mistral, Qwen2, Qwen3: :class:`~mk.models.AutoModel`); without, it builds a small Llama
 with random weights from a fixed seed, so the command works on any machine (on a CPU
 through the Triton interpreter, in well under a minute).
 
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from .models import Llama, LlamaConfig, ReferenceLlama, greedy_generate
+from .models import AutoConfig, AutoModel, Llama, LlamaConfig, ReferenceLlama, greedy_generate
 from .tasks.sample import _check_temperature, _check_top_k, _check_top_p
 
 #: The embedded default model: small enough for the interpreter, a real GQA Llama shape.
@@ -147,7 +148,7 @@ def _check_checkpoint(folder: str) -> LlamaConfig:
     known good (the tensors themselves are checked as they load)."""
     from .models.weights import SINGLE_FILE, _read_headers, _weight_files
 
-    config = LlamaConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder)
     shards = sorted(set(_weight_files(folder).values())) or [os.path.join(folder, SINGLE_FILE)]
     _read_headers(shards)
     return config
@@ -197,8 +198,9 @@ def run_generate(args) -> int:
     kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     if args.model:
         status(f"loading weights from {args.model}")
-        model = Llama.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total, kv_dtype=kv_dtype,
-                                      progress=status.tty, prefill_precision=args.prefill_precision)
+        model = AutoModel.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total,
+                                          kv_dtype=kv_dtype, progress=status.tty,
+                                          prefill_precision=args.prefill_precision)
     else:
         status("building the default model (random weights)")
         model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=total,
@@ -206,7 +208,7 @@ def run_generate(args) -> int:
                                   prefill_precision=args.prefill_precision)
     status.clear()
     where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU (Triton interpreter)"
-    print(f"model {model.name}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+    print(f"model {model.name} ({config.MODEL_TYPE}): {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
           f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} (KV cache "
           f"{str(model.kv_dtype).replace('torch.', '')}, {model.prefill_precision} prefill) on {where} "
           f"(ready in {time.perf_counter() - t0:.1f} s)", flush=True)

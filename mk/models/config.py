@@ -1,6 +1,9 @@
-"""Llama model configuration: what a Hugging Face ``config.json`` says, checked.
+"""Decoder configuration: what a Hugging Face ``config.json`` says, checked.
 
-:class:`LlamaConfig` reads both spellings of the rotary settings found on the Hub:
+:class:`LlamaConfig` is the one parser of every family mk runs: Llama's fields, which the
+other families' configs (:mod:`mk.models.mistral`, :mod:`mk.models.qwen2`,
+:mod:`mk.models.qwen3`) extend with theirs, naming their ``model_type`` and what their
+layers add (a QKV bias, q/k norms, a sliding window). It reads both spellings of the rotary settings found on the Hub:
 
 - classic (transformers < 5): ``"rope_theta": 500000.0`` and ``"rope_scaling": {"rope_type"
   (or "type"): "llama3", "factor": ..., ...}`` (or ``null``);
@@ -16,7 +19,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 #: The only rotary embeddings mk implements (see :func:`mk.tasks.rope.rope_inv_freq`).
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -39,7 +42,8 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Sizes and constants of a Llama decoder (Llama 2, 3, 3.1, 3.2 and look-alikes).
+    """Sizes and constants of a Llama decoder (Llama 2, 3, 3.1, 3.2, SmolLM, TinyLlama),
+    and the base of the other families' configs.
 
     Field names are Hugging Face's. ``num_key_value_heads`` defaults to
     ``num_attention_heads`` and ``head_dim`` to ``hidden_size // num_attention_heads``.
@@ -64,6 +68,16 @@ class LlamaConfig:
     bos_token_id: int | None = 1
     eos_token_id: Any = 2
 
+    #: config.json's ``model_type`` and ``architectures`` of the family.
+    MODEL_TYPE: ClassVar[str] = "llama"
+    ARCHITECTURES: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    #: What the family's layers add to Llama's: biases on the q, k and v projections; an
+    #: RMSNorm of each head's q and k before RoPE.
+    QKV_BIAS: ClassVar[bool] = False
+    QK_NORM: ClassVar[bool] = False
+    #: Fields of :data:`UNSUPPORTED_FIELDS` the family reads itself.
+    HANDLES: ClassVar[tuple[str, ...]] = ()
+
     def __post_init__(self):
         # Frozen dataclass: defaults that depend on other fields go in through object.__setattr__.
         set_ = object.__setattr__
@@ -75,15 +89,15 @@ class LlamaConfig:
             set_(self, "head_dim", self.hidden_size // self.num_attention_heads)
         _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(f"{type(self).__name__}: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"LlamaConfig: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"{type(self).__name__}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         for name in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"LlamaConfig: {name} must be a positive number, got {v!r}")
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive number, got {v!r}")
             set_(self, name, float(v))
         set_(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
         set_(self, "tie_word_embeddings", bool(self.tie_word_embeddings))
@@ -129,32 +143,36 @@ class LlamaConfig:
 
         ``source`` names the dict in error messages (``from_pretrained`` passes the path).
         Raises ValueError on anything mk cannot run: another model type, an unsupported
-        rope type, biases, an activation other than SiLU, missing or invalid sizes.
+        rope type, biases, an activation other than SiLU, missing or invalid sizes, a
+        feature of a look-alike that mk does not implement (naming the field).
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type is not None and model_type != "llama":
-            raise ValueError(f"{source}: model_type is {model_type!r}; mk runs only 'llama' models")
+        if model_type is not None and model_type != cls.MODEL_TYPE:
+            raise ValueError(f"{source}: model_type is {model_type!r}; {cls.__name__} reads {cls.MODEL_TYPE!r} "
+                             f"configs (mk.models.AutoModel picks the family)")
         archs = d.get("architectures")
-        if archs and "LlamaForCausalLM" not in archs:
-            raise ValueError(f"{source}: architectures is {archs}; mk runs only LlamaForCausalLM")
+        if archs and not set(archs) & set(cls.ARCHITECTURES):
+            raise ValueError(f"{source}: architectures is {archs}; {cls.__name__} runs "
+                             f"{' or '.join(cls.ARCHITECTURES)}")
         missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
         if missing:
             raise ValueError(f"{source}: missing required field(s) {', '.join(missing)}")
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"{source}: hidden_act is {act!r}; Llama's MLP uses 'silu'")
-        # mk loads no bias tensors, so a checkpoint with biases would silently run wrong.
+            raise ValueError(f"{source}: hidden_act is {act!r}; the MLP mk runs uses 'silu'")
+        # Biases beyond the family's own: mk would load and run them wrongly.
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
-                raise ValueError(f"{source}: {flag} is true; mk supports Llama without biases")
-        # Features of Llama look-alikes that mk does not implement: a config that sets one
-        # would load and run, wrongly, if they were ignored.
+                raise ValueError(f"{source}: {flag} is true; mk runs {cls.MODEL_TYPE} models without it")
+        # Features of look-alikes that mk does not implement: a config that sets one would
+        # load and run, wrongly, if they were ignored.
         for field, what in UNSUPPORTED_FIELDS.items():
             value = d.get(field)
-            if value not in (None, False, 0):
+            if field not in cls.HANDLES and value not in (None, False, 0):
                 raise ValueError(f"{source}: {field} is {value!r}; mk does not implement {what}")
+        cls._check_family_fields(d, source)
 
         rope_params = d.get("rope_parameters")
         if rope_params is not None:   # transformers 5: theta lives inside rope_parameters
@@ -175,6 +193,32 @@ class LlamaConfig:
             return cls(**kwargs, rope_theta=theta, rope_scaling=_normalize_rope_scaling(scaling, field))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def _check_family_fields(cls, d: Mapping, source: str) -> None:
+        """Refuse what the family's config.json may say that mk does not run (a family adds
+        its checks here); Llama has none beyond :data:`UNSUPPORTED_FIELDS`."""
+
+    def layer_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of one layer's Hugging Face tensors, by name within the layer
+        (``self_attn.q_proj.weight``, ...): what a checkpoint must hold for each layer."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv, i = self.num_attention_heads * d, self.num_key_value_heads * d, self.intermediate_size
+        out = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
+               "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+               "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+               "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+        if self.QKV_BIAS:
+            out |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        if self.QK_NORM:
+            out |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        return out
+
+    @property
+    def window(self) -> int | None:
+        """Keys a token attends to at most (itself included), None for all: Mistral's
+        ``sliding_window``; no other family has one."""
+        return None
 
     @classmethod
     def from_json(cls, text: str, source: str = "config JSON") -> "LlamaConfig":
@@ -208,9 +252,9 @@ class LlamaConfig:
         return d
 
     def to_hf_dict(self) -> dict:
-        """A ``config.json`` dict that transformers' ``LlamaConfig`` accepts (classic rope form)."""
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, **self.to_dict()}
+        """A ``config.json`` dict that transformers' config of the family accepts (classic rope form)."""
+        return {"architectures": [self.ARCHITECTURES[0]], "model_type": self.MODEL_TYPE, "hidden_act": "silu",
+                **({} if self.QKV_BIAS else {"attention_bias": False}), "mlp_bias": False, **self.to_dict()}
 
     def to_json(self) -> str:
         """:meth:`to_hf_dict` as indented JSON; :meth:`from_json` reads it back."""
@@ -224,15 +268,16 @@ class LlamaConfig:
             f.write(self.to_json())
         return path
 
-    def to_model_shape(self, name: str = "llama", dtype_bytes: int = 2, kv_dtype_bytes: int | None = None):
+    def to_model_shape(self, name: str | None = None, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None):
         """The :class:`mk.models.blocks.ModelShape` of this config, which the decode graph is
         built from (``kv_dtype_bytes``: of a KV-cache element, default the weights' ``dtype_bytes``)."""
         from mk.models.blocks import ModelShape
-        return ModelShape(name=name, hidden=self.hidden_size, intermediate=self.intermediate_size,
+        return ModelShape(name=self.MODEL_TYPE if name is None else name, hidden=self.hidden_size, intermediate=self.intermediate_size,
                           layers=self.num_hidden_layers, heads=self.num_attention_heads,
                           kv_heads=self.num_key_value_heads, head_dim=self.head_dim, vocab=self.vocab_size,
                           tie_embeddings=self.tie_word_embeddings, dtype_bytes=dtype_bytes,
-                          kv_dtype_bytes=kv_dtype_bytes)
+                          kv_dtype_bytes=kv_dtype_bytes, qkv_bias=self.QKV_BIAS, qk_norm=self.QK_NORM,
+                          sliding_window=self.window)
 
 
 def _check_positive_int(name: str, v: object) -> None:

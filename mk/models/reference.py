@@ -1,7 +1,8 @@
-"""A plain-torch Llama forward: the reference the megakernel is checked against.
+"""A plain-torch decoder forward: the reference the megakernel is checked against.
 
-Written like the Hugging Face model (RMSNorm, rotate-half RoPE, grouped-query
-attention, SiLU-gated MLP), computed in float32 whatever the weights' dtype, and using
+Written like the Hugging Face models (RMSNorm, rotate-half RoPE, grouped-query
+attention, SiLU-gated MLP; what a family's config adds: Qwen2's q/k/v biases, Qwen3's
+per-head q/k RMSNorm before RoPE, Mistral's sliding window), computed in float32 whatever the weights' dtype, and using
 none of mk's Triton tasks: only :func:`mk.tasks.rope.rope_inv_freq` for the rotary
 frequencies (llama3 scaling included), which the tests check against transformers.
 
@@ -74,7 +75,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class ReferenceLlama:
-    """Llama forward in plain float32 torch, from a config and a weights dict.
+    """A decoder's forward in plain float32 torch, from a config (of any family) and a
+    weights dict.
 
     ``weights`` holds Hugging Face parameter names (see :mod:`mk.models.weights`), in any
     dtype on any one device; each matrix is upcast to float32 when used.
@@ -94,8 +96,11 @@ class ReferenceLlama:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, progress: bool = False) -> "ReferenceLlama":
-        """From a Hugging Face checkpoint folder, on the CPU, weights kept in their stored dtype."""
-        config = LlamaConfig.from_pretrained(folder)
+        """From a Hugging Face checkpoint folder (any family), on the CPU, weights kept in
+        their stored dtype."""
+        from .auto import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder)
         return cls(config, load_weights(folder, config, progress=progress))
 
     def new_cache(self, max_batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32) -> KVCache:
@@ -147,6 +152,8 @@ class ReferenceLlama:
         key_pos = torch.arange(S, device=dev)
         # Key s is visible to query (b, t) if it is not in the future and is a real token of row b.
         allowed = (key_pos <= positions[:, :, None]) & (key_pos < ends[:, None, None])        # [B, T, S]
+        if c.window is not None:  # and among the window's latest positions, the query's own included
+            allowed &= key_pos > positions[:, :, None] - c.window
         angle = positions.float()[..., None] * self.inv_freq                                 # [B, T, D/2]
         angle = torch.cat([angle, angle], dim=-1)[:, :, None, :]                             # [B, T, 1, D]
         cos, sin = angle.cos(), angle.sin()
@@ -155,9 +162,13 @@ class ReferenceLlama:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             h = _rmsnorm(x, self._w(p + "input_layernorm.weight"), c.rms_norm_eps)
-            q = (h @ self._w(p + "self_attn.q_proj.weight").T).view(B, T, H, D)
-            k = (h @ self._w(p + "self_attn.k_proj.weight").T).view(B, T, Hkv, D)
-            v = (h @ self._w(p + "self_attn.v_proj.weight").T).view(B, T, Hkv, D)
+            q, k, v = (h @ self._w(p + f"self_attn.{n}_proj.weight").T for n in "qkv")
+            if c.QKV_BIAS:
+                q, k, v = (t + self._w(p + f"self_attn.{n}_proj.bias") for t, n in zip((q, k, v), "qkv"))
+            q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+            if c.QK_NORM:
+                q = _rmsnorm(q, self._w(p + "self_attn.q_norm.weight"), c.rms_norm_eps)
+                k = _rmsnorm(k, self._w(p + "self_attn.k_norm.weight"), c.rms_norm_eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
 
             k_cache, v_cache = cache.layer(i)

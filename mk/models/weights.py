@@ -1,4 +1,4 @@
-"""Llama weights: load a Hugging Face safetensors checkpoint, make random ones, save them.
+"""Decoder weights: load a Hugging Face safetensors checkpoint, make random ones, save them.
 
 Weights are a flat ``dict[str, torch.Tensor]`` under Hugging Face's parameter names::
 
@@ -12,6 +12,9 @@ Weights are a flat ``dict[str, torch.Tensor]`` under Hugging Face's parameter na
     model.layers.{i}.mlp.down_proj.weight            [hidden, intermediate]
     model.norm.weight                                [hidden]
     lm_head.weight                                   [vocab, hidden]   (absent when tied)
+
+and what a family's layers add (:meth:`~mk.models.config.LlamaConfig.layer_tensors`):
+Qwen2's ``self_attn.{q,k,v}_proj.bias``, Qwen3's ``self_attn.{q,k}_norm.weight`` [head_dim].
 
 With ``tie_word_embeddings`` there is no ``lm_head.weight``: the LM head is
 ``model.embed_tokens.weight``, and is never stored twice.
@@ -39,21 +42,11 @@ _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a checkpoint of ``config`` must hold, with its shape, in model order."""
     c = config
-    h, d = c.hidden_size, c.head_dim
+    h = c.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    layer = c.layer_tensors()
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (c.num_attention_heads * d, h),
-            p + "self_attn.k_proj.weight": (c.num_key_value_heads * d, h),
-            p + "self_attn.v_proj.weight": (c.num_key_value_heads * d, h),
-            p + "self_attn.o_proj.weight": (h, c.num_attention_heads * d),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, h),
-            p + "mlp.up_proj.weight": (c.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, c.intermediate_size),
-        })
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     shapes["model.norm.weight"] = (h,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
@@ -61,7 +54,7 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _is_norm(name: str) -> bool:
-    return name.endswith("layernorm.weight") or name == "model.norm.weight"
+    return name.endswith("norm.weight")
 
 
 # --------------------------------------------------------------------------- loading
@@ -185,13 +178,14 @@ def random_weights(
 
     Drawn on the CPU (so a seed means the same numbers everywhere), then moved. Matrices are
     normal with std 0.02 as Hugging Face initializes them; norm weights are
-    ``1 + 0.1 * normal`` rather than ones, so a test catches a norm weight applied wrong.
+    ``1 + 0.1 * normal`` rather than ones, so a test catches a norm weight applied wrong,
+    and biases ``0.1 * normal`` rather than zeros, likewise.
     """
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
-        w = 1.0 + 0.1 * w if _is_norm(name) else 0.02 * w
+        w = 1.0 + 0.1 * w if _is_norm(name) else 0.1 * w if name.endswith(".bias") else 0.02 * w
         weights[name] = w.to(device=device, dtype=dtype)
     return weights
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-import mk.models.llama
+
 import mk.models.prefill
 import mk.persistent.runtime
 from mk.models import Llama, LlamaConfig, ReferenceLlama, random_weights, save_weights
@@ -437,7 +437,7 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
     """A request's decode steps are planned for the first of PLAN_LENGTHS its sequences can
     reach (prompt + new tokens), at most max_seq_len: attention is cut into KV splits for
     that length, so a short request runs no splits past its sequences."""
-    from mk.models.llama import PLAN_LENGTHS
+    from mk.models.decoder import PLAN_LENGTHS
 
     model, _ = pair
     list(model.stream(PROMPTS, max_new_tokens=2))

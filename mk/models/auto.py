@@ -1,0 +1,89 @@
+"""``AutoModel`` / ``AutoConfig``: the family a checkpoint's config.json names.
+
+``model_type`` picks the family (``architectures`` when there is no ``model_type``);
+every family offers the same API (:class:`~mk.models.decoder.DecoderModel`):
+
+    model = AutoModel.from_pretrained("path/to/Qwen2.5-0.5B", max_seq_len=4096)
+    print(model.generate([[1, 2, 3]], max_new_tokens=16))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+from .config import LlamaConfig
+from .decoder import DecoderModel
+from .llama import Llama
+from .mistral import Mistral
+from .qwen2 import Qwen2
+from .qwen3 import Qwen3
+
+#: Every family mk runs, by config.json ``model_type``.
+FAMILIES: dict[str, type[DecoderModel]] = {cls.config_class.MODEL_TYPE: cls for cls in (Llama, Mistral, Qwen2, Qwen3)}
+
+
+def family_of(d: Mapping, source: str = "config") -> type[DecoderModel]:
+    """The family class of a config.json dict; ValueError naming what it says otherwise."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    model_type = d.get("model_type")
+    if model_type is not None:
+        if model_type not in FAMILIES:
+            raise ValueError(f"{source}: model_type is {model_type!r}; mk runs {sorted(FAMILIES)}")
+        return FAMILIES[model_type]
+    archs = d.get("architectures") or []
+    for cls in FAMILIES.values():
+        if set(archs) & set(cls.config_class.ARCHITECTURES):
+            return cls
+    if archs:
+        known = [a for cls in FAMILIES.values() for a in cls.config_class.ARCHITECTURES]
+        raise ValueError(f"{source}: architectures is {archs}; mk runs {known}")
+    return Llama  # a bare config of sizes: Llama's, as mk has always read them
+
+
+def _read_config(folder: str | os.PathLike) -> tuple[dict, str]:
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json in checkpoint folder {folder!r}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text), path
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+class AutoConfig:
+    """The config of whichever family a checkpoint is."""
+
+    @staticmethod
+    def from_pretrained(folder: str | os.PathLike) -> LlamaConfig:
+        """``folder/config.json`` read by its family's config class."""
+        d, path = _read_config(folder)
+        return family_of(d, path).config_class.from_dict(d, path)
+
+
+class AutoModel:
+    """The model of whichever family a checkpoint is."""
+
+    @staticmethod
+    def from_pretrained(folder: str | os.PathLike, **kwargs) -> DecoderModel:
+        """Load ``folder`` as its family (:meth:`DecoderModel.from_pretrained`'s arguments)."""
+        d, path = _read_config(folder)
+        return family_of(d, path).from_pretrained(folder, **kwargs)
+
+    @staticmethod
+    def from_config(config: LlamaConfig, **kwargs) -> DecoderModel:
+        """Random weights for ``config``, of the family its class is (:meth:`DecoderModel.from_config`)."""
+        for cls in FAMILIES.values():
+            if type(config) is cls.config_class:
+                return cls.from_config(config, **kwargs)
+        raise ValueError(f"no family runs a {type(config).__name__}")
+
+
+__all__ = ["AutoConfig", "AutoModel", "FAMILIES", "family_of"]

@@ -1,0 +1,866 @@
+"""``DecoderModel``: a Hugging Face decoder that decodes through the megakernel, the class
+every family (:class:`~mk.models.llama.Llama`, :class:`~mk.models.mistral.Mistral`,
+:class:`~mk.models.qwen2.Qwen2`, :class:`~mk.models.qwen3.Qwen3`) is; a family names its
+config class, whose fields and flags say what its layers add.
+
+Prefill runs the prompts, packed without padding, through the layers in chunks of up to
+8192 tokens (:mod:`mk.models.prefill`: precision modes, the workspace bound). Each decode step is **one launch** of the planned
+megakernel: every layer, the final norm, the LM head, the next-token choice and the
+bookkeeping (the token appended to a device-side history, the position advanced), so
+step after step is enqueued with no host work; the host reads the history in blocks to
+stream tokens and to stop at EOS.
+
+    model = AutoModel.from_pretrained("path/to/checkpoint", max_batch_size=8, max_seq_len=4096)
+    out = model.generate(input_ids, max_new_tokens=64)
+
+Greedy decoding and temperature sampling run inside the megakernel. Top-k / top-p
+sampling lowers the step to end at the logits, then runs mk's radix-select sampler and
+the append task after the launch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar, Iterator
+
+import torch
+
+from mk.tasks import default_device, supported_dtypes
+from mk.tasks.append_token import append_token
+from mk.tasks.argmax import argmax
+from mk.tasks.embedding import embedding
+from mk.tasks.linear import interleave_gate_up, linear, tma_gemm_serves
+from mk.tasks.prefill_attention import prefill_attention
+from mk.tasks.rmsnorm import rmsnorm
+from mk.tasks.rope import deinterleave_rotary, interleave_rotary, rope_inv_freq, rope_kv
+from mk.tasks.silu_mul import silu_mul
+from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
+                             scale_logits_ref)
+
+from mk.models.blocks import cache_keys, weight_key
+
+from .config import LlamaConfig
+from . import prefill as _prefill
+from .weights import load_weights, random_weights
+
+#: How a model picks each batch size's decode plan: the planner's best prediction, or
+#: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
+PLAN_MODES = ("predict", "measure")
+def _check_plan_mode(plan_mode) -> None:
+    if plan_mode not in PLAN_MODES:
+        raise ValueError(f"plan_mode must be one of {PLAN_MODES}, got {plan_mode!r}")
+
+
+#: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
+MEASURE_BURST, MEASURE_REPS = 20, 3
+#: The sequence lengths decode steps are planned for: a request's step is planned for the
+#: first of these (or max_seq_len) that its longest sequence can reach. Decode attention is
+#: cut into KV splits for the planned length, and the splits a shorter sequence leaves empty
+#: still cost a task each: the 1B batch-8 step at 6-60 positions measured 1.233 ms with the
+#: 4 splits planned for 1024 and 1.214 with 1 (H100).
+PLAN_LENGTHS = (64, 256, 1024, 4096, 16384, 65536)
+
+
+@dataclass
+class _Decoder:
+    """One batch size's lowered decode step, its megakernel and its state buffers."""
+
+    step: object  # mk.planner.lower.DecodeStep
+    kernel: object  # mk.persistent.runtime.Megakernel
+    state: dict
+    #: Pinned host buffers the history is read back into (CUDA only; see _HistoryReader).
+    host: list = field(default_factory=list)
+    #: Seconds its build took (plan_s, lower_s, compile_s), until a request reports them.
+    build: dict = field(default_factory=dict)
+
+    def unreported_build(self) -> dict:
+        """The build's seconds the first time a request asks, zeros after."""
+        out = {k: self.build.get(k, 0.0) for k in ("plan_s", "lower_s", "compile_s")}
+        self.build = {}
+        return out
+
+
+class DecoderModel:
+    """A decoder whose decode steps each run as one megakernel launch.
+
+    Build it with :meth:`from_pretrained` (a Hugging Face checkpoint folder) or
+    :meth:`from_config` (random weights). ``device`` defaults to CUDA when there is a GPU
+    (else the CPU, through the Triton interpreter); ``dtype`` to bfloat16 on CUDA and
+    float32 on the CPU. The KV cache for ``max_batch_size`` sequences of ``max_seq_len``
+    tokens is allocated here, once, in ``kv_dtype`` (default: ``dtype``). The decode
+    step's activations are float32 whatever the dtype: weights and the cache are all that
+    is rounded, and a ``kv_dtype=torch.float32`` cache leaves only the weights (twice the
+    cache memory; on a random-weight Llama-3-8B the bf16 cache alone puts the logits ~2%
+    off float32).
+
+    Prefill (:mod:`mk.models.prefill`) packs the prompts without padding and runs them in
+    chunks that fit ``prefill_workspace`` bytes of activations (default: 5% of the GPU's
+    memory, at most 2 GiB; reported by :meth:`footprint`). ``prefill_precision="fast"``
+    (default) multiplies in the weights' dtype with float32 accumulation and a float32
+    residual stream, on cuBLAS and SDPA kernels on a GPU; ``"exact"`` keeps every
+    activation float32 as the decode step does (logits closest to float32, about half the
+    tensor-core rate).
+
+    ``plan_mode="measure"`` times the planner's top plans on the device the first time a
+    batch size decodes and keeps the fastest (cached on disk like predicted plans).
+    A request's steps are planned for the length its sequences can reach (the first of
+    :data:`PLAN_LENGTHS` at or above prompt + new tokens, at most ``max_seq_len``); one
+    compiled step is kept per batch size and way of choosing the next token.
+    """
+
+    #: The family's config class (its fields, flags and config.json checks).
+    config_class: ClassVar[type[LlamaConfig]] = LlamaConfig
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
+                 max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str | None = None,
+                 tokenizer=None, plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
+                 prefill_workspace: int | None = None):
+        if type(config) is not self.config_class:
+            raise ValueError(f"{type(self).__name__} runs a {self.config_class.__name__}, got a "
+                             f"{type(config).__name__} (mk.models.AutoModel picks the family)")
+        name = config.MODEL_TYPE if name is None else name
+        self.device, self.dtype, self.kv_dtype = _resolve_target(device, dtype, kv_dtype)
+        for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what} must be an int >= 1, got {v!r}")
+        _check_plan_mode(plan_mode)
+        self.config, self.name, self.tokenizer, self.plan_mode = config, name, tokenizer, plan_mode
+        # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
+        self._prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self._graph_pool, self._graphs_failed = None, False
+        self.prefill_precision = prefill_precision
+        self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.shape = config.to_model_shape(name, dtype_bytes=self.dtype.itemsize, kv_dtype_bytes=self.kv_dtype.itemsize)
+        self.weights = self._pack(weights)
+        c = config
+        cache_shape = (c.num_hidden_layers, max_batch_size, c.num_key_value_heads, max_seq_len, c.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
+        self._device_spec = device_spec
+        self._decoders: dict[tuple[int, str, int], _Decoder] = {}
+        self.last_decoder: _Decoder | None = None  # the step the last stream() ran
+        #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
+        #: (plan_s, lower_s, compile_s; 0 when its step was built before).
+        self.last_stats: dict = {}
+        #: Seconds spent building the model: load_s (from_pretrained). A step's build
+        #: (plan_s, lower_s, compile_s) is reported by the request that paid it
+        #: (:attr:`last_stats`, or :meth:`prepare`'s return).
+        self.build_stats: dict = {}
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
+                        max_seq_len: int = 4096, progress: bool = True, device_spec=None,
+                        plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
+                        prefill_workspace: int | None = None) -> "DecoderModel":
+        """Load ``folder`` (config.json + model.safetensors, or shards with an index).
+
+        Everything is checked (config, files, every tensor's name and shape) before any
+        weight reaches the device; errors name the file or tensor. A ``tokenizer.json`` in
+        the folder enables text prompts (:attr:`tokenizer`). ``kv_dtype``, ``prefill_precision``
+        and ``prefill_workspace``: see :class:`DecoderModel`.
+        """
+        from .tokenizer import load_tokenizer
+
+        _check_plan_mode(plan_mode)
+        _prefill.check_precision(prefill_precision)
+        config = cls.config_class.from_pretrained(folder)
+        device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
+        if prefill_workspace is not None:  # refused before any weight is read
+            _prefill.PrefillBudget.make(_prefill_per_token(config, dtype, prefill_precision), prefill_workspace)
+        t0 = time.perf_counter()
+        weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
+        model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                    max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
+                    tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype,
+                    prefill_precision=prefill_precision, prefill_workspace=prefill_workspace)
+        model.build_stats["load_s"] = time.perf_counter() - t0
+        return model
+
+    @classmethod
+    def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
+                    max_seq_len: int = 4096, device_spec=None, name: str | None = None,
+                    plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
+                    prefill_workspace: int | None = None) -> "DecoderModel":
+        """A model of any shape with random weights (deterministic for ``seed``)."""
+        _check_plan_mode(plan_mode)
+        _prefill.check_precision(prefill_precision)
+        device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
+        weights = random_weights(config, seed=seed, device=device, dtype=dtype)
+        name = f"random-{config.MODEL_TYPE}" if name is None else name
+        return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
+                   max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
+                   kv_dtype=kv_dtype, prefill_precision=prefill_precision, prefill_workspace=prefill_workspace)
+
+    def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face tensors -> the megakernel's (fused QKV and its bias, interleaved
+        gate/up), under the names the decode graph binds (:func:`mk.models.blocks.weight_key`)."""
+        c, d = self.config, self.config.head_dim
+
+        def get(name):
+            t = hf[name].to(device=self.device, dtype=self.dtype).contiguous()
+            # The megakernel's buffers start 16-byte aligned (vector loads, TMA); a tensor
+            # read from safetensors as is may start 8 bytes off.
+            return t if t.data_ptr() % 16 == 0 else t.clone()
+
+        def rotary(t):  # q / k rows (or a bias, or a head's norm weight) in the interleaved rotary layout
+            return interleave_rotary(t, d) if t.dim() == 2 else interleave_rotary(t[:, None], d)[:, 0]
+
+        w = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+        w["lm_head"] = w["embed"] if c.tie_word_embeddings else get("lm_head.weight")
+        for L in range(c.num_hidden_layers):
+            p, l = f"model.layers.{L}.self_attn.", f"l{L}."
+            w[l + "attn_norm"] = get(f"model.layers.{L}.input_layernorm.weight")
+            # q and k rows in the interleaved rotary layout: RoPE then fuses into the QKV tiles.
+            w[l + "qkv"] = torch.cat([rotary(get(p + "q_proj.weight")), rotary(get(p + "k_proj.weight")),
+                                      get(p + "v_proj.weight")]).contiguous()
+            if c.QKV_BIAS:
+                w[l + "qkv.bias"] = torch.cat([rotary(get(p + "q_proj.bias")), rotary(get(p + "k_proj.bias")),
+                                               get(p + "v_proj.bias")]).contiguous()
+            if c.QK_NORM:
+                w[l + "q_norm"], w[l + "k_norm"] = rotary(get(p + "q_norm.weight")), rotary(get(p + "k_norm.weight"))
+            w[l + "o_proj"] = get(p + "o_proj.weight")
+            m = f"model.layers.{L}."
+            w[l + "mlp_norm"] = get(m + "post_attention_layernorm.weight")
+            w[l + "gate_up"] = interleave_gate_up(get(m + "mlp.gate_proj.weight"), get(m + "mlp.up_proj.weight"))
+            w[l + "down"] = get(m + "mlp.down_proj.weight")
+        w = {weight_key(name): t for name, t in w.items()}
+        w["inv_freq"] = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict).to(self.device)
+        return w
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names: views of the packed tensors, except those
+        of q and k (copies, put back from the interleaved rotary layout)."""
+        c, w, d = self.config, self.weights, self.config.head_dim
+        hq, hkv = c.num_attention_heads * d, c.num_key_value_heads * d
+
+        def W(name):
+            return w[weight_key(name)]
+
+        def plain(t):
+            return deinterleave_rotary(t, d) if t.dim() == 2 else deinterleave_rotary(t[:, None], d)[:, 0]
+
+        out = {"model.embed_tokens.weight": W("embed"), "model.norm.weight": W("final_norm")}
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = W("lm_head")
+        for L in range(c.num_hidden_layers):
+            p, l = f"model.layers.{L}.", f"l{L}."
+            q, k, v = W(l + "qkv").split([hq, hkv, hkv])
+            out.update({p + "self_attn.q_proj.weight": plain(q), p + "self_attn.k_proj.weight": plain(k),
+                        p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": W(l + "o_proj"),
+                        p + "input_layernorm.weight": W(l + "attn_norm"),
+                        p + "post_attention_layernorm.weight": W(l + "mlp_norm"),
+                        p + "mlp.gate_proj.weight": W(l + "gate_up")[0::2],
+                        p + "mlp.up_proj.weight": W(l + "gate_up")[1::2],
+                        p + "mlp.down_proj.weight": W(l + "down")})
+            if c.QKV_BIAS:
+                q, k, v = W(l + "qkv.bias").split([hq, hkv, hkv])
+                out.update({p + "self_attn.q_proj.bias": plain(q), p + "self_attn.k_proj.bias": plain(k),
+                            p + "self_attn.v_proj.bias": v})
+            if c.QK_NORM:
+                out.update({p + "self_attn.q_norm.weight": plain(W(l + "q_norm")),
+                            p + "self_attn.k_norm.weight": plain(W(l + "k_norm"))})
+        return out
+
+    # ------------------------------------------------------------------ planning
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes this model holds on its device, ``weights`` (tied tensors once) and
+        ``kv_cache``, and the most its prefill's activations take at once,
+        ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`), and the outputs
+        the captured prefill chunks keep now, ``prefill_graphs`` (at most
+        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32; their
+        activations share one memory pool the size of a chunk's workspace, held by PyTorch's
+        allocator). Generation adds the decode steps' activations and state, a few tens of MiB."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
+        return {"weights": sum(storages.values()),
+                "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2,
+                "prefill_workspace": self.prefill_budget.bound,
+                "prefill_graphs": sum(out.numel() * out.element_size() for _, _, out in self._prefill_graphs.values())}
+
+    @property
+    def device_spec(self):
+        """The :class:`~mk.planner.device.DeviceSpec` plans are made for: the live GPU, or
+        on the CPU :meth:`~mk.planner.device.DeviceSpec.interpreter`."""
+        if self._device_spec is None:
+            from mk.planner.device import DeviceSpec
+
+            self._device_spec = (DeviceSpec.from_gpu(self.device) if self.device.type == "cuda"
+                                 else DeviceSpec.interpreter())
+        return self._device_spec
+
+    def plan_length(self, tokens: int) -> int:
+        """The length a step is planned for when sequences reach ``tokens`` tokens: the first
+        of :data:`PLAN_LENGTHS` at or above it, at most ``max_seq_len``."""
+        return min(next((n for n in PLAN_LENGTHS if n >= tokens), self.max_seq_len), self.max_seq_len)
+
+    def plan(self, batch: int, kv_len: int | None = None, *, progress: bool = False):
+        """The plan of one decode step at ``batch`` for sequences of up to ``kv_len`` tokens
+        (default ``max_seq_len``; cached on disk) and its op graph: the planner's best
+        predicted plan, or with ``plan_mode="measure"`` the fastest of its top plans timed on
+        this device (:func:`mk.planner.search.pick_measured`). Any plan decodes every length
+        up to ``max_seq_len`` correctly; ``kv_len`` is what it is fastest for."""
+        from mk.planner.cache import cached_plan
+        from mk.models.blocks import decode_graph
+
+        kv_len = self.max_seq_len if kv_len is None else kv_len
+        if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= self.max_seq_len:
+            raise ValueError(f"kv_len must be an int in [1, max_seq_len={self.max_seq_len}], got {kv_len!r}")
+        graph = decode_graph(self.shape, batch, kv_len)
+        if self.plan_mode == "measure":
+            plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch),
+                                  progress=progress)
+        else:
+            plan, _ = cached_plan(graph, self.device_spec, progress=progress)
+        return plan, graph
+
+    def prepare(self, batch: int, total_len: int, *, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, progress: bool = False) -> dict:
+        """Plan, lower and compile the decode step a request of ``batch`` sequences reaching
+        ``total_len`` tokens (prompt + new) will run, so that its first :meth:`generate` call
+        starts decoding at once. Idempotent: a step already built is kept. ``progress`` shows
+        the plan search's bar (on a terminal). Returns the seconds it spent: plan_s (search or
+        plan cache), lower_s (tasks, queues, kernel source), compile_s (Triton or its cache);
+        zeros for a step built before."""
+        temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
+            raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
+        if isinstance(total_len, bool) or not isinstance(total_len, int) or not 1 <= total_len <= self.max_seq_len:
+            raise ValueError(f"total_len must be an int in [1, max_seq_len={self.max_seq_len}], got {total_len!r}")
+        return self._decoder(batch, _next_token_rule(temperature, top_k, top_p), self.plan_length(total_len),
+                             progress=progress).unreported_build()
+
+    def _decoder(self, batch: int, next_token: str, kv_len: int | None = None, progress: bool = False) -> _Decoder:
+        """The lowered, compiled step for ``batch`` ending in ``next_token`` (see
+        :func:`mk.planner.lower.lower_decode_step`), planned for ``kv_len`` (default
+        ``max_seq_len``), built once."""
+        key = (batch, next_token, self.max_seq_len if kv_len is None else kv_len)
+        if key not in self._decoders:
+            # One step per batch and way of choosing the next token is kept: steps planned
+            # for other lengths go (each holds its own activations and queues, and generation
+            # stays within weights + KV cache + 64 MiB); a length planned again rebuilds from
+            # the plan and kernel caches.
+            for other in [k for k in self._decoders if k[:2] == key[:2]]:
+                del self._decoders[other]
+            t0 = time.perf_counter()
+            plan, graph = self.plan(batch, key[2], progress=progress)
+            plan_s = time.perf_counter() - t0
+            dec = self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
+            dec.build["plan_s"] = plan_s
+        return self._decoders[key]
+
+    def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
+        """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh state."""
+        from mk.persistent.graph import lower
+        from mk.persistent.runtime import Megakernel
+        from mk.planner.lower import lower_decode_step, step_queues
+
+        t0 = time.perf_counter()
+        S = self.max_seq_len
+        i32 = dict(dtype=torch.int32, device=self.device)
+        state = {"ids": torch.zeros(batch, **i32), "pos": torch.zeros(batch, **i32),
+                 "tokens": torch.zeros(batch, S, **i32),
+                 "temperature": torch.ones(1, dtype=torch.float32, device=self.device),
+                 "seed": torch.zeros(1, dtype=torch.int64, device=self.device)}
+        bufs = dict(self.weights, **state)
+        for L in range(self.config.num_hidden_layers):
+            kn, vn = cache_keys(L)
+            bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
+        step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
+
+        def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
+            queues = step_queues(step, graph, self.device_spec, workers)
+            return Megakernel(lower(step.graph, num_workers=workers, queues=queues))
+
+        kernel = compile_for(1 if self.device.type != "cuda" else plan.workers)
+        t1 = time.perf_counter()
+        if self.device.type == "cuda" and kernel.residency().max_workers < plan.workers:  # (compiles)
+            kernel = compile_for(kernel.residency().max_workers)
+            kernel.residency()
+        t2 = time.perf_counter()
+        return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1))
+
+    def _time_plan(self, plan, graph, batch: int) -> float:
+        """Seconds one greedy decode step of ``plan`` takes here (median of a few bursts).
+
+        The timing steps run at the end of the planned length (the graph's ``kv_len``: their
+        positions start at ``kv_len - 1 - burst``) and write only cache rows there, which a
+        request reaches only later and then overwrites before reading: plans are measured
+        before the prompt is prefilled.
+        Resetting the positions is one tiny copy per burst, timed with it.
+        """
+        dec = self._build_decoder(plan, graph, batch, "argmax")
+        top = graph.kv_len  # (plan() keeps it within max_seq_len)
+        if self.device.type != "cuda":  # the interpreter: one step is slow enough to time
+            dec.state["pos"].fill_(max(top - 2, 0))
+            t0 = time.perf_counter()
+            dec.kernel.launch()
+            seconds = time.perf_counter() - t0
+            dec.kernel.check()
+            return seconds
+        from mk.timing import event_time_us
+
+        burst = max(1, min(MEASURE_BURST, top - 1))
+        start = max(top - 1 - burst, 0)
+
+        def steps():
+            dec.state["pos"].fill_(start)
+            for _ in range(burst):
+                dec.kernel.launch()
+
+        seconds = event_time_us(steps, reps=MEASURE_REPS, warmup=1) * 1e-6 / burst
+        dec.kernel.check()
+        return seconds
+
+    # ------------------------------------------------------------------ prefill
+
+    def _check_prompts(self, input_ids, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """Prompts (a [B, T] tensor or a list of id lists) -> right-padded int32 ids, lengths."""
+        rows = _rows(input_ids)
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("every prompt needs at least one token")
+        if len(rows) > self.max_batch_size:
+            raise ValueError(f"batch of {len(rows)} prompts exceeds max_batch_size={self.max_batch_size}")
+        for b, r in enumerate(rows):
+            if any(not isinstance(t, int) or not 0 <= t < self.config.vocab_size for t in r):
+                raise ValueError(f"prompt {b} has a token id outside [0, {self.config.vocab_size})")
+            if len(r) + max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {b}: {len(r)} tokens + {max_new_tokens} new exceed "
+                                 f"max_seq_len={self.max_seq_len}")
+        lengths = [len(r) for r in rows]
+        T = max(lengths)
+        ids = torch.zeros(len(rows), T, dtype=torch.int32)
+        for b, r in enumerate(rows):
+            ids[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        return ids.to(self.device), lengths
+
+    @property
+    def prefill_precision(self) -> str:
+        """``"fast"`` or ``"exact"``: see :mod:`mk.models.prefill`."""
+        return self._prefill_precision
+
+    @prefill_precision.setter
+    def prefill_precision(self, value: str) -> None:
+        old = getattr(self, "_prefill_precision", None)
+        self._prefill_precision = _prefill.check_precision(value)
+        if hasattr(self, "_prefill_workspace"):
+            try:
+                self.prefill_budget  # a token of the other precision may not fit the workspace
+            except ValueError:
+                self._prefill_precision = old
+                raise
+        self._prefill_graphs = {}
+
+    @property
+    def prefill_workspace(self) -> int:
+        """Bytes of activations a prefill chunk may hold (chunks are cut to fit)."""
+        return self._prefill_workspace
+
+    @prefill_workspace.setter
+    def prefill_workspace(self, value: int) -> None:
+        self._prefill_budget(value)  # refuses a workspace that holds no token
+        self._prefill_workspace = value
+        self._prefill_graphs = {}
+
+    @property
+    def prefill_budget(self) -> _prefill.PrefillBudget:
+        """Bytes a prefill token holds, the workspace, and the chunk length they give."""
+        return self._prefill_budget(self._prefill_workspace)
+
+    def _prefill_budget(self, workspace) -> _prefill.PrefillBudget:
+        return _prefill.PrefillBudget.make(_prefill_per_token(self.config, self.dtype, self.prefill_precision),
+                                           workspace)
+
+    def _prefill(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Run the prompts (``ids`` right-padded ``[B, T]``, ``lengths``) through every layer,
+        filling the cache, packed a chunk at a time; float32 logits of each prompt's last
+        token ``[B, V]`` (or of every token ``[B, T, V]``, zeros past a prompt's end)."""
+        B, T = ids.shape
+        V = self.config.vocab_size
+        budget = self.prefill_budget
+        budget.check_fits(self.device, sum(lengths), B * T * V * 4 if all_logits else 0)
+        if all_logits:
+            logits = torch.zeros(B, T, V, dtype=torch.float32, device=self.device)
+            # LM-head rows at a time within the workspace: its float32 logits too.
+            head_rows = max(1, budget.bound // (4 * V + 4 * self.config.hidden_size))
+        else:
+            last = torch.empty(B, self.config.hidden_size, dtype=torch.float32, device=self.device)
+        for segments in _prefill.pack(lengths, budget.chunk_tokens):
+            x = self._prefill_chunk(torch.cat([ids[s.row, s.start:s.stop] for s in segments]), segments)
+            for s in segments:
+                if all_logits:
+                    for r in range(0, s.tokens, head_rows):
+                        n = min(head_rows, s.tokens - r)
+                        logits[s.row, s.start + r:s.start + r + n] = self._lm_head(x[s.offset + r:s.offset + r + n])
+                elif s.stop == lengths[s.row]:  # the chunk that holds the prompt's last token
+                    last[s.row] = x[s.offset + s.tokens - 1]
+        return logits if all_logits else self._lm_head(last)
+
+    def _prefill_chunk(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
+        """:meth:`_prefill_layers` of one chunk; a chunk that is one whole prompt (the
+        usual request) runs as a CUDA graph captured for its length, rounded up to
+        :data:`~mk.models.prefill.GRAPH_TOKEN_STEP` tokens: launched one kernel at a time,
+        a small model's prefill is bound by the host's time per launch, not by the GPU
+        (1B, 2048 tokens: ~150 launches, 8-14 ms of host time for 7.6 ms of kernels).
+        A replayed chunk's result is a view of the graphs' shared output memory: valid until
+        the next chunk runs (the caller reads it at once)."""
+        seg = segments[0]
+        if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1
+                or seg.start != 0 or self._graphs_failed or torch.cuda.is_current_stream_capturing()):
+            return self._prefill_layers(ids, segments)
+        n = seg.tokens
+        padded = _prefill.graph_tokens(n, min(self.max_seq_len, self.prefill_budget.chunk_tokens))
+        key = (seg.row, padded)
+        entry = self._prefill_graphs.pop(key, None)
+        if entry is None:
+            # Run once eagerly (cuBLAS and cuDNN set themselves up outside a capture; this
+            # call's result), then capture the same chunk for the next request of its length.
+            static_ids = torch.zeros(padded, dtype=ids.dtype, device=self.device)
+            static_ids[:n] = ids
+            whole = [_prefill.Segment(seg.row, 0, padded, 0)]
+            x = self._prefill_layers(static_ids, whole)
+            if not self._prefill_graphs:  # a pool no live graph uses cannot take a capture again
+                with torch.cuda.device(self.device):
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._graph_pool):
+                    out = self._prefill_layers(static_ids, whole)
+            except RuntimeError as e:  # the chunk still ran eagerly: keep its result, capture no more
+                warnings.warn(f"mk: prefill chunks run eagerly from now on; capturing one as a CUDA graph "
+                              f"failed: {e}", RuntimeWarning, stacklevel=2)
+                self._graphs_failed = True
+                return x[:n]
+            self._prefill_graphs[key] = (graph, static_ids, out)
+            while len(self._prefill_graphs) > _prefill.MAX_GRAPHS:
+                self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
+            return x[:n]
+        graph, static_ids, out = entry
+        static_ids[:n] = ids
+        static_ids[n:] = 0
+        try:
+            with torch.cuda.device(self.device):
+                graph.replay()
+        except RuntimeError as e:
+            warnings.warn(f"mk: prefill chunks run eagerly from now on; replaying a captured one failed: {e}",
+                          RuntimeWarning, stacklevel=2)
+            self._graphs_failed, self._prefill_graphs = True, {}
+            return self._prefill_layers(ids, segments)
+        self._prefill_graphs[key] = entry  # most recently used last
+        return out[:n]
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of float32 final residuals ``[n, H]``."""
+        w, eps = self.weights, self.config.rms_norm_eps
+        if self.prefill_precision == "fast":
+            return _mm(rmsnorm(x, w[weight_key("final_norm")], eps, out_dtype=self.dtype), w[weight_key("lm_head")],
+                       torch.float32)
+        return linear(rmsnorm(x, w[weight_key("final_norm")], eps), w[weight_key("lm_head")]).float()
+
+    def _prefill_layers(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
+        """One chunk's tokens (``ids`` ``[n]``, the :class:`~mk.models.prefill.Segment` s of
+        their prompts) through every layer, their K/V appended to the cache (each prompt's
+        earlier tokens are there already); the final residual, float32 ``[n, H]``."""
+        c, w = self.config, self.weights
+
+        def W(name):
+            return w[weight_key(name)]
+
+        n = ids.numel()
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, f32, fast = c.rms_norm_eps, torch.float32, self.prefill_precision == "fast"
+        positions, rows = _prefill.chunk_indices(segments, self.device)
+        # The residual stream is float32 in both precisions; ids were checked with the prompts.
+        x = embedding(ids, W("embed"), check_values=False).float()
+        delta = None  # fast: the last projection's output, added into x by the next norm
+        for L in range(c.num_hidden_layers):
+            kc, vc = self.k_cache[L], self.v_cache[L]
+            if fast:
+                h, x = self._add_norm(x, delta, W(f"l{L}.attn_norm"))
+                delta = None  # added in: its memory goes back before the next projection
+                qkv = _mm(h, W(f"l{L}.qkv"))
+                del h
+            else:
+                qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
+            q, k, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            # Positions and rows were built here from checked lengths: no checks, no read-back.
+            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True, cache_rows=rows, validate=False)
+            del qkv, k, v
+            attn = _prefill.attention(q[0], kc, vc, segments, self.prefill_precision)
+            del q
+            if fast:
+                delta = _mm(attn, W(f"l{L}.o_proj"))
+                del attn
+                h, x = self._add_norm(x, delta, W(f"l{L}.mlp_norm"))
+                delta = None
+                if tma_gemm_serves(h, W(f"l{L}.gate_up"), silu_mul=True):
+                    # mk's TMA GEMM with SiLU·mul in its epilogue: the [n, 2I] product is
+                    # never stored (1B / 8B, 2048-8192 tokens: 4-15% under cuBLAS + SiLU·mul).
+                    act = linear(h, W(f"l{L}.gate_up"), silu_mul=True)
+                else:
+                    gu = _mm(h, W(f"l{L}.gate_up"))  # gate and up rows interleaved
+                    act = silu_mul(gu[:, 0::2], gu[:, 1::2], validate=False)
+                    del gu
+                del h
+                delta = _mm(act, W(f"l{L}.down"))
+                del act
+            else:
+                x = linear(attn, W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
+                del attn
+                act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
+                             out_dtype=f32)
+                x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=f32)
+                del act
+        if delta is not None:
+            x += delta
+        return x
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """Fast precision: ``x += delta`` (float32) and RMSNorm of the sum, in the weights'
+        dtype, in one pass. Returns (normalised, new x)."""
+        if delta is None:
+            return rmsnorm(x, weight, self.config.rms_norm_eps, out_dtype=self.dtype, validate=False), x
+        return rmsnorm(delta, weight, self.config.rms_norm_eps, residual=x, out_dtype=self.dtype, validate=False)
+
+    @torch.no_grad()
+    def logits(self, input_ids) -> torch.Tensor:
+        """Prefill logits, float32 ``[B, T, V]`` (rows past a shorter prompt's end: padding)."""
+        ids, lengths = self._check_prompts(input_ids, 0)
+        return self._prefill(ids, lengths, all_logits=True)
+
+    # ------------------------------------------------------------------ decoding
+
+    def _first_token(self, logits, lengths, temperature, top_k, top_p, seed) -> torch.Tensor:
+        """The token after each prompt, chosen as the decode steps choose theirs."""
+        if temperature == 0.0:
+            return argmax(logits).to(torch.int32)
+        if top_k is None and top_p is None:
+            # The megakernel's draw for a token at position p uses Philox offset p, row b.
+            B, V = logits.shape
+            noise = torch.stack([gumbel_noise(seed, n, B, V, device=self.device)[b] for b, n in enumerate(lengths)])
+            return (scale_logits_ref(logits, temperature) + noise).argmax(dim=1).to(torch.int32)
+        return sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=0).to(torch.int32)
+
+    @torch.no_grad()
+    def stream(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int = 0, eos_token_id=None, read_every: int = 8
+               ) -> Iterator[torch.Tensor]:
+        """Yield each step's new tokens (LongTensor ``[B]``, on the CPU) as they are read back.
+
+        Decode steps are enqueued back to back, in blocks of ``read_every``. Each block ends
+        with an asynchronous copy of the device-side history (and the watchdog's error
+        words) to pinned host memory; the host handles a block's tokens while the next
+        block already runs, so the GPU never waits for it. Stops once every sequence has
+        produced an EOS token (``eos_token_id``: an id or a list of ids; default the
+        config's): at most one block past it has run. Rows that finished keep yielding
+        their EOS id.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
+            raise ValueError(f"read_every must be an int >= 1, got {read_every!r}")
+        temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+        ids, lengths = self._check_prompts(input_ids, max_new_tokens)
+        if max_new_tokens == 0:
+            return
+        next_token = _next_token_rule(temperature, top_k, top_p)
+        eos = self._eos_ids(eos_token_id)
+        B = ids.shape[0]
+        dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))
+        phases = dec.unreported_build()
+        st = dec.state
+        t0 = time.perf_counter()
+        logits = self._prefill(ids, lengths)
+        first = self._first_token(logits, lengths, temperature, top_k, top_p, seed)
+        # Device state: the history holds the prompt and the first token; pos points at it.
+        st["tokens"].zero_()
+        st["tokens"][:, :ids.shape[1]] = ids
+        st["pos"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        st["tokens"][torch.arange(B, device=self.device), st["pos"].long()] = first
+        st["ids"].copy_(first)
+        st["temperature"].fill_(temperature if next_token == "sample" else 1.0)
+        st["seed"].fill_(seed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t_prefill = time.perf_counter() - t0
+        done: list[int | None] = [None] * B  # the EOS id each finished row stopped at
+        starts = torch.tensor(lengths)
+        rows = torch.arange(B)
+        blocks = _HistoryReader(dec, self.device)
+        enqueued, produced, t_decode = 0, 0, time.perf_counter()
+        while produced < max_new_tokens:
+            # Keep the next block queued behind the one being read: the GPU never idles on the host.
+            while enqueued < max_new_tokens and blocks.in_flight < 2:
+                block = min(read_every, max_new_tokens - enqueued)
+                # Step i of the block feeds token enqueued+i; the last block's final step is not needed.
+                steps = block - (1 if enqueued + block == max_new_tokens else 0)
+                for i in range(steps):
+                    self._decode_step(dec, enqueued + i + 1, temperature, top_k, top_p, seed)
+                blocks.read(block)
+                enqueued += block
+            block, history = blocks.wait()  # a timed-out wait raises MegakernelTimeout here, never hangs
+            for i in range(block):
+                tok = history[rows, starts + produced + i].long()
+                for b in range(B):
+                    if done[b] is not None:
+                        tok[b] = done[b]
+                    elif int(tok[b]) in eos:
+                        done[b] = int(tok[b])
+                yield tok
+                if all(d is not None for d in done):
+                    produced = max_new_tokens
+                    break
+            else:
+                produced += block
+        elapsed = time.perf_counter() - t_decode
+        self.last_stats = {**phases, "prefill_s": t_prefill, "decode_s": elapsed}
+
+    def _decode_step(self, dec: _Decoder, step: int, temperature=0.0, top_k=None, top_p=None, seed=0) -> None:
+        """Enqueue decode step number ``step`` (1, 2, ...; the prefill chose token 0)."""
+        dec.kernel.launch()
+        if dec.step.next_token == "logits":  # top-k / top-p: the sampler, then the append
+            st = dec.state
+            logits = dec.step.graph.buffers[dec.step.logits]
+            st["ids"].copy_(sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                   offset=step))
+            append_token(st["ids"], st["pos"], st["tokens"])
+
+    def _eos_ids(self, eos_token_id) -> set[int]:
+        """``eos_token_id`` (an id, a list of ids, or None for the config's) as a set."""
+        if eos_token_id is None:
+            return set(self.config.eos_token_ids)
+        return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int = 0, eos_token_id=None):
+        """Prompts + generated tokens.
+
+        ``input_ids``: a LongTensor ``[B, T]`` (returns ``[B, T + n]``, n <= max_new_tokens:
+        decoding stops once every row has produced EOS, and finished rows are padded with
+        their EOS id), or a list of token-id lists of any lengths (returns a list of lists,
+        each cut after its EOS).
+        """
+        steps = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, eos_token_id=eos_token_id))
+        new = torch.stack(steps, dim=1) if steps else torch.zeros(0, 0, dtype=torch.long)
+        if isinstance(input_ids, torch.Tensor):
+            prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
+            new = new if steps else torch.zeros(prompt.shape[0], 0, dtype=torch.long)
+            return torch.cat([prompt.long().cpu(), new], dim=1)
+        eos = self._eos_ids(eos_token_id)
+        out = []
+        for b, r in enumerate(_rows(input_ids)):
+            gen = new[b].tolist() if steps else []
+            cut = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
+            out.append(r + gen[:cut])
+        return out
+
+
+class _HistoryReader:
+    """Reads a decoder's token history back in blocks without stalling the GPU: each block's
+    copy goes to its own pinned host buffer behind an event (two buffers, so one block is
+    read while the next is copied), with the watchdog's error words beside it. On the CPU
+    the copy is immediate."""
+
+    def __init__(self, dec: _Decoder, device: torch.device):
+        self.dec, self.cuda = dec, device.type == "cuda"
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor, object]] = []
+        if self.cuda and not dec.host:
+            tokens, error = dec.state["tokens"], dec.kernel.error
+            dec.host = [(torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True),
+                         torch.empty(error.shape, dtype=error.dtype, pin_memory=True)) for _ in range(2)]
+        self.count = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def read(self, block: int) -> None:
+        """Queue the read-back of the history after the steps enqueued so far."""
+        tokens, error = self.dec.state["tokens"], self.dec.kernel.error
+        if not self.cuda:
+            self.pending.append((block, tokens.clone(), error.clone(), None))
+            return
+        host_tokens, host_error = self.dec.host[self.count % 2]
+        self.count += 1
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_error.copy_(error, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((block, host_tokens, host_error, event))
+
+    def wait(self) -> tuple[int, torch.Tensor]:
+        """The oldest queued block: (its number of tokens, the history as it was read).
+        Raises MegakernelTimeout if a wait in its steps timed out."""
+        block, tokens, error, event = self.pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        self.dec.kernel.check(error)
+        return block, tokens
+
+
+def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None) -> str:
+    """How a decode step ends: greedy and temperature sampling finish inside the megakernel;
+    top-k / top-p take the step's logits to the radix-select sampler."""
+    return "argmax" if temperature == 0.0 else "sample" if top_k is None and top_p is None else "logits"
+
+
+def _prefill_per_token(c: LlamaConfig, dtype: torch.dtype, precision: str) -> int:
+    """Prefill activation bytes a token of a chunk holds (:func:`mk.models.prefill.per_token_bytes`)."""
+    q = c.num_attention_heads * c.head_dim
+    fast = precision == "fast"
+    return _prefill.per_token_bytes(c.hidden_size, q, q + 2 * c.num_key_value_heads * c.head_dim,
+                                    c.intermediate_size, dtype.itemsize if fast else 4, fast)
+
+
+def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a @ weight.T`` by PyTorch (cuBLAS on a GPU), float32 accumulation; the result in
+    ``out_dtype`` (default a's)."""
+    if out_dtype is None or out_dtype == a.dtype:
+        return torch.mm(a, weight.t())
+    try:
+        return torch.mm(a, weight.t(), out_dtype=out_dtype)
+    except TypeError:  # PyTorch before 2.8: round to a's dtype, then widen
+        return torch.mm(a, weight.t()).to(out_dtype)
+
+
+def _rows(input_ids) -> list[list[int]]:
+    """Prompts as lists of ids: a [B, T] (or [T]) int tensor, a list of lists, or one list."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an int tensor [B, T], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        return [r.tolist() for r in input_ids.cpu()]
+    return [list(r) for r in input_ids] if input_ids and isinstance(input_ids[0], (list, tuple)) else [list(input_ids)]
+
+
+def _resolve_target(device, dtype, kv_dtype) -> tuple[torch.device, torch.dtype, torch.dtype]:
+    """``(device, dtype, kv_dtype)`` with their defaults (the GPU if there is one; bf16 on
+    CUDA, float32 on the CPU; the cache in ``dtype``), checked before any work."""
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    _check_target(device, dtype)
+    kv_dtype = kv_dtype or dtype
+    _check_target(device, kv_dtype, what="kv_dtype")
+    return device, dtype, kv_dtype
+
+
+def _check_target(device: torch.device, dtype: torch.dtype, what: str = "dtype") -> None:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but there is no CUDA GPU here (mk runs on the CPU "
+                         "through the Triton interpreter)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s)")
+    allowed = supported_dtypes(device)
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
+        raise ValueError(f"{what} {dtype} is not supported on {device.type}; use one of {list(allowed)}")
