@@ -20,9 +20,9 @@ import textwrap
 import torch
 
 from mk.tasks._cache import cache_dir
+from mk.tasks._spec import TL_DTYPES, OpSpec
 
 from .graph import HEADER_WORDS, Program
-from .ops import TL_DTYPES, OpSpec
 
 KERNEL_NAME = "megakernel"
 

@@ -25,7 +25,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .ops import Region
+from mk.tasks._spec import Region
 
 Interval = tuple[int, int]  # task indices [first, end)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from mk.tasks._cache import cache_dir, sources_hash
+from mk.tasks._spec import TL_DTYPES, OpSpec, Region
 
 from .deps import Events, RangeMax, dependency_intervals, drop_implied, group_events
-from .ops import TL_DTYPES, OpSpec, Region
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
 HEADER_WORDS = 4

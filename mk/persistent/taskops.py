@@ -1,7 +1,7 @@
 """OpSpecs of mk's tasks: how each runs inside the megakernel, and on the VM.
 
 Each factory fixes a task's static parameters (constexpr tile sizes, flags, eps) and
-returns an :class:`~mk.persistent.ops.OpSpec`. Buffers are addressed as 2-D row-major
+returns an :class:`~mk.tasks._spec.OpSpec`. Buffers are addressed as 2-D row-major
 ``[rows, cols]`` views (a 1-D buffer is one row), which is also how regions are given.
 
 Every static parameter that changes the generated code is a constexpr (eps included):
@@ -32,44 +32,8 @@ from mk.tasks.linear import (
 from mk.tasks.rmsnorm import rmsnorm_block_n, rmsnorm_num_warps, rmsnorm_ref
 from mk.tasks.rope import rope_blocks, rope_num_warps, rope_ref
 from mk.tasks.silu_mul import silu_mul_block_i, silu_mul_num_warps, silu_mul_ref
-
-from .ops import OpSpec, Region, register
-
-
-def _2d(t: torch.Tensor) -> torch.Tensor:
-    """The 2-D row-major view regions refer to (a view, so the VM writes in place)."""
-    return t.view(1, -1) if t.dim() < 2 else t.view(-1, t.shape[-1])
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_tile(op: str, name: str, value: int, count: int) -> None:
-    # reads()/writes() run when the graph derives dependencies, so a bad tile index is
-    # reported there, naming it, instead of as a silent empty region.
-    if not 0 <= value < count:
-        raise ValueError(f"{op}: {name}={value} out of range [0, {count})")
-
-
-def _check_sizes(op: str, **sizes) -> None:
-    for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
-
-
-def _check_pow2(op: str, name: str, v: int, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or v & (v - 1):
-        raise ValueError(f"{op}: {name} must be a power of two >= {minimum}, got {v!r}")
-    return v
-
-
-def _block_cols(op: str, a, blocks: int, block: int, width: int) -> tuple[int, int]:
-    """Columns [c0, c1) of tile ``a["col_block"]`` of a row cut into ``blocks`` blocks of
-    ``block`` (the last clipped to ``width``)."""
-    _check_tile(op, "col_block", a["col_block"], blocks)
-    c0 = a["col_block"] * block
-    return c0, min(c0 + block, width)
+from mk.tasks._spec import (OpSpec, Region, as_2d, block_cols, cdiv, check_pow2, check_sizes, check_tile,
+                            operand_view, register)
 
 
 @register("rmsnorm")
@@ -125,7 +89,7 @@ class _LinearShape:
 
     def __init__(self, op, M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                  prefetch_k, dtype, tiles_per_task=1):
-        _check_sizes(op, M=M, N=N, K=K, split_k=split_k, tiles_per_task=tiles_per_task)
+        check_sizes(op, M=M, N=N, K=K, split_k=split_k, tiles_per_task=tiles_per_task)
         if silu_mul and N % 2:
             raise ValueError(f"{op}: silu_mul needs an even N (gate/up pairs), got N={N}")
         if silu_mul and residual:
@@ -142,14 +106,14 @@ class _LinearShape:
         self.bm, self.bn, self.bk = _tile_rows(cfg, M), cfg.block_n, cfg.block_k
         self.n_out = N // 2 if silu_mul else N
         self.silu_mul = silu_mul
-        self.tiles_m, self.tiles_n = _cdiv(M, self.bm), _cdiv(N, self.bn)
+        self.tiles_m, self.tiles_n = cdiv(M, self.bm), cdiv(N, self.bn)
         # Width of the partial tiles whose sums of x**2 a split-K reduce reads (NORM_SQ): its
         # own, unless a reduce cuts each partial tile into several (:meth:`narrow_reduce`).
         self.sq_bn = self.bn
         # A task is a run of tiles_per_task adjacent tiles along N (mk.tasks.linear.linear_run),
         # so for regions and the VM it is one tile of tiles_per_task * bn weight rows.
         self.run = tiles_per_task
-        self.tasks_n = _cdiv(self.tiles_n, self.run)
+        self.tasks_n = cdiv(self.tiles_n, self.run)
         self.k_splits = linear_k_splits(K, self.bk, split_k)
         lines, line = prefetch_lines(cfg, K, torch.empty((), dtype=dtype).element_size())
         # (A run streams its own tiles back to back: no L2 prefetch ahead of its wait.) The
@@ -226,8 +190,8 @@ class _LinearShape:
         """(r0, r1, n0, n1, c0, c1): x/out rows, weight rows and out columns of task (pid_m, pid_n)
         (its run of tiles), clipped to the buffers (edge tiles are partial)."""
         pm, pn = a["pid_m"], a["pid_n"]
-        _check_tile(self.op, "pid_m", pm, self.tiles_m)
-        _check_tile(self.op, "pid_n", pn, self.tasks_n)
+        check_tile(self.op, "pid_m", pm, self.tiles_m)
+        check_tile(self.op, "pid_n", pn, self.tasks_n)
         r0, n0 = pm * self.bm, pn * self.bn * self.run
         r1, n1 = min(r0 + self.bm, self.M), min(n0 + self.bn * self.run, self.N)
         # With silu_mul a tile's adjacent (gate, up) weight rows make one output column.
@@ -237,8 +201,8 @@ class _LinearShape:
     def store(self, b, a, acc: torch.Tensor, residual: bool) -> None:
         """VM: the epilogue (residual or silu_mul) of a float32 tile, stored into out."""
         r0, r1, _, _, c0, c1 = self.tile(a)
-        y = _epilogue_ref(acc, _2d(b["res"])[r0:r1, c0:c1] if residual else None, self.silu_mul)
-        out = _2d(b["out"])
+        y = _epilogue_ref(acc, as_2d(b["res"])[r0:r1, c0:c1] if residual else None, self.silu_mul)
+        out = as_2d(b["out"])
         out[r0:r1, c0:c1] = y.to(out.dtype)
 
     def out_regions(self, a, bind) -> list:
@@ -257,7 +221,7 @@ class _LinearShape:
 
     def ws_cols(self, norm_sq: bool) -> int:
         """Columns of the workspace: N, and with norm_sq a sum-of-squares column per partial tile."""
-        return self.N + (_cdiv(self.N, self.sq_bn) if norm_sq else 0)
+        return self.N + (cdiv(self.N, self.sq_bn) if norm_sq else 0)
 
     def narrow_reduce(self, part_block_n: int | None) -> int:
         """A reduce op's tiles within partial tiles of ``part_block_n`` columns (None: as wide
@@ -282,7 +246,7 @@ class _LinearShape:
 
     def _split_sum(self, b, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """VM: float32 sum over the splits of ws columns [c0, c1) of rows [r0, r1), in split order."""
-        ws, acc = _2d(b["ws"]), None
+        ws, acc = as_2d(b["ws"]), None
         for split in range(self.split_k):
             w0, w1 = self.ws_rows(split, r0, r1)
             part = ws[w0:w1, c0:c1].float()
@@ -345,7 +309,7 @@ def _weight_streaming(s: "_LinearShape", K: int, tma_stages: int, dtype, double_
     # decoded wrong tokens on an H200. (Longer streams keep theirs: a grouped stream's ring
     # is deeper than its chunks on purpose.)
     tma = _tma_stages(s, K, tma_stages, dtype)
-    if _cdiv(K, s.bk) == 1:
+    if cdiv(K, s.bk) == 1:
         tma = min(tma, 1)
     if tma or s.run > 1:  # the ring, or a run's own stream (linear_run), replaces both
         double_buffer, preload_weights = False, False
@@ -415,10 +379,10 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
-        h = _prologue_ref(_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
-        s.store(b, a, h @ _2d(b["w"])[n0:n1].float().T, residual)
+        h = _prologue_ref(as_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
+        s.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T, residual)
         if argmax:  # the run's columns of the logits as stored, folded into best
-            packed = argmax_pack_ref(_2d(b["out"])[r0:r1, n0:n1], torch.arange(n0, n1)).amax(dim=1)
+            packed = argmax_pack_ref(as_2d(b["out"])[r0:r1, n0:n1], torch.arange(n0, n1)).amax(dim=1)
             best = b["best"].view(-1)
             best[r0:r1] = torch.maximum(best[r0:r1], packed.to(best.device))
 
@@ -495,21 +459,21 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
         constexprs["EPS"] = float(eps)
 
     def split_of(a):
-        _check_tile("linear_partial", "split", a["split"], split_k)
+        check_tile("linear_partial", "split", a["split"], split_k)
         return s.k_splits[a["split"]]
 
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
         k_lo, k_hi = split_of(a)
-        x = _2d(b["x"])[r0:r1]
+        x = as_2d(b["x"])[r0:r1]
         w0, w1 = s.ws_rows(a["split"], r0, r1)
-        ws = _2d(b["ws"])
+        ws = as_2d(b["ws"])
         if norm_sq:  # the rstd is the reduce's: the K range's sums of squares go with the partial
             h = x.float() * b["norm_w"].reshape(-1).float()
             ws[w0:w1, s.N + a["pid_n"]] = x[:, k_lo:k_hi].float().pow(2).sum(-1)
         else:
             h = _prologue_ref(x, b["norm_w"] if norm else None, eps)
-        ws[w0:w1, n0:n1] = h[:, k_lo:k_hi] @ _2d(b["w"])[n0:n1, k_lo:k_hi].float().T
+        ws[w0:w1, n0:n1] = h[:, k_lo:k_hi] @ as_2d(b["w"])[n0:n1, k_lo:k_hi].float().T
 
     def reads(a, bind):
         r0, r1, n0, n1, _, _ = s.tile(a)
@@ -594,8 +558,8 @@ class _QkvRope:
         """VM: rotate the float32 tile ``acc`` and store q, or k / v into the caches."""
         op, batch, hq, hkv, d, max_seq = self.op, self.batch, self.hq, self.hkv, self.d, self.max_seq
         r0, r1, n0, n1, _, _ = self.s.tile(a)
-        pos = _view(op, "pos", b["pos"], 1, batch)[0, r0:r1].long()
-        inv = _view(op, "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
+        pos = operand_view(op, "pos", b["pos"], 1, batch)[0, r0:r1].long()
+        inv = operand_view(op, "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
         cols = torch.arange(n0, n1, 2, device=acc.device)
         heads, in_head = cols // d, cols % d
         angle = pos.float()[:, None] * inv[in_head // 2][None, :]
@@ -603,8 +567,8 @@ class _QkvRope:
         rot = (heads < hq + hkv)[None, :]
         y_even = torch.where(rot, even * angle.cos() - odd * angle.sin(), even)
         y_odd = torch.where(rot, odd * angle.cos() + even * angle.sin(), odd)
-        q = _view(op, "q", b["q"], batch, hq * d)
-        caches = {c: _view(op, c, b[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        q = operand_view(op, "q", b["q"], batch, hq * d)
+        caches = {c: operand_view(op, c, b[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
                   for c in ("k_cache", "v_cache")}
         for j, n in enumerate(cols.tolist()):
             head, in_head = n // d, n % d
@@ -620,7 +584,7 @@ class _QkvRope:
                     if 0 <= p < max_seq:
                         cache[r0 + i, kv, p, dim] = value[i].to(cache.dtype)
         if self.write_seqlens and a["pid_n"] == 0:
-            seqlens = _view(op, "seqlens", b["seqlens"], 1, batch)[0]
+            seqlens = operand_view(op, "seqlens", b["seqlens"], 1, batch)[0]
             seqlens[r0:r1] = (pos + 1).clamp(0, max_seq).to(seqlens.dtype)
 
     def reads(self, a, bind) -> list:
@@ -676,7 +640,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     of the heads (and head columns) it covers, per sequence: attention of those heads waits
     for it, as it must.
     """
-    _check_sizes("qkv_rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    check_sizes("qkv_rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, K=K, max_seq=max_seq)
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     if d % 2:
@@ -718,8 +682,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
 
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
-        h = _prologue_ref(_view("qkv_rope_kv", "x", b["x"], batch, K)[r0:r1], b["norm_w"] if norm else None, eps)
-        rope.store(b, a, h @ _2d(b["w"])[n0:n1].float().T)
+        h = _prologue_ref(operand_view("qkv_rope_kv", "x", b["x"], batch, K)[r0:r1], b["norm_w"] if norm else None, eps)
+        rope.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T)
 
     def reads(a, bind):
         r0, r1, n0, n1, _, _ = s.tile(a)
@@ -751,7 +715,7 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
     ``norm_sq``, ``part_block_n``: as :func:`linear_reduce_op` (the RMSNorm's rstd applied here).
     """
     op = "qkv_rope_kv_reduce"
-    _check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
+    check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
                  max_seq=max_seq, split_k=split_k)
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     if d % 2:
@@ -792,8 +756,8 @@ def linear_tiles(spec: OpSpec) -> list[dict]:
     c = spec.constexprs
     if spec.name not in ("linear", "linear_partial", "linear_reduce", "qkv_rope_kv", "qkv_rope_kv_reduce"):
         raise ValueError(f"not a linear op: {spec.name!r}")
-    runs_n = _cdiv(_cdiv(c["N"], c["BLOCK_N"]), c.get("TILES_PER_TASK", 1))  # tasks along N
-    tiles = [{"pid_m": m, "pid_n": n} for m in range(_cdiv(c["M"], c["BLOCK_M"])) for n in range(runs_n)]
+    runs_n = cdiv(cdiv(c["N"], c["BLOCK_N"]), c.get("TILES_PER_TASK", 1))  # tasks along N
+    tiles = [{"pid_m": m, "pid_n": n} for m in range(cdiv(c["M"], c["BLOCK_M"])) for n in range(runs_n)]
     if spec.name == "linear_partial":
         return [{**t, "split": k} for t in tiles for k in range(c["SPLIT_K"])]
     return tiles
@@ -811,17 +775,17 @@ def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = N
     Operands: gate, up, out, each ``[rows, i]``. Args: row, col_block (``cdiv(i, BLOCK_I)``
     blocks per row; the last one is clipped to i).
     """
-    _check_sizes("silu_mul", i=i)
-    block_i = _check_pow2("silu_mul", "block_i", block_i or silu_mul_block_i(i))
-    blocks = _cdiv(i, block_i)
+    check_sizes("silu_mul", i=i)
+    block_i = check_pow2("silu_mul", "block_i", block_i or silu_mul_block_i(i))
+    blocks = cdiv(i, block_i)
 
     def cols(a):
-        return _block_cols("silu_mul", a, blocks, block_i, i)
+        return block_cols("silu_mul", a, blocks, block_i, i)
 
     def run(b, a):
         row, (c0, c1) = a["row"], cols(a)
-        y = silu_mul_ref(_2d(b["gate"])[row, c0:c1], _2d(b["up"])[row, c0:c1])
-        out = _2d(b["out"])
+        y = silu_mul_ref(as_2d(b["gate"])[row, c0:c1], as_2d(b["up"])[row, c0:c1])
+        out = as_2d(b["out"])
         out[row, c0:c1] = y.to(out.dtype)
 
     def reads(a, bind):
@@ -844,16 +808,6 @@ def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = N
 # ---------------------------------------------------------------------------------------
 
 
-def _view(op: str, role: str, t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """VM: the 2-D view of operand ``role``, checked to be the ``[rows, cols]`` the op's regions
-    are given in (a buffer of another shape would make the derived dependencies wrong)."""
-    v = _2d(t)
-    if tuple(v.shape) != (rows, cols):
-        raise ValueError(f"{op}: operand {role!r} must view as [{rows}, {cols}] (rows x last dim), "
-                         f"got shape {tuple(t.shape)}")
-    return v
-
-
 @register("embedding")
 def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = None,
                  num_warps: int | None = None) -> OpSpec:
@@ -865,21 +819,21 @@ def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = No
     block of *every* table row: the table is a weight no task writes, so this costs no
     dependency, while the read of ``ids[row]`` orders the task after whatever writes the id.
     """
-    _check_sizes("embedding", rows=rows, vocab=vocab, hidden=hidden)
-    block_h = _check_pow2("embedding", "block_h", block_h or embedding_block_h(hidden))
-    blocks = _cdiv(hidden, block_h)
+    check_sizes("embedding", rows=rows, vocab=vocab, hidden=hidden)
+    block_h = check_pow2("embedding", "block_h", block_h or embedding_block_h(hidden))
+    blocks = cdiv(hidden, block_h)
 
     def cols(a):
-        _check_tile("embedding", "row", a["row"], rows)
-        return _block_cols("embedding", a, blocks, block_h, hidden)
+        check_tile("embedding", "row", a["row"], rows)
+        return block_cols("embedding", a, blocks, block_h, hidden)
 
     def run(b, a):
         (c0, c1), row = cols(a), a["row"]
-        token = int(_view("embedding", "ids", b["ids"], 1, rows)[0, row])
+        token = int(operand_view("embedding", "ids", b["ids"], 1, rows)[0, row])
         if not 0 <= token < vocab:
             raise ValueError(f"embedding: ids[{row}] = {token} is outside the vocabulary [0, {vocab})")
-        out = _view("embedding", "out", b["out"], rows, hidden)
-        out[row, c0:c1] = _view("embedding", "table", b["table"], vocab, hidden)[token, c0:c1].to(out.dtype)
+        out = operand_view("embedding", "out", b["out"], rows, hidden)
+        out[row, c0:c1] = operand_view("embedding", "table", b["table"], vocab, hidden)[token, c0:c1].to(out.dtype)
 
     def reads(a, bind):
         c0, c1 = cols(a)
@@ -917,7 +871,7 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
     nothing else of a decode step touches that layer's cache. A position outside
     ``[0, max_seq)`` writes no cache row (the device function's guard; the VM does the same).
     """
-    _check_sizes("rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+    check_sizes("rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                  max_seq=max_seq)
     if head_dim % 2:
         raise ValueError(f"rope_kv: head_dim must be even, got {head_dim}")
@@ -936,27 +890,27 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
         body += "\nrope_kv_seqlen_tile(pos, seqlens, b, 0, 1, 0, S_MAX)"
 
     def seq(a):
-        _check_tile("rope_kv", "b", a["b"], batch)
+        check_tile("rope_kv", "b", a["b"], batch)
         return a["b"]
 
     def run(bufs, a):
         b = seq(a)
-        qkv = _view("rope_kv", "qkv", bufs["qkv"], batch, width)[b].float()
-        pos_t = _view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b]
-        inv_freq = _view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
+        qkv = operand_view("rope_kv", "qkv", bufs["qkv"], batch, width)[b].float()
+        pos_t = operand_view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b]
+        inv_freq = operand_view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
         positions = pos_t.reshape(1, 1)
-        q_out = _view("rope_kv", "q", bufs["q"], batch, hq * d)
+        q_out = operand_view("rope_kv", "q", bufs["q"], batch, hq * d)
         q_out[b] = rope_ref(qkv[:hq * d].view(1, 1, hq, d), positions, inv_freq,
                             interleaved=interleaved).reshape(-1).to(q_out.dtype)
         pos = int(pos_t)
         if 0 <= pos < max_seq:
-            kc = _view("rope_kv", "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
-            vc = _view("rope_kv", "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+            kc = operand_view("rope_kv", "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+            vc = operand_view("rope_kv", "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
             k = qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d)
             kc[b, :, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
             vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
         if write_seqlens:
-            _view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = _length_at(pos, max_seq)
+            operand_view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = _length_at(pos, max_seq)
 
     def reads(a, bind):
         b = seq(a)
@@ -982,7 +936,7 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
 
 def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> tuple[int, int]:
     """KV positions [start, end) of ``split``, cut as decode_attention_partial_tile cuts them."""
-    split_len = _cdiv(_cdiv(seqlen, num_splits), block_n) * block_n
+    split_len = cdiv(cdiv(seqlen, num_splits), block_n) * block_n
     start = split * split_len
     return start, max(start, min(start + split_len, seqlen))
 
@@ -996,25 +950,25 @@ def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch:
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
     start, end = _attention_split(seqlen, splits, block_n, s)
-    q = _view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
-    o_part = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
-    lse = _view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
+    q = operand_view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
+    o_part = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
+    lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
     if end > start:
-        kc = _view(op, "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
-        vc = _view(op, "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        kc = operand_view(op, "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        vc = operand_view(op, "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
         scores = (q @ kc[b, kv, start:end].float().T) * scale
         m = scores.max(dim=-1, keepdim=True).values
         p = torch.exp(scores - m)
         total = p.sum(dim=-1, keepdim=True)
         y = (p @ vc[b, kv, start:end].float()) / total
         if direct:
-            out = _view(op, "out", bufs["out"], batch, hq * d)
+            out = operand_view(op, "out", bufs["out"], batch, hq * d)
             out[b, kv * group * d:(kv + 1) * group * d] = y.reshape(-1).to(out.dtype)
             return
         o_part[b, heads, s] = y.to(o_part.dtype)
         lse[b, heads, s] = (m + torch.log(total)).squeeze(-1).to(lse.dtype)
     elif direct:  # no key at all (seqlen 0, never valid): zeros, as the device writes
-        out = _view(op, "out", bufs["out"], batch, hq * d)
+        out = operand_view(op, "out", bufs["out"], batch, hq * d)
         out[b, kv * group * d:(kv + 1) * group * d] = 0
     else:  # an empty slice: zeros and -inf (weight 0 in the merge)
         o_part[b, heads, s] = 0
@@ -1026,14 +980,14 @@ def _run_attention_merge(op: str, bufs: dict, b: int, h: int, *, batch: int, hq:
     """out[b, head h] from its splits' partials (the first ``live`` of them, default all),
     with torch (the VM's merge)."""
     live = splits if live is None else live
-    lse = _view(op, "lse", bufs["lse"], batch * hq, splits)[b * hq + h][:live].float()
-    o = _view(op, "o_part", bufs["o_part"], batch * hq, splits * d)[b * hq + h].view(splits, d)[:live].float()
+    lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits)[b * hq + h][:live].float()
+    o = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d)[b * hq + h].view(splits, d)[:live].float()
     m = lse.max()
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # as the device: no -inf - -inf
     w = torch.exp(lse - m)
     total = w.sum()
     y = (w[:, None] * o).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))
-    out = _view(op, "out", bufs["out"], batch, hq * d)
+    out = operand_view(op, "out", bufs["out"], batch, hq * d)
     out[b, h * d:(h + 1) * d] = y.to(out.dtype)
 
 
@@ -1052,8 +1006,8 @@ def _attention_length(op: str, bufs: dict, b: int, batch: int, max_seq: int, fro
     """Sequence b's KV length as the device reads it: seqlens[b], or pos[b] + 1 clipped to
     [0, max_seq] (:func:`mk.tasks.decode_attention.decode_length`)."""
     if from_positions:
-        return _length_at(int(_view(op, "pos", bufs["pos"], 1, batch)[0, b]), max_seq)
-    return int(_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+        return _length_at(int(operand_view(op, "pos", bufs["pos"], 1, batch)[0, b]), max_seq)
+    return int(operand_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
 
 
 def _length_at(pos: int, max_seq: int) -> int:
@@ -1071,9 +1025,9 @@ _ATTENTION_STRIDES = ("HQ * HEAD_DIM, HEAD_DIM, "
 def _attention_tile(op: str, batch: int, hkv: int, splits: int):
     """A task's (b, kv_head, split), checked."""
     def tile(a):
-        _check_tile(op, "b", a["b"], batch)
-        _check_tile(op, "kv_head", a["kv_head"], hkv)
-        _check_tile(op, "split", a["split"], splits)
+        check_tile(op, "b", a["b"], batch)
+        check_tile(op, "kv_head", a["kv_head"], hkv)
+        check_tile(op, "split", a["split"], splits)
         return a["b"], a["kv_head"], a["split"]
     return tile
 
@@ -1095,7 +1049,7 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
     read of all ``max_seq`` cache rows of its (b, kv_head); it writes exactly its heads' split.
     Pair with :func:`decode_attention_merge_op`.
     """
-    _check_sizes("decode_attention_partial", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+    check_sizes("decode_attention_partial", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, max_seq=max_seq, num_splits=num_splits)
     op = "decode_attention_partial"
     if num_q_heads % num_kv_heads:
@@ -1105,7 +1059,7 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
     hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
     group = hq // hkv
     cfg = decode_attention_config(hq, hkv, d)
-    block_n = _check_pow2(op, "block_n", block_n or cfg.block_n, MIN_DOT_DIM)  # tl.dot: >= 16
+    block_n = check_pow2(op, "block_n", block_n or cfg.block_n, MIN_DOT_DIM)  # tl.dot: >= 16
     scale = 1.0 / d**0.5 if scale is None else float(scale)
     body = ("decode_attention_partial_tile(q, k_cache, v_cache, seqlens, o_part, lse, b.to(tl.int64), kv_head, "
             "split, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", "
@@ -1203,7 +1157,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                              block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen)
         if live == 1:  # split 0 wrote out itself
             return
-        arrivals = _view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
+        arrivals = operand_view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
         arrivals[b * hkv + kv] += 1
         if int(arrivals[b * hkv + kv]) == live:
             arrivals[b * hkv + kv] = 0
@@ -1243,7 +1197,7 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
     sizes), out ``[batch, Hq * D]`` (what the O projection reads). Args: b, q_head.
     """
     op = "decode_attention_merge"
-    _check_sizes(op, batch=batch, num_q_heads=num_q_heads, head_dim=head_dim, num_splits=num_splits)
+    check_sizes(op, batch=batch, num_q_heads=num_q_heads, head_dim=head_dim, num_splits=num_splits)
     if num_splits > MAX_NUM_SPLITS:
         raise ValueError(f"{op}: num_splits must be <= {MAX_NUM_SPLITS}, got {num_splits}")
     hq, d, S = num_q_heads, head_dim, num_splits
@@ -1253,8 +1207,8 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
             "HQ * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, CACHE='.cg')")
 
     def head(a):
-        _check_tile(op, "b", a["b"], batch)
-        _check_tile(op, "q_head", a["q_head"], hq)
+        check_tile(op, "b", a["b"], batch)
+        check_tile(op, "q_head", a["q_head"], hq)
         return a["b"], a["q_head"]
 
     def run(bufs, a):
@@ -1280,27 +1234,27 @@ class _ArgmaxShape:
     """Chunking of argmax over ``[rows, vocab]`` logits, as :func:`mk.tasks.argmax.argmax` cuts it."""
 
     def __init__(self, op: str, rows: int, vocab: int, block_v: int | None):
-        _check_sizes(op, rows=rows, vocab=vocab)
+        check_sizes(op, rows=rows, vocab=vocab)
         try:
             self.block_v = argmax_block_v(vocab) if block_v is None else check_block_v(block_v)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{op}: {e}") from None
         self.rows, self.vocab, self.op = rows, vocab, op
-        self.chunks = _cdiv(vocab, self.block_v)
+        self.chunks = cdiv(vocab, self.block_v)
 
     def row(self, a) -> int:
-        _check_tile(self.op, "row", a["row"], self.rows)
+        check_tile(self.op, "row", a["row"], self.rows)
         return a["row"]
 
     def chunk(self, a) -> tuple[int, int, int]:
         """(chunk, first column, end column) of a partial task, clipped at vocab."""
-        _check_tile(self.op, "chunk", a["chunk"], self.chunks)
+        check_tile(self.op, "chunk", a["chunk"], self.chunks)
         c0 = a["chunk"] * self.block_v
         return a["chunk"], c0, min(c0 + self.block_v, self.vocab)
 
     def parts(self, bufs):
-        return (_view(self.op, "part_val", bufs["part_val"], self.rows, self.chunks),
-                _view(self.op, "part_idx", bufs["part_idx"], self.rows, self.chunks))
+        return (operand_view(self.op, "part_val", bufs["part_val"], self.rows, self.chunks),
+                operand_view(self.op, "part_idx", bufs["part_idx"], self.rows, self.chunks))
 
 
 @register("argmax_partial")
@@ -1317,7 +1271,7 @@ def argmax_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_
     def run(bufs, a):
         row = s.row(a)
         chunk, c0, c1 = s.chunk(a)
-        x = _view(s.op, "logits", bufs["logits"], rows, vocab)[row, c0:c1].float()
+        x = operand_view(s.op, "logits", bufs["logits"], rows, vocab)[row, c0:c1].float()
         i = int(x.argmax())  # the first of equal maxima; NaN wins, as on the device
         part_val, part_idx = s.parts(bufs)
         part_val[row, chunk] = x[i]
@@ -1354,8 +1308,8 @@ def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_w
         part_val, part_idx = s.parts(bufs)
         # Chunks cover increasing columns, so the first of equal chunk maxima holds the lowest index.
         c = int(part_val[row].argmax())
-        _view(s.op, "out_idx", bufs["out_idx"], 1, rows)[0, row] = int(part_idx[row, c])
-        _view(s.op, "out_val", bufs["out_val"], 1, rows)[0, row] = part_val[row, c]
+        operand_view(s.op, "out_idx", bufs["out_idx"], 1, rows)[0, row] = int(part_idx[row, c])
+        operand_view(s.op, "out_val", bufs["out_val"], 1, rows)[0, row] = part_val[row, c]
 
     def reads(a, bind):
         row = s.row(a)
@@ -1391,8 +1345,8 @@ def sample_gumbel_partial_op(rows: int, vocab: int, *, block_v: int | None = Non
 
         row = s.row(a)
         chunk, c0, c1 = s.chunk(a)
-        x = _view(s.op, "logits", bufs["logits"], rows, vocab)[row].float()
-        offset = int(_view(s.op, "offsets", bufs["offsets"], 1, rows)[0, row])
+        x = operand_view(s.op, "logits", bufs["logits"], rows, vocab)[row].float()
+        offset = int(operand_view(s.op, "offsets", bufs["offsets"], 1, rows)[0, row])
         noise = gumbel_noise(int(bufs["seed"][0]), offset, row + 1, vocab, device=x.device)[row]
         z = (scale_logits_ref(x, float(bufs["params"][0])) + noise)[c0:c1]
         i = int(z.argmax())
@@ -1428,21 +1382,21 @@ def append_token_op(batch: int, max_seq: int, from_best: bool = False) -> OpSpec
     argmax an LM head folded into operand best int64 ``[batch]`` (:func:`linear_op`'s
     ``argmax``); the task writes it to next_ids[b] and zeroes best[b] for the next step
     (:func:`mk.tasks.argmax.argmax_take`)."""
-    _check_sizes("append_token", batch=batch, max_seq=max_seq)
+    check_sizes("append_token", batch=batch, max_seq=max_seq)
 
     def seq(a):
-        _check_tile("append_token", "b", a["b"], batch)
+        check_tile("append_token", "b", a["b"], batch)
         return a["b"]
 
     def run(bufs, a):
         b = seq(a)
-        next_ids = _view("append_token", "next_ids", bufs["next_ids"], 1, batch)[0]
+        next_ids = operand_view("append_token", "next_ids", bufs["next_ids"], 1, batch)[0]
         if from_best:
-            best = _view("append_token", "best", bufs["best"], 1, batch)[0]
+            best = operand_view("append_token", "best", bufs["best"], 1, batch)[0]
             next_ids[b] = argmax_unpack_ref(best[b])
             best[b] = 0
-        pos = _view("append_token", "pos", bufs["pos"], 1, batch)[0]
-        tokens = _view("append_token", "tokens", bufs["tokens"], batch, max_seq)
+        pos = operand_view("append_token", "pos", bufs["pos"], 1, batch)[0]
+        tokens = operand_view("append_token", "tokens", bufs["tokens"], batch, max_seq)
         p = int(pos[b])
         if p + 1 < max_seq:
             tokens[b, p + 1] = next_ids[b]
@@ -1485,9 +1439,9 @@ def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
             raise ValueError(f"op_tiles: {spec.name} needs rows")
         if spec.name == "rmsnorm":
             return [{"row": r} for r in range(rows)]
-        return [{"row": r, "col_block": cb} for r in range(rows) for cb in range(_cdiv(c["I"], c["BLOCK_I"]))]
+        return [{"row": r, "col_block": cb} for r in range(rows) for cb in range(cdiv(c["I"], c["BLOCK_I"]))]
     if spec.name == "embedding":
-        return [{"row": r, "col_block": cb} for r in range(c["ROWS"]) for cb in range(_cdiv(c["H"], c["BLOCK_H"]))]
+        return [{"row": r, "col_block": cb} for r in range(c["ROWS"]) for cb in range(cdiv(c["H"], c["BLOCK_H"]))]
     if spec.name == "rope_kv":
         return [{"b": b} for b in range(c["BATCH"])]
     if spec.name in ("decode_attention_partial", "decode_attention"):

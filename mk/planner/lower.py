@@ -51,7 +51,7 @@ import torch
 
 import mk.persistent.taskops  # noqa: F401  (registers the ops)
 from mk.persistent.graph import TaskGraph
-from mk.persistent.ops import make_op
+from mk.tasks._spec import make_op
 from mk.persistent.taskops import op_tiles
 
 from .cost import reduce_width

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mk.persistent.graph import TaskGraph, lower
-from mk.persistent.ops import make_op
+from mk.tasks._spec import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
 from mk.persistent.taskops import linear_tiles
 from tests.conftest import rel_err

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mk.persistent.graph import HEADER_WORDS, SCHEDULES, TaskGraph, lower
-from mk.persistent.ops import make_op
+from mk.tasks._spec import make_op
 from mk.persistent.runtime import Megakernel
 from mk.persistent.taskops import op_tiles
 from mk.persistent.vm import run_vm

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mk.persistent.graph import TaskGraph, lower
-from mk.persistent.ops import make_op
+from mk.tasks._spec import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
 from mk.persistent.vm import Deadlock, run_vm
 from mk.tasks import default_device, rmsnorm

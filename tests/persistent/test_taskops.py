@@ -13,7 +13,7 @@ import torch
 
 from mk.persistent import taskops
 from mk.persistent.graph import SCHEDULES, TaskGraph, lower
-from mk.persistent.ops import OpSpec, make_op
+from mk.tasks._spec import OpSpec, make_op
 from mk.persistent.runtime import Megakernel
 from mk.persistent.taskops import linear_tiles
 from mk.persistent.vm import Deadlock, EarlyRead, run_vm
