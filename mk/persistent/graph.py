@@ -153,7 +153,8 @@ class TaskGraph:
 @functools.lru_cache(maxsize=1)
 def _engine_source_hash() -> str:
     package = Path(__file__).parent.parent
-    return sources_hash(sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").glob("*.py")]))
+    # (rglob: a big op is a package, mk/tasks/linear/)
+    return sources_hash(sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").rglob("*.py")]))
 
 
 @dataclass

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ._dot import mma
-from .linear import _prefetch_l2
+from .linear.prefetch import _prefetch_l2
 
 from ._cost import TaskCost
 from ._device import jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count

@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
-from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config,
-                     linear_partial_kernel, linear_ref, linear_splitk_sum)
+from .linear import (_check_config, _tile_rows, LinearConfig, linear_config, linear_partial_kernel, linear_ref,
+                     linear_splitk_sum)
+from .linear.tile import _linear_acc
 from .rope import _check_inv_freq, rope_kv_ref
 
 
