@@ -153,7 +153,7 @@ class TaskGraph:
 @functools.lru_cache(maxsize=1)
 def _engine_source_hash() -> str:
     package = Path(__file__).parent.parent
-    # (rglob: a big op is a package, mk/tasks/linear/)
+    # (rglob: a big op's home in mk/tasks is a package)
     return sources_hash(sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").rglob("*.py")]))
 
 

@@ -1,6 +1,6 @@
 """Lowering: a plan of a Llama decode step -> the task graph one megakernel launch runs.
 
-Each op of the plan becomes the tasks of its chosen tile (:mod:`mk.persistent.taskops`),
+Each op of the plan becomes the tasks of its chosen tile (the ops' specs in :mod:`mk.tasks`),
 fused ops folded into their host's tile (an RMSNorm prologue, a residual or SiLU·mul
 epilogue). The runtime derives every dependency from the regions the tasks read and
 write, so they are exact at tile granularity: a QKV tile waits for the rows it
@@ -49,10 +49,8 @@ from typing import Mapping
 
 import torch
 
-import mk.persistent.taskops  # noqa: F401  (registers the ops)
 from mk.persistent.graph import TaskGraph
-from mk.tasks._spec import make_op
-from mk.persistent.taskops import op_tiles
+from mk.tasks import make_op, op_tiles
 
 from .cost import reduce_width
 from .device import DeviceSpec

@@ -5,8 +5,8 @@ An :class:`OpSpec` says, for one specialisation of a task (its constexpr tile si
 operand dtypes fixed), which buffers it touches, which integer arguments its descriptor
 carries, the Triton source that runs it (calling the task's device function), optional
 source that issues weight loads *before* the dependency wait, a torch version of the same
-tile for the Python VM, and the regions it reads and writes (the engine, :mod:`mk.persistent`,
-derives dependencies from them).
+tile for the Python VM, the regions it reads and writes (the engine, :mod:`mk.persistent`,
+derives dependencies from them) and the descriptor args of every task of one whole op.
 Each op's factory lives beside its device function in ``mk/tasks/<op>.py`` and registers
 itself when :mod:`mk.tasks` is imported.
 
@@ -93,6 +93,10 @@ class OpSpec:
     #: operand roles holding such counters: zero between launches, zeroed again by
     #: Megakernel.reset() after a failed one.
     sync_operands: tuple[str, ...] = ()
+    #: tiles(rows) -> the descriptor args of every task of one whole op, in the order a
+    #: graph should add them (:func:`op_tiles`); ``rows`` for ops whose spec leaves the
+    #: row count open (None where the spec fixes it).
+    tiles: Callable[[int | None], list] | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property  # (a frozen spec: computed once; large graphs ask it per task)
     def key(self) -> str:
@@ -127,6 +131,22 @@ def registered_ops() -> list[str]:
     """The names :func:`make_op` knows, sorted."""
     return sorted(_REGISTRY)
 
+
+def op_tiles(spec: OpSpec, rows: int | None = None) -> list[dict]:
+    """Descriptor args of every task of one whole op, in the order a graph should add them
+    (:attr:`OpSpec.tiles`). ``rows``: the row count of an op whose spec leaves it open
+    (rmsnorm, silu_mul); the others fix theirs."""
+    if spec.tiles is None:
+        raise ValueError(f"op_tiles: op {spec.name!r} does not list its tiles")
+    return spec.tiles(rows)
+
+
+def rows_given(op: str, rows: int | None) -> int:
+    """``rows`` for :attr:`OpSpec.tiles` of an op whose spec leaves its row count open;
+    refused when None."""
+    if rows is None:
+        raise ValueError(f"op_tiles: {op} needs rows")
+    return rows
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:

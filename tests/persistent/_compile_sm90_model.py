@@ -11,8 +11,7 @@ import torch  # noqa: E402
 
 from mk.persistent.codegen import compile_for_target  # noqa: E402
 from mk.persistent.graph import TaskGraph, lower  # noqa: E402
-from mk.tasks._spec import make_op  # noqa: E402
-from mk.persistent.taskops import op_tiles  # noqa: E402
+from mk.tasks import make_op, op_tiles  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mk.persistent.graph import TaskGraph, lower
-from mk.tasks._spec import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
-from mk.persistent.taskops import linear_tiles
+from mk.tasks import make_op
+from mk.tasks.linear import linear_tiles
 from tests.conftest import rel_err
 from tests.persistent.test_taskops import RandomDag
 

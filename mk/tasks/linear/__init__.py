@@ -44,8 +44,8 @@ memory, cost: pure functions), :mod:`~mk.tasks.linear.tile` (the GEMV and tl.dot
 bodies), :mod:`~mk.tasks.linear.run` (runs of tiles streamed as one, their epilogues),
 :mod:`~mk.tasks.linear.splitk` (partials and their reduce), :mod:`~mk.tasks.linear.prefetch`
 (L2 prefetch, PDL), :mod:`~mk.tasks.linear.tma_gemm` (the prefill GEMM),
-:mod:`~mk.tasks.linear.launch` (the standalone op and its reference). Every name is
-re-exported here.
+:mod:`~mk.tasks.linear.launch` (the standalone op and its reference),
+:mod:`~mk.tasks.linear.spec` (the megakernel's linear ops). Every name is re-exported here.
 """
 
 from .config import (DOT_MIN, GROUP_M, SKINNY_MAX_M, VEC_BYTES, WAIT_IN_STREAM_MAX_CHUNKS, WEIGHT_MAJOR_MIN_N,
@@ -59,6 +59,7 @@ from .launch import (interleave_gate_up, linear, linear_kernel, linear_partial_k
                      linear_splitk_reduce_kernel)
 from .prefetch import linear_prefetch_tile
 from .run import linear_argmax_epilogue, linear_partial_epilogue, linear_run, linear_store_epilogue
+from .spec import linear_op, linear_partial_op, linear_reduce_op, linear_tiles
 from .splitk import linear_partial_tile, linear_split_range, linear_splitk_reduce_tile, linear_splitk_sum
 from .tile import linear_tile, linear_weights_first
 from .tma_gemm import TMA_GEMM, TmaGemmConfig, linear_tma_kernel, tma_gemm_serves, tma_gemm_smem_bytes
@@ -72,4 +73,5 @@ __all__ = [
     "linear_split_range", "linear_splitk_reduce_tile", "linear_splitk_sum", "TMA_GEMM", "TmaGemmConfig",
     "linear_tma_kernel", "tma_gemm_serves", "tma_gemm_smem_bytes", "interleave_gate_up", "linear", "linear_kernel",
     "linear_partial_kernel", "linear_ref", "linear_splitk_reduce_kernel",
+    "linear_op", "linear_partial_op", "linear_reduce_op", "linear_tiles",
 ]

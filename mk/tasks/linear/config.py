@@ -1,7 +1,7 @@
 """Linear tiling as pure functions: the tile config and how :func:`linear_config` picks it,
 the K splits, the shared memory and cost of a tile, and how a decode tile streams its
 weights (GEMV grouping, waits inside the stream). The standalone launcher, the
-megakernel's specs and the planner all ask these."""
+megakernel's specs (:mod:`mk.tasks.linear.spec`) and the planner all ask these."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def weight_major(rows: int, block_n: int) -> bool:
 
 def dot_waits_in_stream(rows: int, block_n: int, tma_stages: int, tiles_per_task: int = 1) -> bool:
     """Whether a decode tl.dot tile of ``rows`` x rows and ``block_n`` weight rows, one a task
-    through a TMA ring, waits for x inside its weight loop (:func:`_linear_acc`'s WAIT), as
+    through a TMA ring, waits for x inside its weight loop (:func:`mk.tasks.linear.tile._linear_acc`'s WAIT), as
     GEMV tasks do: the ring's prologue is then in flight while the worker waits. Weight-major
     tiles only (:func:`weight_major`), whose x chunks are a few registers. An x-major tile's
     [16, block_k] float32 chunks held ahead spilled the 1B batch-8 kernel (26 -> 60 spills,
@@ -62,13 +62,13 @@ VEC_BYTES = 16
 
 #: Longest stream (weight chunks a task) that waits for x inside it. The wait in the stream
 #: puts the ring's prologue in flight before the inputs are ready, but x then comes by
-#: volatile loads converted through shared memory every chunk (:func:`linear_run`'s WAIT).
+#: volatile loads converted through shared memory every chunk (:func:`mk.tasks.linear.linear_run`'s WAIT).
 #: Measured on an H200: 8- to 32-chunk tasks gained 0.7-1.5 us
 #: each (1B step 0.947 -> 0.893 ms); the 8B down projection's 56-chunk tasks lost 4.5 us and
 #: the 1B LM head's 128-chunk runs ~1.7 us. (A grouped stream, :func:`gemv_stream`, has no limit.)
 WAIT_IN_STREAM_MAX_CHUNKS = 32
 
-#: Chunks an iteration of a grouped GEMV stream (:func:`linear_run`'s X_GROUP) and the
+#: Chunks an iteration of a grouped GEMV stream (:func:`mk.tasks.linear.linear_run`'s X_GROUP) and the
 #: largest chunk (bytes) grouped. A task that waits for x inside its stream reads x by
 #: volatile loads, which the compiler converts to the weight chunk's layout by the next
 #: iteration: one chunk a loop iteration leaves an x chunk one chunk's streaming time to

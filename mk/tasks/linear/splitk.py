@@ -14,7 +14,7 @@ from .tile import _linear_acc, _linear_epilogue, _load_residual
 @jit
 def linear_split_range(split, split_k, K, BLOCK_K: tl.constexpr):
     """K range [k_lo, k_hi) of split ``split`` of ``split_k``: whole BLOCK_K chunks, balanced to
-    within one chunk, the ragged end in the last split (same as :func:`linear_k_splits`)."""
+    within one chunk, the ragged end in the last split (same as :func:`mk.tasks.linear.linear_k_splits`)."""
     n_chunks = tl.cdiv(K, BLOCK_K)
     k_lo = (split * n_chunks // split_k) * BLOCK_K
     k_hi = tl.minimum(((split + 1) * n_chunks // split_k) * BLOCK_K, K)
@@ -34,13 +34,13 @@ def linear_partial_tile(
 
     The workspace is float32 ``[split_k, M, N]`` with strides (stride_ws_split, stride_ws_m, 1).
     No epilogue here: :func:`linear_splitk_reduce_tile` applies it after summing the splits.
-    DOUBLE_BUFFER and TMA_STAGES stream the weights as in :func:`linear_tile`.
+    DOUBLE_BUFFER and TMA_STAGES stream the weights as in :func:`mk.tasks.linear.linear_tile`.
 
     NORM_SQ (tl.dot tiles through the ring, with HAS_NORM): the partial leaves the RMSNorm's
     rstd out (it needs the whole rows, which a split does not read) and stores its rows' sum of
     x**2 over [k_lo, k_hi) at ws[split, row, N + pid_n]: the workspace then holds
     ``N + cdiv(N, BLOCK_N)`` columns, and the reduce scales by the rstd (:func:`linear_splitk_sum`).
-    ``WAIT``: as :func:`linear_tile` (the wait's new state is returned).
+    ``WAIT``: as :func:`mk.tasks.linear.linear_tile` (the wait's new state is returned).
     """
     WAITS: tl.constexpr = WAIT is not None
     state = 0

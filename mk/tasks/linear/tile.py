@@ -101,7 +101,7 @@ def linear_weights_first(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, BLOCK_N: tl.con
 
 @jit
 def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
-    """x's chunk for iteration ``j`` of :func:`linear_run`'s flat loop (zeros past its last),
+    """x's chunk for iteration ``j`` of :func:`mk.tasks.linear.linear_run`'s flat loop (zeros past its last),
     by volatile loads: Triton's pipeliner does not hoist them into the loop's prologue.
     (Their layout is converted through shared memory for the weight chunk's columns, two
     barriers a chunk, where a pipelined load lands in shared memory and is read from there.)"""
@@ -122,10 +122,10 @@ def _linear_acc(
 
     NORM_SQ (tl.dot tiles through the TMA ring, with HAS_NORM): returns (the product without
     the RMSNorm's rstd, float32 [BLOCK_M] sums of x**2 over [k_lo, k_hi)) for a K split's
-    partial, whose reduce scales by the rstd of the whole rows (:func:`linear_splitk_sum`).
+    partial, whose reduce scales by the rstd of the whole rows (:func:`mk.tasks.linear.linear_splitk_sum`).
 
     ``WAIT`` (tl.dot tiles through the TMA ring only): the caller's wait for x, as in
-    :func:`linear_run`, called in the weight loop's first iteration, so the ring's prologue is
+    :func:`mk.tasks.linear.linear_run`, called in the weight loop's first iteration, so the ring's prologue is
     in flight while the task waits; x then comes by volatile loads two chunks ahead. The
     wait's new state is returned last: ``(acc, state)`` or ``(acc, sq, state)``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -347,7 +347,7 @@ def linear_tile(
     else. For the full product pass k_lo=0, k_hi=K. ``K`` is the full row length, used by
     the RMSNorm prologue (HAS_NORM) for its statistics. BLOCK_M == 1 selects the GEMV
     body (one x row, FMAs); BLOCK_M >= 8 the tl.dot body. SILU_MUL needs an even BLOCK_N
-    and the interleaved weight of :func:`interleave_gate_up`; y has N/2 columns then.
+    and the interleaved weight of :func:`mk.tasks.linear.interleave_gate_up`; y has N/2 columns then.
     DOUBLE_BUFFER (GEMV body) requests each weight chunk one iteration ahead; ``w_first`` is
     the first chunk from :func:`linear_weights_first`, when already loaded. TMA_STAGES > 0 (GEMV
     body) streams weights through a shared-memory ring filled by TMA (needs an allocator for

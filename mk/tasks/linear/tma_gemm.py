@@ -75,7 +75,7 @@ TMA_GEMM = TmaGemmConfig()
 
 
 def tma_gemm_serves(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> bool:
-    """Whether :func:`linear` of ``x`` ``[M, K]`` by ``weight`` (no RMSNorm, residual or
+    """Whether :func:`mk.tasks.linear.linear` of ``x`` ``[M, K]`` by ``weight`` (no RMSNorm, residual or
     split-K; result in x's dtype) runs :func:`linear_tma_kernel` on this device."""
     n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device="meta")
