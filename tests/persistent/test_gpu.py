@@ -12,7 +12,7 @@ from mk.persistent.runtime import Megakernel, MegakernelTimeout
 from mk.tasks import make_op
 from mk.tasks.linear import linear_tiles
 from tests.conftest import rel_err
-from tests.persistent.test_taskops import RandomDag
+from tests.tasks.test_linear_ops import RandomDag
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
