@@ -57,8 +57,8 @@ def gemv_chain(layers: int, n: int, *, weights=None, x=None, **linear_kw):
     task per output tile: each tile of layer l+1 waits for all tiles of layer l (it reads
     all of h[l+1]). Returns (graph, weights, x, out); ``linear_kw`` go to the linear op."""
     from mk.persistent.graph import TaskGraph
-    from mk.persistent.ops import make_op
-    from mk.persistent.taskops import linear_tiles
+    from mk.tasks import make_op
+    from mk.tasks.linear import linear_tiles
 
     bf16 = torch.bfloat16
     if weights is None:

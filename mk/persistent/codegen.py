@@ -20,9 +20,9 @@ import textwrap
 import torch
 
 from mk.tasks._cache import cache_dir
+from mk.tasks._spec import TL_DTYPES, OpSpec
 
 from .graph import HEADER_WORDS, Program
-from .ops import TL_DTYPES, OpSpec
 
 KERNEL_NAME = "megakernel"
 
@@ -313,9 +313,9 @@ def proxy_fence_pass(enabled: bool):
     """Compile (and look up compiled kernels) with Triton's proxy-fence pass, or without it.
 
     The pass puts a ``fence.proxy.async.shared::cta`` before each TMA write to shared memory
-    that generic-proxy accesses of the same bytes precede: in mk's GEMV streams, before every
-    refill of a ring slot whose chunk the warps have just read (a MEMBAR.ALL.CTA a chunk in
-    the SASS). That write-after-read is already ordered: Triton puts a CTA barrier between
+    that generic-proxy accesses of the same bytes precede: in the weight streams of mk.tasks,
+    before every refill of a ring slot whose chunk the warps have just read (a MEMBAR.ALL.CTA
+    a chunk in the SASS). That write-after-read is already ordered: Triton puts a CTA barrier between
     the warps' reads and the one thread's TMA issue, the reads have returned their values by
     then, and the TMA write lands only after its global read, an L2 or DRAM round trip
     later; CUTLASS's TMA pipelines release a slot to its producer with the slot's mbarrier

@@ -1,6 +1,7 @@
 """Dependencies and events for large graphs, without enumerating every edge.
 
-A decode step has tens of thousands of tiles, and a GEMV tile reads all of its input:
+A decode step has tens of thousands of tiles, and a matrix-vector tile (one of
+:mod:`mk.tasks`' ops) reads all of its input:
 each of the 4096 tiles of one 8192-row layer depends on all 4096 tiles of the layer
 before, 16 million edges per layer boundary. Listing them is not an option, so here
 dependencies are *intervals of task indices* and events are found by a sweep:
@@ -25,7 +26,7 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .ops import Region
+from mk.tasks._spec import Region
 
 Interval = tuple[int, int]  # task indices [first, end)
 
@@ -206,11 +207,11 @@ def drop_implied(deps: list[list[Interval]], max_intervals: int = 64, full_span:
     """Dependencies without those that another dependency already implies.
 
     A task that depends on p and on w, where w (transitively) depends on p, need not
-    wait for p: w cannot finish before p. Without this, a layer's O-projection tile that
-    reads one column block of the residual (written by one down-projection tile of the
-    layer before) gives every down-projection tile its own consumer set, and the next
-    layer's QKV tiles then wait on one event per down-projection tile (hundreds of waits,
-    each a branch of generated code) instead of one.
+    wait for p: w cannot finish before p. Without this, in a decode step of mk.tasks' ops,
+    a layer's O-projection tile that reads one column block of the residual (written by one
+    down-projection tile of the layer before) gives every down-projection tile its own
+    consumer set, and the next layer's first tiles then wait on one event per
+    down-projection tile (hundreds of waits, each a branch of generated code) instead of one.
 
     Ancestors are tracked as interval lists, under-approximated so that this stays cheap:
     a task's ancestors are its dependencies plus the ancestors of every task of each

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from mk.tasks._cache import cache_dir, sources_hash
+from mk.tasks._spec import TL_DTYPES, OpSpec, Region
 
 from .deps import Events, RangeMax, dependency_intervals, drop_implied, group_events
-from .ops import TL_DTYPES, OpSpec, Region
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
 HEADER_WORDS = 4
@@ -153,7 +153,8 @@ class TaskGraph:
 @functools.lru_cache(maxsize=1)
 def _engine_source_hash() -> str:
     package = Path(__file__).parent.parent
-    return sources_hash(sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").glob("*.py")]))
+    # (rglob: a big op's home in mk/tasks is a package)
+    return sources_hash(sorted([*(package / "persistent").glob("*.py"), *(package / "tasks").rglob("*.py")]))
 
 
 @dataclass

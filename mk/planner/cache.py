@@ -35,9 +35,10 @@ def plan_dir() -> Path:
 
 def _planner_sources() -> list[Path]:
     """The planner's source and the task modules its cost model reads (tile rules, stream
-    rules, shared-memory sizes: mk/tasks), so that a change to either re-plans."""
+    rules, shared-memory sizes: mk/tasks, its packages included), so that a change to either
+    re-plans."""
     package = Path(__file__).parent.parent
-    return sorted([*(package / "planner").glob("*.py"), *(package / "tasks").glob("*.py")])
+    return sorted([*(package / "planner").glob("*.py"), *(package / "tasks").rglob("*.py")])
 
 
 def _planner_source_hash() -> str:

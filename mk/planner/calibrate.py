@@ -210,8 +210,8 @@ def chain_residuals(t: Timings, spec) -> list[dict]:
 def _tiny_linear_graph(tasks: int, device: torch.device):
     """A TaskGraph of ``tasks`` independent tiny GEMV tiles (one op reading one x)."""
     from mk.persistent.graph import TaskGraph
-    from mk.persistent.ops import make_op
-    from mk.persistent.taskops import linear_tiles
+    from mk.tasks import make_op
+    from mk.tasks.linear import linear_tiles
 
     bf16 = torch.bfloat16
     g = TaskGraph()
@@ -229,8 +229,7 @@ def _chain_graph(config: ChainConfig, device: torch.device, layers: int | None =
     """A TaskGraph of ``layers`` square GEMV layers, h[i + 1] = W[i] @ h[i], cut as ``config``
     says (split-K layers: float32 partials, then a reduce per tile)."""
     from mk.persistent.graph import TaskGraph
-    from mk.persistent.ops import make_op
-    from mk.persistent.taskops import op_tiles
+    from mk.tasks import make_op, op_tiles
 
     from .lower import PREFETCH_K
 

@@ -48,10 +48,8 @@ from typing import Mapping
 
 import torch
 
-import mk.persistent.taskops  # noqa: F401  (registers the ops)
 from mk.persistent.graph import TaskGraph
-from mk.persistent.ops import make_op
-from mk.persistent.taskops import op_tiles
+from mk.tasks import make_op, op_tiles
 
 from .cost import reduce_width
 from .device import DeviceSpec

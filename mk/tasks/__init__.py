@@ -1,12 +1,17 @@
 """mk's task library: Triton device functions, each also usable as an ordinary op.
 
-Every task file holds ``<task>_tile`` (the ``@jit`` device function a persistent
-kernel calls; it touches only its own tile), a standalone launcher (the op), and
-``<task>_ref`` (a plain torch reference).
+Every task file (a package for a big op: linear/) holds ``<task>_tile`` (the ``@jit``
+device function a persistent kernel calls; it touches only its own tile), a standalone
+launcher (the op), ``<task>_ref`` (a plain torch reference), its cost, and its megakernel
+spec: ``<task>_op`` factories of :class:`OpSpec`, registered under the op's name when this
+package is imported (:func:`make_op` builds one, :func:`op_tiles` lists its tasks).
 """
 
+# (Modules whose launchers are not exported here still register their megakernel ops.)
+from . import append_token, qkv_rope  # noqa: F401
 from ._cost import TaskCost
 from ._device import default_device, default_dtype, enable_device_descriptors, interpreting, jit, supported_dtypes
+from ._spec import OpSpec, Region, make_op, op_tiles, register, registered_ops
 from .argmax import argmax, argmax_partial_tile, argmax_reduce_tile, argmax_ref
 from .decode_attention import (decode_attention, decode_attention_merge_tile, decode_attention_partial_tile,
                                decode_attention_ref)
@@ -22,6 +27,7 @@ from .silu_mul import silu_mul, silu_mul_ref, silu_mul_tile
 __all__ = [
     "TaskCost", "default_device", "default_dtype", "enable_device_descriptors", "interpreting", "jit",
     "supported_dtypes",
+    "OpSpec", "Region", "make_op", "op_tiles", "register", "registered_ops",
     "argmax", "argmax_partial_tile", "argmax_reduce_tile", "argmax_ref",
     "decode_attention", "decode_attention_merge_tile", "decode_attention_partial_tile", "decode_attention_ref",
     "embedding", "embedding_ref", "embedding_tile",

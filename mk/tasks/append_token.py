@@ -16,6 +16,8 @@ import torch
 import triton.language as tl
 
 from ._device import jit, check_same_device, check_tensor
+from ._spec import OpSpec, Region, check_sizes, check_tile, operand_view, register
+from .argmax import argmax_unpack_ref
 
 
 @jit
@@ -67,3 +69,61 @@ def append_token_ref(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Te
         if p + 1 < tokens.shape[1]:
             tokens[b, p + 1] = next_ids[b]
             pos[b] = p + 1
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+@register("append_token")
+def append_token_op(batch: int, max_seq: int, from_best: bool = False) -> OpSpec:
+    """Sequence b's new token into its history, and its position advanced (see
+    :mod:`mk.tasks.append_token`). Operands: next_ids ``[batch]``, pos ``[batch]``, tokens
+    ``[batch, max_seq]`` (int32/int64). Args: b. The history row is written at a runtime
+    position, so the task declares the whole row; reading and writing ``pos[b]`` orders it
+    after every task of the step that reads the position. ``from_best``: the token is the
+    argmax an LM head folded into operand best int64 ``[batch]`` (:func:`mk.tasks.linear.linear_op`'s
+    ``argmax``); the task writes it to next_ids[b] and zeroes best[b] for the next step
+    (:func:`mk.tasks.argmax.argmax_take`)."""
+    check_sizes("append_token", batch=batch, max_seq=max_seq)
+
+    def seq(a):
+        check_tile("append_token", "b", a["b"], batch)
+        return a["b"]
+
+    def run(bufs, a):
+        b = seq(a)
+        next_ids = operand_view("append_token", "next_ids", bufs["next_ids"], 1, batch)[0]
+        if from_best:
+            best = operand_view("append_token", "best", bufs["best"], 1, batch)[0]
+            next_ids[b] = argmax_unpack_ref(best[b])
+            best[b] = 0
+        pos = operand_view("append_token", "pos", bufs["pos"], 1, batch)[0]
+        tokens = operand_view("append_token", "tokens", bufs["tokens"], batch, max_seq)
+        p = int(pos[b])
+        if p + 1 < max_seq:
+            tokens[b, p + 1] = next_ids[b]
+            pos[b] = p + 1
+
+    def reads(a, bind):
+        b = seq(a)
+        return [Region(bind["best" if from_best else "next_ids"], 0, 1, b, b + 1), Region(bind["pos"], 0, 1, b, b + 1)]
+
+    def writes(a, bind):
+        b = seq(a)
+        regs = [Region(bind["pos"], 0, 1, b, b + 1), Region(bind["tokens"], b, b + 1, 0, max_seq)]
+        if from_best:
+            regs += [Region(bind["next_ids"], 0, 1, b, b + 1), Region(bind["best"], 0, 1, b, b + 1)]
+        return regs
+
+    body = "append_token_tile(next_ids, pos, tokens, b, MAX_SEQ, MAX_SEQ)"
+    if from_best:
+        body = "append_token_tile(next_ids, pos, tokens, b, MAX_SEQ, MAX_SEQ, tok=argmax_take(best, b)[0])"
+    return OpSpec(name="append_token", operands=("next_ids", "pos", "tokens") + (("best",) if from_best else ()),
+                  args=("b",), body=body,
+                  imports=("from mk.tasks.append_token import append_token_tile",
+                           "from mk.tasks.argmax import argmax_take"),
+                  constexprs={"BATCH": batch, "MAX_SEQ": max_seq, **({"FROM_BEST": 1} if from_best else {})},
+                  num_warps=1, run=run, reads=reads, writes=writes, sync_operands=("best",) if from_best else (),
+                  tiles=lambda _: [{"b": b} for b in range(batch)])

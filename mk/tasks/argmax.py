@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_tensor
+from ._spec import OpSpec, Region, cdiv, check_sizes, check_tile, operand_view, register
 
 #: Default widest vocabulary chunk one partial tile covers.
 MAX_BLOCK_V = 2048
@@ -267,3 +268,111 @@ def argmax_cost(rows: int, v: int, dtype_bytes: int = 2, block_v: int | None = N
 def argmax_smem_bytes(block_v: int, num_warps: int = 4) -> int:
     """Shared memory of the tiles: cross-warp scratch for a max and a min over int32."""
     return 2 * 4 * num_warps
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+class ArgmaxShape:
+    """Chunking of argmax over ``[rows, vocab]`` logits, as :func:`argmax` cuts it (shared by
+    the megakernel's argmax and sampling partials)."""
+
+    def __init__(self, op: str, rows: int, vocab: int, block_v: int | None):
+        check_sizes(op, rows=rows, vocab=vocab)
+        try:
+            self.block_v = argmax_block_v(vocab) if block_v is None else check_block_v(block_v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{op}: {e}") from None
+        self.rows, self.vocab, self.op = rows, vocab, op
+        self.chunks = cdiv(vocab, self.block_v)
+
+    def row(self, a) -> int:
+        check_tile(self.op, "row", a["row"], self.rows)
+        return a["row"]
+
+    def chunk(self, a) -> tuple[int, int, int]:
+        """(chunk, first column, end column) of a partial task, clipped at vocab."""
+        check_tile(self.op, "chunk", a["chunk"], self.chunks)
+        c0 = a["chunk"] * self.block_v
+        return a["chunk"], c0, min(c0 + self.block_v, self.vocab)
+
+    def chunk_tiles(self) -> list[dict]:
+        """Args of every partial task: each row's chunks in order, row after row."""
+        return [{"row": r, "chunk": k} for r in range(self.rows) for k in range(self.chunks)]
+
+    def parts(self, bufs):
+        return (operand_view(self.op, "part_val", bufs["part_val"], self.rows, self.chunks),
+                operand_view(self.op, "part_idx", bufs["part_idx"], self.rows, self.chunks))
+
+
+@register("argmax_partial")
+def argmax_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+    """Max and its index over chunk ``chunk`` of logits row ``row`` (torch.argmax's order).
+
+    Operands: logits ``[rows, vocab]``, part_val float32 and part_idx int32
+    ``[rows, n_chunks]`` (``n_chunks = cdiv(vocab, BLOCK_V)``; BLOCK_V defaults to
+    :func:`mk.tasks.argmax.argmax_block_v`). Args: row, chunk. Pair with
+    :func:`argmax_reduce_op` of the same sizes.
+    """
+    s = ArgmaxShape("argmax_partial", rows, vocab, block_v)
+
+    def run(bufs, a):
+        row = s.row(a)
+        chunk, c0, c1 = s.chunk(a)
+        x = operand_view(s.op, "logits", bufs["logits"], rows, vocab)[row, c0:c1].float()
+        i = int(x.argmax())  # the first of equal maxima; NaN wins, as on the device
+        part_val, part_idx = s.parts(bufs)
+        part_val[row, chunk] = x[i]
+        part_idx[row, chunk] = c0 + i
+
+    def reads(a, bind):
+        row, (_, c0, c1) = s.row(a), s.chunk(a)
+        return [Region(bind["logits"], row, row + 1, c0, c1)]
+
+    def writes(a, bind):
+        row, (chunk, _, _) = s.row(a), s.chunk(a)
+        return [Region(bind[r], row, row + 1, chunk, chunk + 1) for r in ("part_val", "part_idx")]
+
+    return OpSpec(name="argmax_partial", operands=("logits", "part_val", "part_idx"), args=("row", "chunk"),
+                  body="argmax_partial_tile(logits, part_val, part_idx, row, chunk, V, V, N_CHUNKS, BLOCK_V=BLOCK_V)",
+                  imports=("from mk.tasks.argmax import argmax_partial_tile",),
+                  constexprs={"ROWS": rows, "V": vocab, "BLOCK_V": s.block_v, "N_CHUNKS": s.chunks},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes, tiles=lambda _: s.chunk_tiles())
+
+
+@register("argmax_reduce")
+def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+    """Combine row ``row``'s chunk partials: out_idx[row] and out_val[row] (deterministic).
+
+    Operands: part_val float32 and part_idx int32 ``[rows, n_chunks]`` (from
+    :func:`argmax_partial_op` with the same sizes), out_idx int32/int64 ``[rows]`` (1-D: it
+    can be the next step's token ids of :func:`mk.tasks.embedding.embedding_op`), out_val
+    float32 ``[rows]``. Args: row.
+    """
+    s = ArgmaxShape("argmax_reduce", rows, vocab, block_v)
+
+    def run(bufs, a):
+        row = s.row(a)
+        part_val, part_idx = s.parts(bufs)
+        # Chunks cover increasing columns, so the first of equal chunk maxima holds the lowest index.
+        c = int(part_val[row].argmax())
+        operand_view(s.op, "out_idx", bufs["out_idx"], 1, rows)[0, row] = int(part_idx[row, c])
+        operand_view(s.op, "out_val", bufs["out_val"], 1, rows)[0, row] = part_val[row, c]
+
+    def reads(a, bind):
+        row = s.row(a)
+        return [Region(bind[r], row, row + 1, 0, s.chunks) for r in ("part_val", "part_idx")]
+
+    def writes(a, bind):
+        row = s.row(a)
+        return [Region(bind[r], 0, 1, row, row + 1) for r in ("out_idx", "out_val")]
+
+    return OpSpec(name="argmax_reduce", operands=("part_val", "part_idx", "out_idx", "out_val"), args=("row",),
+                  body="argmax_reduce_tile(part_val, part_idx, out_idx, out_val, row, N_CHUNKS, N_CHUNKS, "
+                       "BLOCK_C=BLOCK_C)",
+                  imports=("from mk.tasks.argmax import argmax_reduce_tile",),
+                  constexprs={"ROWS": rows, "N_CHUNKS": s.chunks, "BLOCK_C": argmax_block_c(s.chunks)},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes,
+                  tiles=lambda _: [{"row": r} for r in range(rows)])

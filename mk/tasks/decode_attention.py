@@ -41,10 +41,11 @@ import triton
 import triton.language as tl
 
 from ._dot import mma
-from .linear import _prefetch_l2
+from .linear.prefetch import _prefetch_l2
 
 from ._cost import TaskCost
 from ._device import jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count
+from ._spec import OpSpec, Region, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 from ._team import last_to_arrive
 
 #: Most KV splits one call may use (the merge holds [num_splits, D] float32 in registers).
@@ -661,3 +662,312 @@ def decode_attention_smem_bytes(config: DecodeAttentionConfig, q_bytes: int | No
     kv = c.num_stages * 2 * c.block_n * c.block_d * c.dtype_bytes
     operands = (c.block_g * c.block_d + c.block_g * c.block_n) * c.dtype_bytes * halves
     return kv + operands
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+def kv_length_at(pos: int, max_seq: int) -> int:
+    """The KV length once the token at position ``pos`` is cached: pos + 1, clipped to
+    [0, max_seq] (what rope_kv writes to seqlens and decode_length computes)."""
+    return min(max(pos + 1, 0), max_seq)
+
+
+def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> tuple[int, int]:
+    """KV positions [start, end) of ``split``, cut as decode_attention_partial_tile cuts them."""
+    split_len = cdiv(cdiv(seqlen, num_splits), block_n) * block_n
+    start = split * split_len
+    return start, max(start, min(start + split_len, seqlen))
+
+
+def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
+                         max_seq: int, splits: int, block_n: int, scale: float, seqlen: int,
+                         direct: bool = False) -> None:
+    """KV split s of (b, kv) of a sequence of ``seqlen`` keys for its group's query heads, with
+    torch (the VM's partial); ``direct``: the split is the sequence's only live one and writes
+    out instead."""
+    group = hq // hkv
+    heads = slice(kv * group, (kv + 1) * group)
+    start, end = _attention_split(seqlen, splits, block_n, s)
+    q = operand_view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
+    o_part = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
+    lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
+    if end > start:
+        kc = operand_view(op, "k_cache", bufs["k_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        vc = operand_view(op, "v_cache", bufs["v_cache"], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+        scores = (q @ kc[b, kv, start:end].float().T) * scale
+        m = scores.max(dim=-1, keepdim=True).values
+        p = torch.exp(scores - m)
+        total = p.sum(dim=-1, keepdim=True)
+        y = (p @ vc[b, kv, start:end].float()) / total
+        if direct:
+            out = operand_view(op, "out", bufs["out"], batch, hq * d)
+            out[b, kv * group * d:(kv + 1) * group * d] = y.reshape(-1).to(out.dtype)
+            return
+        o_part[b, heads, s] = y.to(o_part.dtype)
+        lse[b, heads, s] = (m + torch.log(total)).squeeze(-1).to(lse.dtype)
+    elif direct:  # no key at all (seqlen 0, never valid): zeros, as the device writes
+        out = operand_view(op, "out", bufs["out"], batch, hq * d)
+        out[b, kv * group * d:(kv + 1) * group * d] = 0
+    else:  # an empty slice: zeros and -inf (weight 0 in the merge)
+        o_part[b, heads, s] = 0
+        lse[b, heads, s] = float("-inf")
+
+
+def _run_attention_merge(op: str, bufs: dict, b: int, h: int, *, batch: int, hq: int, d: int, splits: int,
+                         live: int | None = None) -> None:
+    """out[b, head h] from its splits' partials (the first ``live`` of them, default all),
+    with torch (the VM's merge)."""
+    live = splits if live is None else live
+    lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits)[b * hq + h][:live].float()
+    o = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d)[b * hq + h].view(splits, d)[:live].float()
+    m = lse.max()
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # as the device: no -inf - -inf
+    w = torch.exp(lse - m)
+    total = w.sum()
+    y = (w[:, None] * o).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))
+    out = operand_view(op, "out", bufs["out"], batch, hq * d)
+    out[b, h * d:(h + 1) * d] = y.to(out.dtype)
+
+
+def _attention_split_reads(bind: dict, b: int, kv: int, *, hq: int, hkv: int, d: int, max_seq: int,
+                           lengths: str = "seqlens") -> list:
+    """What a split of (b, kv) reads: its heads' q, all max_seq cache rows of (b, kv) (the
+    slice it reads depends on the runtime length) and b's length (or position: ``lengths``)."""
+    group = hq // hkv
+    rows = ((b * hkv + kv) * max_seq, (b * hkv + kv + 1) * max_seq)
+    return [Region(bind["q"], b, b + 1, kv * group * d, (kv + 1) * group * d),
+            Region(bind["k_cache"], *rows, 0, d), Region(bind["v_cache"], *rows, 0, d),
+            Region(bind[lengths], 0, 1, b, b + 1)]
+
+
+def _attention_length(op: str, bufs: dict, b: int, batch: int, max_seq: int, from_positions: bool) -> int:
+    """Sequence b's KV length as the device reads it: seqlens[b], or pos[b] + 1 clipped to
+    [0, max_seq] (:func:`mk.tasks.decode_attention.decode_length`)."""
+    if from_positions:
+        return kv_length_at(int(operand_view(op, "pos", bufs["pos"], 1, batch)[0, b]), max_seq)
+    return int(operand_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b])
+
+
+#: Strides of q, the caches, o_part and lse, as the attention tiles take them (constexprs).
+_ATTENTION_STRIDES = ("HQ * HEAD_DIM, HEAD_DIM, "
+                      "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, "
+                      "HEAD_DIM, HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1")
+
+
+def _split_tiles(batch: int, hkv: int, splits: int) -> list[dict]:
+    """Args of every split task: (b, kv_head, split), all splits of a head together."""
+    return [{"b": b, "kv_head": kv, "split": s} for b in range(batch) for kv in range(hkv) for s in range(splits)]
+
+
+def _attention_tile(op: str, batch: int, hkv: int, splits: int):
+    """A task's (b, kv_head, split), checked."""
+    def tile(a):
+        check_tile(op, "b", a["b"], batch)
+        check_tile(op, "kv_head", a["kv_head"], hkv)
+        check_tile(op, "split", a["split"], splits)
+        return a["b"], a["kv_head"], a["split"]
+    return tile
+
+
+@register("decode_attention_partial")
+def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
+                                num_splits: int, *, scale: float | None = None, block_n: int | None = None,
+                                num_warps: int | None = None) -> OpSpec:
+    """Split ``split`` of sequence b's KV for the query heads of KV head ``kv_head`` (GQA).
+
+    Operands: q ``[batch, Hq * D]`` (rotated, as rope_kv writes it), k_cache and v_cache
+    ``[batch, Hkv, max_seq, D]``, seqlens int32/int64 ``[batch]`` (each in ``[1, max_seq]``),
+    o_part float32 ``[batch, Hq, num_splits * D]`` and lse float32 ``[batch, Hq, num_splits]``:
+    the workspace of :func:`mk.tasks.decode_attention.decode_attention_partials` (same memory;
+    o_part's last two dims are merged so that one task's heads × one split, and one merge's
+    splits × one head, are each one box of the 2-D view). Args: b, kv_head, split.
+
+    Regions: the slice a split reads depends on the runtime seqlen, so each task declares a
+    read of all ``max_seq`` cache rows of its (b, kv_head); it writes exactly its heads' split.
+    Pair with :func:`decode_attention_merge_op`.
+    """
+    check_sizes("decode_attention_partial", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, max_seq=max_seq, num_splits=num_splits)
+    op = "decode_attention_partial"
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{op}: num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if num_splits > MAX_NUM_SPLITS:
+        raise ValueError(f"{op}: num_splits must be <= {MAX_NUM_SPLITS}, got {num_splits}")
+    hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
+    group = hq // hkv
+    cfg = decode_attention_config(hq, hkv, d)
+    block_n = check_pow2(op, "block_n", block_n or cfg.block_n, MIN_DOT_DIM)  # tl.dot: >= 16
+    scale = 1.0 / d**0.5 if scale is None else float(scale)
+    body = ("decode_attention_partial_tile(q, k_cache, v_cache, seqlens, o_part, lse, b.to(tl.int64), kv_head, "
+            "split, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", "
+            "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
+
+    tile = _attention_tile(op, batch, hkv, S)
+
+    def run(bufs, a):
+        b, kv, s = tile(a)
+        _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
+                             seqlen=_attention_length(op, bufs, b, batch, max_seq, from_positions=False),
+                             block_n=block_n, scale=scale)
+
+    def reads(a, bind):
+        return _attention_split_reads(bind, *tile(a)[:2], hq=hq, hkv=hkv, d=d, max_seq=max_seq)
+
+    def writes(a, bind):
+        b, kv, s = tile(a)
+        r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
+        return [Region(bind["o_part"], r0, r1, s * d, (s + 1) * d), Region(bind["lse"], r0, r1, s, s + 1)]
+
+    return OpSpec(name=op, operands=("q", "k_cache", "v_cache", "seqlens", "o_part", "lse"),
+                  args=("b", "kv_head", "split"), body=body,
+                  imports=("from mk.tasks.decode_attention import decode_attention_partial_tile",),
+                  constexprs={"BATCH": batch, "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "NUM_SPLITS": S,
+                              "GROUP": group, "BLOCK_G": cfg.block_g, "BLOCK_N": block_n, "BLOCK_D": cfg.block_d,
+                              "SCALE": scale},
+                  num_warps=num_warps or cfg.num_warps, run=run, reads=reads, writes=writes,
+                  tiles=lambda _: _split_tiles(batch, hkv, S))
+
+
+@register("decode_attention")
+def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
+                        num_splits: int, *, scale: float | None = None, block_n: int | None = None,
+                        num_warps: int | None = None, from_positions: bool = False) -> OpSpec:
+    """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
+    of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
+    split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
+
+    Operands: those of the partial op, then arrivals int32 ``[batch * Hkv]`` (zeros; left
+    zero by every complete launch, see :attr:`OpSpec.sync_operands`) and out
+    ``[batch, Hq * D]``. Args: b, kv_head, split.
+
+    Only the live splits (those holding a key at the runtime length) work: with one, split 0
+    writes out itself (no partial, no count, no merge); with more, the last of them merges
+    the live partials. The splits of one (b, kv_head) are a team (:attr:`OpSpec.team`):
+    none waits for another. Each declares the whole team's regions (any of them may be the
+    one that writes out): reads of the group's partials, writes of its own partial, the
+    group's counter and the group's heads of out. A consumer of out therefore waits for all
+    of the group's splits, and the one that writes out signals after it.
+
+    ``from_positions``: the operand seqlens is replaced by the step's positions pos int32
+    ``[batch]`` and the length is pos[b] + 1 (:func:`mk.tasks.decode_attention.decode_length`,
+    what the step's QKV tiles write to seqlens), read before the task's wait: positions
+    change only between steps, so one memory round trip leaves the chain from the QKV tiles
+    to the O projection. The splits past the live ones then skip their dependency wait too
+    (:attr:`OpSpec.waits_in_body`): they read and write nothing, and a consumer still waits
+    for split 0, which is always live and waits. (At a short context most of the splits
+    planned for the cache's length are past it: 1B batch 8, 3 of 4.)
+    """
+    op = "decode_attention"
+    part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
+                                       scale=scale, block_n=block_n, num_warps=num_warps)
+    hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
+    group = hq // hkv
+    c = part.constexprs
+    lengths = "pos" if from_positions else "seqlens"
+    # The length before the wait: exact from the positions; from seqlens maybe the last step's
+    # (good enough for the prefetch's hint, read again after the wait).
+    preload = ("attn_len = decode_length(pos, b.to(tl.int64), S_MAX)\n" if from_positions else
+               "if GPU:\n    attn_len = tl.load(seqlens + b.to(tl.int64), volatile=True)\n")
+    # The K/V lines of the slice into L2 while the task waits (inline PTX: compiled code only).
+    preload += ("if GPU:\n    decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
+                "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
+                "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
+    # With the exact length before the wait, only the live splits wait for their inputs.
+    wait = ("if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N):\n"
+            "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+            if from_positions else "")
+    body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
+            + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
+            "o_part, lse, arrivals, out, b.to(tl.int64), "
+            "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
+            "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
+            "BLOCK_GROUP=BLOCK_GROUP)")
+
+    tile = _attention_tile(op, batch, hkv, S)
+
+    def run(bufs, a):
+        b, kv, s = tile(a)
+        seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions)
+        live = live_splits(seqlen, S, c["BLOCK_N"])
+        if s >= live:  # past the sequence: nothing to do
+            return
+        _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
+                             block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen)
+        if live == 1:  # split 0 wrote out itself
+            return
+        arrivals = operand_view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
+        arrivals[b * hkv + kv] += 1
+        if int(arrivals[b * hkv + kv]) == live:
+            arrivals[b * hkv + kv] = 0
+            for h in range(kv * group, (kv + 1) * group):
+                _run_attention_merge(op, bufs, b, h, batch=batch, hq=hq, d=d, splits=S, live=live)
+
+    def reads(a, bind):
+        b, kv, _ = tile(a)
+        r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
+        return (_attention_split_reads(bind, b, kv, hq=hq, hkv=hkv, d=d, max_seq=max_seq, lengths=lengths)
+                + [Region(bind["o_part"], r0, r1, 0, S * d), Region(bind["lse"], r0, r1, 0, S)])
+
+    def writes(a, bind):
+        b, kv, s = tile(a)
+        r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
+        return [Region(bind["o_part"], r0, r1, s * d, (s + 1) * d), Region(bind["lse"], r0, r1, s, s + 1),
+                Region(bind["arrivals"], 0, 1, b * hkv + kv, b * hkv + kv + 1),
+                Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)]
+
+    operands = tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
+    return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
+                  imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
+                           "decode_length, decode_live_splits",),
+                  constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
+                              "FROM_POSITIONS": int(from_positions)},
+                  num_warps=part.num_warps, run=run, waits_in_body=from_positions,
+                  reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",),
+                  tiles=part.tiles)
+
+
+@register("decode_attention_merge")
+def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_splits: int, *,
+                              num_warps: int = 4) -> OpSpec:
+    """out[b, q_head] = the log-sum-exp weighted mean of its ``num_splits`` partials.
+
+    Operands: o_part float32 ``[batch, Hq, num_splits * D]`` and lse float32
+    ``[batch, Hq, num_splits]`` (from :func:`decode_attention_partial_op` with the same
+    sizes), out ``[batch, Hq * D]`` (what the O projection reads). Args: b, q_head.
+    """
+    op = "decode_attention_merge"
+    check_sizes(op, batch=batch, num_q_heads=num_q_heads, head_dim=head_dim, num_splits=num_splits)
+    if num_splits > MAX_NUM_SPLITS:
+        raise ValueError(f"{op}: num_splits must be <= {MAX_NUM_SPLITS}, got {num_splits}")
+    hq, d, S = num_q_heads, head_dim, num_splits
+    block_s, block_d = 1 << (S - 1).bit_length(), 1 << (d - 1).bit_length()
+    body = ("decode_attention_merge_tile(o_part, lse, out, b, q_head, NUM_SPLITS, "
+            "HQ * NUM_SPLITS * HEAD_DIM, NUM_SPLITS * HEAD_DIM, HEAD_DIM, HQ * NUM_SPLITS, NUM_SPLITS, 1, "
+            "HQ * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, CACHE='.cg')")
+
+    def head(a):
+        check_tile(op, "b", a["b"], batch)
+        check_tile(op, "q_head", a["q_head"], hq)
+        return a["b"], a["q_head"]
+
+    def run(bufs, a):
+        _run_attention_merge(op, bufs, *head(a), batch=batch, hq=hq, d=d, splits=S)
+
+    def reads(a, bind):
+        b, h = head(a)
+        r = b * hq + h
+        return [Region(bind["o_part"], r, r + 1, 0, S * d), Region(bind["lse"], r, r + 1, 0, S)]
+
+    def writes(a, bind):
+        b, h = head(a)
+        return [Region(bind["out"], b, b + 1, h * d, (h + 1) * d)]
+
+    return OpSpec(name=op, operands=("o_part", "lse", "out"), args=("b", "q_head"), body=body,
+                  imports=("from mk.tasks.decode_attention import decode_attention_merge_tile",),
+                  constexprs={"BATCH": batch, "HQ": hq, "HEAD_DIM": d, "NUM_SPLITS": S, "BLOCK_S": block_s,
+                              "BLOCK_D": block_d},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes,
+                  tiles=lambda _: [{"b": b, "q_head": h} for b in range(batch) for h in range(hq)])

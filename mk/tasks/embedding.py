@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_tensor, is_capturing
+from ._spec import OpSpec, Region, block_cols, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 
 #: Widest column block of one tile; wider rows are split over several tiles.
 MAX_BLOCK_H = 1024
@@ -105,3 +106,51 @@ def embedding_cost(rows: int, hidden: int, dtype_bytes: int = 2, id_bytes: int =
     """Bytes of gathering ``rows`` rows of ``hidden`` elements (no flops: a copy)."""
     return TaskCost(bytes_read=rows * (hidden * dtype_bytes + id_bytes),
                     bytes_written=rows * hidden * dtype_bytes, flops=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+@register("embedding")
+def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = None,
+                 num_warps: int | None = None) -> OpSpec:
+    """One (row, column block) tile of ``out[row] = table[ids[row]]``.
+
+    Operands: ids int32/int64 ``[rows]`` (1-D), table ``[vocab, hidden]``, out
+    ``[rows, hidden]``. Args: row, col_block (``cdiv(hidden, BLOCK_H)`` blocks a row, the
+    last clipped). The token id is a runtime value, so a task declares a read of its column
+    block of *every* table row: the table is a weight no task writes, so this costs no
+    dependency, while the read of ``ids[row]`` orders the task after whatever writes the id.
+    """
+    check_sizes("embedding", rows=rows, vocab=vocab, hidden=hidden)
+    block_h = check_pow2("embedding", "block_h", block_h or embedding_block_h(hidden))
+    blocks = cdiv(hidden, block_h)
+
+    def cols(a):
+        check_tile("embedding", "row", a["row"], rows)
+        return block_cols("embedding", a, blocks, block_h, hidden)
+
+    def run(b, a):
+        (c0, c1), row = cols(a), a["row"]
+        token = int(operand_view("embedding", "ids", b["ids"], 1, rows)[0, row])
+        if not 0 <= token < vocab:
+            raise ValueError(f"embedding: ids[{row}] = {token} is outside the vocabulary [0, {vocab})")
+        out = operand_view("embedding", "out", b["out"], rows, hidden)
+        out[row, c0:c1] = operand_view("embedding", "table", b["table"], vocab, hidden)[token, c0:c1].to(out.dtype)
+
+    def reads(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind["ids"], 0, 1, a["row"], a["row"] + 1), Region(bind["table"], 0, vocab, c0, c1)]
+
+    def writes(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind["out"], a["row"], a["row"] + 1, c0, c1)]
+
+    return OpSpec(name="embedding", operands=("ids", "table", "out"), args=("row", "col_block"),
+                  body="embedding_tile(ids, table, out, row, col_block, H, H, H, BLOCK_H=BLOCK_H)",
+                  imports=("from mk.tasks.embedding import embedding_tile",),
+                  constexprs={"ROWS": rows, "H": hidden, "BLOCK_H": block_h},
+                  num_warps=num_warps or embedding_num_warps(block_h), run=run, reads=reads, writes=writes,
+                  tiles=lambda _: [{"row": r, "col_block": cb} for r in range(rows) for cb in range(blocks)])

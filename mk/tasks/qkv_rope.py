@@ -29,8 +29,11 @@ import triton
 import triton.language as tl
 
 from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
-from .linear import (_check_config, _linear_acc, _tile_rows, LinearConfig, linear_config,
-                     linear_partial_kernel, linear_ref, linear_splitk_sum)
+from ._spec import OpSpec, Region, as_2d, check_sizes, operand_view, register
+from .linear import (_check_config, _tile_rows, LinearConfig, linear_config, linear_partial_kernel, linear_ref,
+                     linear_splitk_sum)
+from .linear.spec import FULL_K_PREFETCH, LinearShape, prologue_ref, weight_streaming
+from .linear.tile import _linear_acc
 from .rope import _check_inv_freq, rope_kv_ref
 
 
@@ -309,3 +312,211 @@ def qkv_rope_kv_ref(
     q_rot, k_after, v_after = rope_kv_ref(q, k, v, positions.view(B, 1), inv_freq, k_cache, v_cache,
                                           interleaved=True)
     return q_rot.reshape(B, -1), k_after, v_after
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+class _QkvRope:
+    """The RoPE + KV append epilogue of a QKV tile (fused, or after a split-K reduce): its
+    VM semantics and its regions, for tiles of ``s`` (a :class:`mk.tasks.linear.spec.LinearShape`)."""
+
+    def __init__(self, op, s, batch, hq, hkv, d, max_seq, write_seqlens):
+        self.op, self.s, self.batch, self.hq, self.hkv, self.d = op, s, batch, hq, hkv, d
+        self.max_seq, self.write_seqlens = max_seq, write_seqlens
+
+    def store(self, b, a, acc: torch.Tensor) -> None:
+        """VM: rotate the float32 tile ``acc`` and store q, or k / v into the caches."""
+        op, batch, hq, hkv, d, max_seq = self.op, self.batch, self.hq, self.hkv, self.d, self.max_seq
+        r0, r1, n0, n1, _, _ = self.s.tile(a)
+        pos = operand_view(op, "pos", b["pos"], 1, batch)[0, r0:r1].long()
+        inv = operand_view(op, "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
+        cols = torch.arange(n0, n1, 2, device=acc.device)
+        heads, in_head = cols // d, cols % d
+        angle = pos.float()[:, None] * inv[in_head // 2][None, :]
+        even, odd = acc[:, 0::2], acc[:, 1::2]
+        rot = (heads < hq + hkv)[None, :]
+        y_even = torch.where(rot, even * angle.cos() - odd * angle.sin(), even)
+        y_odd = torch.where(rot, odd * angle.cos() + even * angle.sin(), odd)
+        q = operand_view(op, "q", b["q"], batch, hq * d)
+        caches = {c: operand_view(op, c, b[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+                  for c in ("k_cache", "v_cache")}
+        for j, n in enumerate(cols.tolist()):
+            head, in_head = n // d, n % d
+            # Pair i of a rotated head goes back to elements (i, i + D/2); v stays in place.
+            dims = (in_head, in_head + 1) if head >= hq + hkv else (in_head // 2, in_head // 2 + d // 2)
+            for value, dim in zip((y_even[:, j], y_odd[:, j]), dims):
+                if head < hq:
+                    q[r0:r1, head * d + dim] = value.to(q.dtype)
+                    continue
+                cache = caches["k_cache" if head < hq + hkv else "v_cache"]
+                kv = head - hq if head < hq + hkv else head - hq - hkv
+                for i, p in enumerate(pos.tolist()):
+                    if 0 <= p < max_seq:
+                        cache[r0 + i, kv, p, dim] = value[i].to(cache.dtype)
+        if self.write_seqlens and a["pid_n"] == 0:
+            seqlens = operand_view(op, "seqlens", b["seqlens"], 1, batch)[0]
+            seqlens[r0:r1] = (pos + 1).clamp(0, max_seq).to(seqlens.dtype)
+
+    def reads(self, a, bind) -> list:
+        r0, r1, _, _, _, _ = self.s.tile(a)
+        return [Region(bind["pos"], 0, 1, r0, r1), Region(bind["inv_freq"], 0, 1, 0, self.d // 2)]
+
+    def writes(self, a, bind) -> list:
+        hq, hkv, d, max_seq = self.hq, self.hkv, self.d, self.max_seq
+        r0, r1, n0, n1, _, _ = self.s.tile(a)
+        regs = []
+        for head in range(n0 // d, (n1 - 1) // d + 1):
+            # The tile's weight rows of this head, then the elements they become.
+            lo, hi = max(n0, head * d) - head * d, min(n1, (head + 1) * d) - head * d
+            if head >= hq + hkv or (lo, hi) == (0, d):
+                spans = [(lo, hi)]
+            else:
+                spans = [(lo // 2, hi // 2), (lo // 2 + d // 2, hi // 2 + d // 2)]
+            if head < hq:
+                regs += [Region(bind["q"], r0, r1, head * d + c0, head * d + c1) for c0, c1 in spans]
+                continue
+            cache, kv = ("k_cache", head - hq) if head < hq + hkv else ("v_cache", head - hq - hkv)
+            regs += [Region(bind[cache], (row * hkv + kv) * max_seq, (row * hkv + kv + 1) * max_seq, c0, c1)
+                     for row in range(r0, r1) for c0, c1 in spans]
+        if self.write_seqlens and a["pid_n"] == 0:
+            regs.append(Region(bind["seqlens"], 0, 1, r0, r1))
+        return regs
+
+
+#: A QKV task's rotation operands (positions, the angles' cos and sin), computed before its
+#: wait: positions change only between decode steps.
+_ROPE_PRE = ("rope_pre = qkv_rope_operands(pos, inv_freq, pid_m, pid_n, M, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, "
+             "BLOCK_N=BLOCK_N)")
+
+
+@register("qkv_rope_kv")
+def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int, *,
+                   block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, norm: bool = False, eps: float = 1e-6,
+                   write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
+                   tma_stages: int = 0, prefetch_k: int = 0, tiles_per_task: int = 1,
+                   dtype: torch.dtype | None = None) -> OpSpec:
+    """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
+    (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
+    rotates its q / k pairs and stores q, or its k / v columns into the caches.
+
+    Operands: x ``[batch, K]``, w (q/k rows interleaved, :func:`mk.tasks.rope.interleave_rotary`),
+    norm_w ``[K]`` (with norm), pos ``[batch]``, inv_freq float32 ``[D/2]``, q float32
+    ``[batch, Hq * D]``, k_cache and v_cache ``[batch, Hkv, max_seq, D]``, with
+    ``write_seqlens`` seqlens ``[batch]`` (= pos + 1, written by the tiles of column 0).
+    Args: pid_m, pid_n. Tiles, weight streaming, prefetch and their options as :func:`mk.tasks.linear.linear_op`.
+
+    Regions: a tile's cache write is at a runtime position, so it declares every position
+    of the heads (and head columns) it covers, per sequence: attention of those heads waits
+    for it, as it must.
+    """
+    check_sizes("qkv_rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, K=K, max_seq=max_seq)
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    if d % 2:
+        raise ValueError(f"qkv_rope_kv: head_dim must be even, got {d}")
+    N = (hq + 2 * hkv) * d
+    s = LinearShape("qkv_rope_kv", batch, N, K, 1, block_m, block_n, block_k, num_warps, False, False,
+                     prefetch_k, dtype, tiles_per_task)
+    if s.bn % 2:
+        raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
+    tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
+    operands = (("x", "w") + (("norm_w",) if norm else ()) + ("pos", "inv_freq", "q", "k_cache", "v_cache")
+                + (("seqlens",) if write_seqlens else ()))
+    body = (f"qkv_rope_kv_tile(x, w, {'norm_w' if norm else 'w'}, pos, inv_freq, q, k_cache, v_cache, "
+            f"{'seqlens' if write_seqlens else 'pos'}, pid_m, pid_n, M, K, S_MAX, {'EPS' if norm else '0.0'}, "
+            f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
+            f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
+            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+    body = s.waiting(body, tma)
+    rope_pre = ""
+    if s.streams_in_run(tma):
+        # A one-tile task loads its rotation operands before its wait (they do not depend on
+        # the step's tasks), so its epilogue starts without a round trip.
+        rope_pre = _ROPE_PRE if s.run == 1 else ""
+        body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
+                          f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX, "
+                          f"{'rope_pre' if rope_pre else 'None'}",
+                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
+    constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
+                  "SEQLENS": int(write_seqlens), **s.stream_constexprs(tma), "PRELOAD": int(preload),
+                  "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
+    if norm:
+        constexprs["EPS"] = float(eps)
+
+    rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens)
+    preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
+                   if preload else "")
+    preload_src = "\n".join(x for x in (preload_src, rope_pre) if x)
+    prefetch = FULL_K_PREFETCH
+
+    def run(b, a):
+        r0, r1, n0, n1, _, _ = s.tile(a)
+        h = prologue_ref(operand_view("qkv_rope_kv", "x", b["x"], batch, K)[r0:r1], b["norm_w"] if norm else None, eps)
+        rope.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T)
+
+    def reads(a, bind):
+        r0, r1, n0, n1, _, _ = s.tile(a)
+        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)] + rope.reads(a, bind)
+        if norm:
+            regs.append(Region(bind["norm_w"], 0, 1, 0, K))
+        return regs
+
+    return OpSpec(name="qkv_rope_kv", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
+                  preload=preload_src, waits_in_body=s.task_waits(tma),
+                  imports=("from mk.tasks.linear import linear_prefetch_tile, linear_run, linear_weights_first",
+                           "from mk.tasks.qkv_rope import qkv_rope_kv_run_epilogue, qkv_rope_kv_tile, "
+                           "qkv_rope_operands"),
+                  constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes,
+                  tiles=lambda _: s.task_args())
+
+
+@register("qkv_rope_kv_reduce")
+def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, K: int, max_seq: int,
+                          split_k: int, *, block_m: int | None = None, block_n: int | None = None,
+                          block_k: int | None = None, num_warps: int | None = None, write_seqlens: bool = False,
+                          norm_sq: bool = False, eps: float = 1e-6, part_block_n: int | None = None,
+                          dtype: torch.dtype | None = None) -> OpSpec:
+    """Tile (pid_m, pid_n) of a split-K QKV projection: sum its float32 partials (from a
+    :func:`mk.tasks.linear.linear_partial_op` of the same sizes, N = (Hq + 2 Hkv) * D, q/k rows interleaved),
+    then RoPE + KV append as :func:`qkv_rope_kv_op` does.
+
+    Operands: ws float32 ``[split_k, batch, N]``, pos, inv_freq, q, k_cache, v_cache (and
+    seqlens with ``write_seqlens``) as in :func:`qkv_rope_kv_op`. Args: pid_m, pid_n.
+    ``norm_sq``, ``part_block_n``: as :func:`mk.tasks.linear.linear_reduce_op` (the RMSNorm's rstd applied here).
+    """
+    op = "qkv_rope_kv_reduce"
+    check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
+                 max_seq=max_seq, split_k=split_k)
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    if d % 2:
+        raise ValueError(f"{op}: head_dim must be even, got {d}")
+    s = LinearShape(op, batch, (hq + 2 * hkv) * d, K, split_k, block_m, block_n, block_k, num_warps, False, False,
+                     0, dtype)
+    if s.bn % 2:
+        raise ValueError(f"{op}: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
+    part_bn = s.narrow_reduce(part_block_n)
+    rope = _QkvRope(op, s, batch, hq, hkv, d, max_seq, write_seqlens)
+    operands = ("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+    body = (f"qkv_rope_kv_reduce_tile(ws, pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, "
+            f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * WS_N, WS_N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, "
+            f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ, pre=rope_pre, "
+            f"PART_BLOCK_N=PART_BLOCK_N)")
+    constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
+    constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens),
+                      NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0,
+                      PART_BLOCK_N=part_bn)
+
+    def run(b, a):
+        rope.store(b, a, s.reduce(b, a, norm_sq, eps))
+
+    def reads(a, bind):
+        return s.ws_regions(a, bind, norm_sq) + rope.reads(a, bind)
+
+    return OpSpec(name=op, operands=operands, args=("pid_m", "pid_n"), body=body, preload=_ROPE_PRE,
+                  imports=("from mk.tasks.qkv_rope import qkv_rope_kv_reduce_tile, qkv_rope_operands",),
+                  constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes,
+                  tiles=lambda _: s.task_args())

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_tensor, supported_dtypes
+from ._spec import OpSpec, Region, register, rows_given
 
 #: Widest chunk one program holds in registers; longer rows loop over chunks.
 MAX_BLOCK_N = 8192
@@ -155,3 +156,47 @@ def rmsnorm_cost(rows: int, n: int, dtype_bytes: int = 2, residual: bool = False
 def rmsnorm_smem_bytes(block_n: int, num_warps: int) -> int:
     """Shared memory the tile needs: one float32 per warp for the cross-warp sum."""
     return 4 * num_warps
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+@register("rmsnorm")
+def rmsnorm_op(n: int, eps: float = 1e-6, residual: bool = False) -> OpSpec:
+    """One row of RMSNorm (optionally h = x + res first, written to res_out). Args: row."""
+    block_n = rmsnorm_block_n(n)
+    operands = ("x", "res", "w", "out", "res_out") if residual else ("x", "w", "out")
+    res, res_out = ("res", "res_out") if residual else ("x", "out")
+    body = (f"rmsnorm_tile(x, {res}, w, out, {res_out}, row, N, N, N, N, N, EPS, "
+            f"HAS_RESIDUAL={residual}, BLOCK_N=BLOCK_N)")
+
+    def run(b, a):
+        row = a["row"]
+        if residual:
+            out, h = rmsnorm_ref(b["x"][row], b["w"], eps, residual=b["res"][row])
+            b["res_out"][row] = h.to(b["res_out"].dtype)
+        else:
+            out = rmsnorm_ref(b["x"][row], b["w"], eps)
+        b["out"][row] = out.to(b["out"].dtype)
+
+    def reads(a, bind):
+        row = a["row"]
+        regs = [Region(bind["x"], row, row + 1, 0, n), Region(bind["w"], 0, 1, 0, n)]
+        if residual:
+            regs.append(Region(bind["res"], row, row + 1, 0, n))
+        return regs
+
+    def writes(a, bind):
+        row = a["row"]
+        regs = [Region(bind["out"], row, row + 1, 0, n)]
+        if residual:
+            regs.append(Region(bind["res_out"], row, row + 1, 0, n))
+        return regs
+
+    return OpSpec(name="rmsnorm", operands=operands, args=("row",), body=body,
+                  imports=("from mk.tasks.rmsnorm import rmsnorm_tile",),
+                  constexprs={"N": n, "BLOCK_N": block_n, "RES": int(residual), "EPS": float(eps)},
+                  num_warps=rmsnorm_num_warps(block_n), run=run, reads=reads, writes=writes,
+                  tiles=lambda rows: [{"row": r} for r in range(rows_given("rmsnorm", rows))])

@@ -36,6 +36,8 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._spec import OpSpec, Region, check_sizes, check_tile, operand_view, register
+from .decode_attention import kv_length_at
 
 #: Elements of one half-head tile [BLOCK_H, BLOCK_HALF] a program holds at once.
 MAX_TILE_ELEMENTS = 2048
@@ -534,3 +536,93 @@ def rope_kv_cost(batch: int, tokens: int, num_q_heads: int, num_kv_heads: int, h
 def rope_kv_smem_bytes(block_h: int, block_half: int, num_warps: int) -> int:
     """Shared memory the tile needs: none (elementwise, no reduction, no layout change)."""
     return 0
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+@register("rope_kv")
+def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, *,
+               write_seqlens: bool = True, interleaved: bool = False, num_warps: int | None = None) -> OpSpec:
+    """RoPE of sequence b's one new token, and its k and v appended to the KV cache.
+
+    Operands: qkv ``[batch, (Hq + 2 Hkv) * D]`` (the fused QKV projection: q heads, then k
+    heads, then v heads), pos int32/int64 ``[batch]`` (the token's position, read on the
+    device: a decode step needs no host work but advancing it), inv_freq float32 ``[D/2]``,
+    q ``[batch, Hq * D]`` (rotated q out), k_cache and v_cache ``[batch, Hkv, max_seq, D]``
+    (:mod:`mk.tasks.rope`'s layout), and with ``write_seqlens`` seqlens int32/int64
+    ``[batch]``, set to ``pos + 1`` (clipped to ``[0, max_seq]``): the lengths decode
+    attention reads, so one positions buffer drives the whole step (let one layer's rope_kv
+    write them). ``interleaved``: the rotation pairs are adjacent elements
+    (:mod:`mk.tasks.rope`). Args: b.
+
+    Regions: the cache row written is at a runtime position, so the write region is
+    conservatively *every* cache row of sequence b (all heads, all positions): attention
+    tasks of b, which read their head's rows, then wait for this task (as they must), and
+    nothing else of a decode step touches that layer's cache. A position outside
+    ``[0, max_seq)`` writes no cache row (the device function's guard; the VM does the same).
+    """
+    check_sizes("rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 max_seq=max_seq)
+    if head_dim % 2:
+        raise ValueError(f"rope_kv: head_dim must be even, got {head_dim}")
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    block_h, block_half = rope_blocks(d, max(hq, hkv))
+    width = (hq + 2 * hkv) * d
+    operands = ("qkv", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+    # b in 64 bits: b * (Hkv * S_max * D) passes 2**31 for long caches.
+    body = ("rope_kv_tile(qkv, qkv + HQ * HEAD_DIM, qkv + (HQ + HKV) * HEAD_DIM, pos, inv_freq, q, k_cache, v_cache, "
+            "b.to(tl.int64), 0, HQ, HKV, S_MAX, "
+            "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, (HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, "
+            "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, 1, 0, HQ * HEAD_DIM, 0, HEAD_DIM, "
+            "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
+            "HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED)")
+    if write_seqlens:
+        body += "\nrope_kv_seqlen_tile(pos, seqlens, b, 0, 1, 0, S_MAX)"
+
+    def seq(a):
+        check_tile("rope_kv", "b", a["b"], batch)
+        return a["b"]
+
+    def run(bufs, a):
+        b = seq(a)
+        qkv = operand_view("rope_kv", "qkv", bufs["qkv"], batch, width)[b].float()
+        pos_t = operand_view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b]
+        inv_freq = operand_view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
+        positions = pos_t.reshape(1, 1)
+        q_out = operand_view("rope_kv", "q", bufs["q"], batch, hq * d)
+        q_out[b] = rope_ref(qkv[:hq * d].view(1, 1, hq, d), positions, inv_freq,
+                            interleaved=interleaved).reshape(-1).to(q_out.dtype)
+        pos = int(pos_t)
+        if 0 <= pos < max_seq:
+            kc, vc = (operand_view("rope_kv", c, bufs[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+                      for c in ("k_cache", "v_cache"))
+            k = qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d)
+            kc[b, :, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
+            vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
+        if write_seqlens:
+            operand_view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = kv_length_at(pos, max_seq)
+
+    def reads(a, bind):
+        b = seq(a)
+        return [Region(bind["qkv"], b, b + 1, 0, width), Region(bind["pos"], 0, 1, b, b + 1),
+                Region(bind["inv_freq"], 0, 1, 0, d // 2)]
+
+    def writes(a, bind):
+        b = seq(a)
+        rows = (b * hkv * max_seq, (b + 1) * hkv * max_seq)
+        regs = [Region(bind["q"], b, b + 1, 0, hq * d), Region(bind["k_cache"], *rows, 0, d),
+                Region(bind["v_cache"], *rows, 0, d)]
+        if write_seqlens:
+            regs.append(Region(bind["seqlens"], 0, 1, b, b + 1))
+        return regs
+
+    return OpSpec(name="rope_kv", operands=operands, args=("b",), body=body,
+                  imports=("from mk.tasks.rope import rope_kv_seqlen_tile, rope_kv_tile",),
+                  constexprs={"BATCH": batch, "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HALF": d // 2,
+                              "BLOCK_H": block_h, "BLOCK_HALF": block_half, "SEQLENS": int(write_seqlens),
+                              "INTERLEAVED": int(bool(interleaved))},
+                  num_warps=num_warps or rope_num_warps(block_h, block_half), run=run, reads=reads, writes=writes,
+                  tiles=lambda _: [{"b": b} for b in range(batch)])

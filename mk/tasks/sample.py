@@ -45,8 +45,9 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import check_tensor, default_device, interpreting, jit
+from ._spec import OpSpec, Region, operand_view, register
 from .argmax import (
-    argmax, argmax_block, argmax_block_c, argmax_partial_kernel, argmax_reduce_kernel,
+    ArgmaxShape, argmax, argmax_block, argmax_block_c, argmax_partial_kernel, argmax_reduce_kernel,
     check_block_v, check_logits, order_key,
 )
 
@@ -705,3 +706,51 @@ def sample_smem_bytes(block_v: int, num_warps: int = 4, radix_bits: int = RADIX_
     thread; the planner checks it against the compiled kernel's metadata.
     """
     return 4 * 4 * 32 * num_warps
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+@register("sample_gumbel_partial")
+def sample_gumbel_partial_op(rows: int, vocab: int, *, block_v: int | None = None, num_warps: int = 4) -> OpSpec:
+    """Temperature sampling, chunk ``chunk`` of row ``row``: the best ``logits / T + gumbel``.
+
+    Operands: logits ``[rows, vocab]``, params float32 ``[1]`` (the temperature T > 0),
+    seed int64 ``[1]``, offsets int32/int64 ``[rows]`` (the Philox offset of each row's draw:
+    the position of the token being drawn, so every step draws afresh), part_val float32
+    and part_idx int32 ``[rows, n_chunks]``. Args: row, chunk. Pair with
+    :func:`mk.tasks.argmax.argmax_reduce_op` of the same sizes: together they are
+    :func:`mk.tasks.sample.sample` without top-k/top-p, token for token.
+    """
+    s = ArgmaxShape("sample_gumbel_partial", rows, vocab, block_v)
+
+    def run(bufs, a):
+        row = s.row(a)
+        chunk, c0, c1 = s.chunk(a)
+        x = operand_view(s.op, "logits", bufs["logits"], rows, vocab)[row].float()
+        offset = int(operand_view(s.op, "offsets", bufs["offsets"], 1, rows)[0, row])
+        noise = gumbel_noise(int(bufs["seed"][0]), offset, row + 1, vocab, device=x.device)[row]
+        z = (scale_logits_ref(x, float(bufs["params"][0])) + noise)[c0:c1]
+        i = int(z.argmax())
+        part_val, part_idx = s.parts(bufs)
+        part_val[row, chunk], part_idx[row, chunk] = z[i], c0 + i
+
+    def reads(a, bind):
+        row, (_, c0, c1) = s.row(a), s.chunk(a)
+        return [Region(bind["logits"], row, row + 1, c0, c1), Region(bind["params"], 0, 1, 0, 1),
+                Region(bind["seed"], 0, 1, 0, 1), Region(bind["offsets"], 0, 1, row, row + 1)]
+
+    def writes(a, bind):
+        row, (chunk, _, _) = s.row(a), s.chunk(a)
+        return [Region(bind[r], row, row + 1, chunk, chunk + 1) for r in ("part_val", "part_idx")]
+
+    return OpSpec(name="sample_gumbel_partial",
+                  operands=("logits", "params", "seed", "offsets", "part_val", "part_idx"), args=("row", "chunk"),
+                  body="sample_gumbel_partial_tile(logits, logits, part_val, part_idx, row, chunk, V, V, 0, N_CHUNKS, "
+                       "tl.load(params), tl.load(seed), tl.load(offsets + row), USE_KTH=False, USE_PTH=False, "
+                       "BLOCK_V=BLOCK_V)",
+                  imports=("from mk.tasks.sample import sample_gumbel_partial_tile",),
+                  constexprs={"ROWS": rows, "V": vocab, "BLOCK_V": s.block_v, "N_CHUNKS": s.chunks},
+                  num_warps=num_warps, run=run, reads=reads, writes=writes, tiles=lambda _: s.chunk_tiles())

@@ -13,6 +13,8 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_same_dtype, check_tensor
+from ._spec import (OpSpec, Region, as_2d, block_cols, cdiv, check_pow2, check_sizes, register,
+                    rows_given)
 
 #: Widest column block of one tile; wider rows are split over several tiles.
 MAX_BLOCK_I = 1024
@@ -119,3 +121,45 @@ def silu_mul_cost(rows: int, i: int, dtype_bytes: int = 2) -> TaskCost:
     elems = rows * i
     return TaskCost(bytes_read=2 * elems * dtype_bytes, bytes_written=elems * dtype_bytes,
                     flops=FLOPS_PER_ELEMENT * elems)
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel spec: how the op runs as a task of the persistent kernel (mk.tasks._spec)
+# ---------------------------------------------------------------------------------------
+
+
+@register("silu_mul")
+def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = None) -> OpSpec:
+    """One (row, column block) tile of ``out = silu(gate) * up`` over rows of ``i`` elements.
+
+    Operands: gate, up, out, each ``[rows, i]``. Args: row, col_block (``cdiv(i, BLOCK_I)``
+    blocks per row; the last one is clipped to i).
+    """
+    check_sizes("silu_mul", i=i)
+    block_i = check_pow2("silu_mul", "block_i", block_i or silu_mul_block_i(i))
+    blocks = cdiv(i, block_i)
+
+    def cols(a):
+        return block_cols("silu_mul", a, blocks, block_i, i)
+
+    def run(b, a):
+        row, (c0, c1) = a["row"], cols(a)
+        y = silu_mul_ref(as_2d(b["gate"])[row, c0:c1], as_2d(b["up"])[row, c0:c1])
+        out = as_2d(b["out"])
+        out[row, c0:c1] = y.to(out.dtype)
+
+    def reads(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind[r], a["row"], a["row"] + 1, c0, c1) for r in ("gate", "up")]
+
+    def writes(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind["out"], a["row"], a["row"] + 1, c0, c1)]
+
+    return OpSpec(name="silu_mul", operands=("gate", "up", "out"), args=("row", "col_block"),
+                  body="silu_mul_tile(gate, up, out, row, col_block, I, I, I, I, BLOCK_I=BLOCK_I)",
+                  imports=("from mk.tasks.silu_mul import silu_mul_tile",),
+                  constexprs={"I": i, "BLOCK_I": block_i},
+                  num_warps=num_warps or silu_mul_num_warps(block_i), run=run, reads=reads, writes=writes,
+                  tiles=lambda rows: [{"row": r, "col_block": cb} for r in range(rows_given("silu_mul", rows))
+                                      for cb in range(blocks)])

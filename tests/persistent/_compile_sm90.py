@@ -10,12 +10,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import mk.persistent.taskops  # noqa: E402,F401
 from mk.persistent.codegen import compile_for_target  # noqa: E402
 from mk.persistent.graph import TaskGraph, lower  # noqa: E402
-from mk.persistent.ops import make_op  # noqa: E402
-from mk.persistent.taskops import linear_tiles  # noqa: E402
-from mk.tasks.linear import interleave_gate_up, linear_kernel  # noqa: E402
+from mk.tasks import make_op  # noqa: E402
+from mk.tasks.linear import interleave_gate_up, linear_kernel, linear_tiles  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -1,5 +1,6 @@
 """Compile a decoder-layer megakernel (embedding, rope_kv, the fused QKV + RoPE, split-KV
-attention, argmax, the LM head folding the argmax, the token append and the linear ops) for sm_90 in bfloat16 without a GPU. Run by test_model_ops.py in a subprocess,
+attention, argmax, the LM head folding the argmax, the token append and the linear ops) for
+sm_90 in bfloat16 without a GPU. Run by tests/tasks/test_decode_ops.py in a subprocess,
 because the interpreter switch is read when Triton decorates kernels."""
 
 import os
@@ -11,8 +12,7 @@ import torch  # noqa: E402
 
 from mk.persistent.codegen import compile_for_target  # noqa: E402
 from mk.persistent.graph import TaskGraph, lower  # noqa: E402
-from mk.persistent.ops import make_op  # noqa: E402
-from mk.persistent.taskops import op_tiles  # noqa: E402
+from mk.tasks import make_op, op_tiles  # noqa: E402
 
 BF16 = torch.bfloat16
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the persistent-runtime tests."""
+"""Helpers shared by the persistent-runtime tests and the tests of the tasks' megakernel ops
+(tests/tasks/test_*_ops.py)."""
 
 import os
 import subprocess

@@ -13,7 +13,7 @@ from mk.persistent.deps import (
     merge_intervals,
     subtract_intervals,
 )
-from mk.persistent.ops import Region
+from mk.tasks import Region
 
 
 @dataclass
@@ -213,11 +213,10 @@ def test_lowered_dependencies_are_cached_by_the_graphs_structure(tmp_path, monke
     # unreadable entry is derived again.
     import torch
 
-    import mk.persistent.taskops  # noqa: F401  (registers the ops)
     from mk.persistent.graph import TaskGraph, lower
     from mk.tasks._cache import cache_dir
-    from mk.persistent.ops import make_op
-    from mk.persistent.taskops import linear_tiles
+    from mk.tasks import make_op
+    from mk.tasks.linear import linear_tiles
 
     monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from mk.persistent.graph import TaskGraph, lower
-from mk.persistent.ops import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
-from mk.persistent.taskops import linear_tiles
+from mk.tasks import make_op
+from mk.tasks.linear import linear_tiles
 from tests.conftest import rel_err
-from tests.persistent.test_taskops import RandomDag
+from tests.tasks.test_linear_ops import RandomDag
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from mk.persistent.graph import TaskGraph, lower
-from mk.persistent.ops import make_op
 from mk.persistent.runtime import Megakernel, MegakernelTimeout
 from mk.persistent.vm import Deadlock, run_vm
-from mk.tasks import default_device, rmsnorm
+from mk.tasks import default_device, make_op, rmsnorm
 from tests.conftest import assert_close
-
-import mk.persistent.taskops  # noqa: F401  (registers the ops)
 
 DEV = default_device()
 
@@ -188,7 +185,7 @@ def test_proxy_fences_are_off_unless_asked_for():
 def test_deferred_signals_are_safe_and_fewer(defer):
     """A worker's run of same-event tasks signals once: same results, no deadlock under random
     interleavings, one counter update per run instead of per task."""
-    from mk.persistent.taskops import linear_tiles
+    from mk.tasks.linear import linear_tiles
     from mk.tasks.linear import linear_ref
 
     g = TaskGraph()

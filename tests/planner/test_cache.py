@@ -105,16 +105,17 @@ def test_pick_measured_refuses_a_bad_timing():
 
 def test_the_key_covers_the_task_rules_the_cost_model_reads(tmp_path, monkeypatch):
     """A plan is priced with the tasks' own rules (mk.tasks.linear.gemv_stream, shared-memory
-    sizes): editing a task module must give a new key, as editing the planner does."""
+    sizes): editing a task module, one of a task package too, must give a new key, as editing
+    the planner does."""
     import mk.planner.cache as cache
 
     g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=1, kv_len=64)
     spec = DeviceSpec.preset("h200")
     names = {p.relative_to(p.parent.parent).as_posix() for p in cache._planner_sources()}
-    assert {"planner/cost.py", "tasks/linear.py", "tasks/decode_attention.py"} <= names
+    assert {"planner/cost.py", "linear/config.py", "tasks/decode_attention.py"} <= names
     before = cache.plan_key(g, spec, 264, 6)
-    linear = next(p for p in cache._planner_sources() if p.name == "linear.py" and p.parent.name == "tasks")
-    edited = tmp_path / "linear.py"
+    linear = next(p for p in cache._planner_sources() if p.name == "config.py" and p.parent.name == "linear")
+    edited = tmp_path / "config.py"
     edited.write_bytes(linear.read_bytes() + b"\n# edited\n")
     monkeypatch.setattr(cache, "_planner_sources",
                         lambda real=cache._planner_sources: [edited if p == linear else p for p in real()])

@@ -19,11 +19,9 @@ import pytest
 import torch
 
 from mk.persistent.graph import HEADER_WORDS, SCHEDULES, TaskGraph, lower
-from mk.persistent.ops import make_op
 from mk.persistent.runtime import Megakernel
-from mk.persistent.taskops import op_tiles
 from mk.persistent.vm import run_vm
-from mk.tasks import default_device
+from mk.tasks import default_device, make_op, op_tiles
 from mk.tasks.argmax import argmax_ref
 from mk.tasks.decode_attention import decode_attention_partials, decode_attention_ref
 from mk.tasks.embedding import embedding_ref

@@ -11,18 +11,16 @@ import random
 import pytest
 import torch
 
-from mk.persistent import taskops
 from mk.persistent.graph import SCHEDULES, TaskGraph, lower
-from mk.persistent.ops import OpSpec, make_op
 from mk.persistent.runtime import Megakernel
-from mk.persistent.taskops import linear_tiles
 from mk.persistent.vm import Deadlock, EarlyRead, run_vm
-from mk.tasks import default_device
+from mk.tasks import OpSpec, default_device, make_op
 from mk.tasks.linear import (
     LinearConfig,
     interleave_gate_up,
     linear_k_splits,
     linear_ref,
+    linear_tiles,
     prefetch_lines,
 )
 from mk.tasks.rmsnorm import rmsnorm_ref

@@ -1,0 +1,341 @@
+"""Linear tiling as pure functions: the tile config and how :func:`linear_config` picks it,
+the K splits, the shared memory and cost of a tile, and how a decode tile streams its
+weights (GEMV grouping, waits inside the stream). The standalone launcher, the
+megakernel's specs (:mod:`mk.tasks.linear.spec`) and the planner all ask these."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+
+from .._cost import TaskCost
+from .._device import check_positive_int
+
+
+#: Largest M served by the skinny (decode) configs; above it, prefill tiles.
+SKINNY_MAX_M = 16
+
+#: Tile rows grouped together in the prefill launch order, for L2 reuse of weight tiles.
+GROUP_M = 8
+
+#: tl.dot needs every tile dim to be at least this.
+DOT_MIN = 16
+
+#: Fewest rows of a weight-major tile (:func:`weight_major`): each row's hi and lo halves
+#: are two of the MMA's N columns, so 8 rows make tl.dot's 16.
+WEIGHT_MAJOR_MIN_ROWS = DOT_MIN // 2
+
+#: Fewest weight rows (block_n) of a weight-major decode tile.
+WEIGHT_MAJOR_MIN_N = 128
+
+
+def weight_major(rows: int, block_n: int) -> bool:
+    """Whether a tl.dot tile of ``rows`` x rows and ``block_n`` weight rows multiplies
+    weight-major, ``W_tile @ [hi; lo].T`` (:func:`mk.tasks._dot.mma_weight_major`): decode
+    tiles (at most SKINNY_MAX_M rows) of at least :data:`WEIGHT_MAJOR_MIN_N` weight rows.
+    (The device functions test the same with literals: a jit function reads no globals.)
+
+    Measured on an H200 (a batch-8 65536 x 2048 linear with
+    RMSNorm streamed by 264 workers of 4 warps, fraction of the copy bandwidth, x-major ->
+    weight-major): 128 x 128 boxes 0.77 -> 0.78, 128 x 64 0.77 -> 0.83, 256 x 64 0.84 ->
+    0.87, but 64 x 128 0.57 -> 0.49 (a 64-row wgmma waits on every chunk's MMA). With
+    2 warps a worker 64 x 128 gains too (0.62 -> 0.78), but the megakernel runs 4.
+    """
+    return 1 < rows <= SKINNY_MAX_M and block_n >= WEIGHT_MAJOR_MIN_N
+
+
+def dot_waits_in_stream(rows: int, block_n: int, tma_stages: int, tiles_per_task: int = 1) -> bool:
+    """Whether a decode tl.dot tile of ``rows`` x rows and ``block_n`` weight rows, one a task
+    through a TMA ring, waits for x inside its weight loop (:func:`mk.tasks.linear.tile._linear_acc`'s WAIT), as
+    GEMV tasks do: the ring's prologue is then in flight while the worker waits. Weight-major
+    tiles only (:func:`weight_major`), whose x chunks are a few registers. An x-major tile's
+    [16, block_k] float32 chunks held ahead spilled the 1B batch-8 kernel (26 -> 60 spills,
+    step 1.155 -> 1.340 ms on an H200). The megakernel's lowering and the planner's cost
+    model both ask this."""
+    return tma_stages > 0 and tiles_per_task == 1 and weight_major(rows, block_n)
+
+
+#: Widest global load of one thread (bytes): ld.global.v4.b32.
+VEC_BYTES = 16
+
+#: Longest stream (weight chunks a task) that waits for x inside it. The wait in the stream
+#: puts the ring's prologue in flight before the inputs are ready, but x then comes by
+#: volatile loads converted through shared memory every chunk (:func:`mk.tasks.linear.linear_run`'s WAIT).
+#: Measured on an H200: 8- to 32-chunk tasks gained 0.7-1.5 us
+#: each (1B step 0.947 -> 0.893 ms); the 8B down projection's 56-chunk tasks lost 4.5 us and
+#: the 1B LM head's 128-chunk runs ~1.7 us. (A grouped stream, :func:`gemv_stream`, has no limit.)
+WAIT_IN_STREAM_MAX_CHUNKS = 32
+
+#: Chunks an iteration of a grouped GEMV stream (:func:`mk.tasks.linear.linear_run`'s X_GROUP) and the
+#: largest chunk (bytes) grouped. A task that waits for x inside its stream reads x by
+#: volatile loads, which the compiler converts to the weight chunk's layout by the next
+#: iteration: one chunk a loop iteration leaves an x chunk one chunk's streaming time to
+#: arrive, X_GROUP chunks an iteration a group's. Measured on an H100: 8 chunks in flight
+#: as two groups of 4, the 1B down projection's tasks 12.3 -> 10.2 us, the 8B down 40 -> 36 us and gate_up 77 -> 73 us.
+X_GROUP = 4
+
+X_GROUP_MAX_CHUNK_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class GemvStream:
+    """How a TMA GEMV task streams its weights: ``waits`` for x inside the stream (the
+    ring's prologue in flight while it waits), ``group`` chunks a loop iteration, ``stages``
+    the loop's pipeline stages (``stages - 1`` iterations in flight)."""
+
+    waits: bool
+    group: int
+    stages: int
+
+    @property
+    def chunks_in_flight(self) -> int:
+        return max((self.stages - 1) * self.group, 1)
+
+
+def gemv_stream(block_m: int, tma_stages: int, K: int, block_k: int, block_n: int, dtype_bytes: int = 2,
+                split_k: int = 1, tiles_per_task: int = 1) -> GemvStream:
+    """How a persistent task of this tile streams (:class:`GemvStream`), for GEMV tiles
+    (``block_m`` 1) through a TMA ring of ``tma_stages`` (chunks counted over its run of
+    tiles and its K split's range, cut as :func:`linear_k_splits` cuts it):
+
+    * grouped: a ring of ``1 + n * X_GROUP`` (n >= 1) whose chunks are at most
+      X_GROUP_MAX_CHUNK_BYTES and whose every K split holds a multiple of X_GROUP chunks
+      waits in its stream however long, X_GROUP chunks an iteration, n groups in flight;
+    * else a stream of at most :data:`WAIT_IN_STREAM_MAX_CHUNKS` chunks waits in it, one
+      chunk an iteration, ``tma_stages - 1`` in flight; a longer one waits before it.
+    """
+    if block_m != 1 or tma_stages <= 0:
+        return GemvStream(False, 1, tma_stages)
+    n_chunks = -(-K // block_k)
+    split_chunks = [(s + 1) * n_chunks // split_k - s * n_chunks // split_k for s in range(split_k)]
+    if (X_GROUP > 1 and tma_stages > X_GROUP and (tma_stages - 1) % X_GROUP == 0
+            and block_n * block_k * dtype_bytes <= X_GROUP_MAX_CHUNK_BYTES
+            and all(c % X_GROUP == 0 for c in split_chunks)):
+        return GemvStream(True, X_GROUP, (tma_stages - 1) // X_GROUP + 1)
+    chunks = tiles_per_task * -(-n_chunks // split_k)
+    return GemvStream(chunks <= WAIT_IN_STREAM_MAX_CHUNKS, 1, tma_stages)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tile sizes and launch settings of one linear.
+
+    block_m: rows of x per tile; 1 selects the GEMV (FMA) body, a power of two >= 16 the
+        tl.dot body.
+    block_n: weight rows (output columns before silu_mul) per tile; a power of two.
+    block_k: K chunk streamed per loop iteration; a power of two.
+    split_k: K splits (1 = none); each split covers whole block_k chunks.
+    num_warps, num_stages: passed to Triton (stages = software-pipelined loads in flight).
+    group_m: row tiles launched together for L2 reuse (matters only when M spans tiles).
+    prefetch_k: weight columns (from the start of the tile's K range) that each tile asks
+        L2 for before its dependency wait, rounded up to whole 128-byte lines and a power
+        of two of them; 0 for none. Pays off with PDL (see :func:`~mk.tasks._device.use_pdl`)
+        and in the megakernel, where the wait is long enough to hide DRAM latency.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = GROUP_M
+    prefetch_k: int = 0
+
+    def __str__(self) -> str:
+        return (f"LinearConfig(BM={self.block_m} BN={self.block_n} BK={self.block_k} split_k={self.split_k} "
+                f"warps={self.num_warps} stages={self.num_stages} group_m={self.group_m} "
+                f"prefetch_k={self.prefetch_k})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _is_pow2(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
+
+
+def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 1,
+                  smem_limit: int | None = None) -> LinearConfig:
+    """Heuristic config for an [M, K] x [N, K]^T product in ``dtype`` with ``split_k`` splits.
+
+    * M == 1, the GEMV body: 2 weight rows x 2048 bf16 columns per iteration, 2 warps
+      (tuned on an H200). Each thread loads four 16 B vectors of each row (128 B in
+      flight) into 64 float32 accumulators. Keeping BLOCK_K a multiple of
+      vector x 32 x num_warps puts all warps along K, so x's chunk already has the layout
+      the broadcast needs; other shapes make the compiler shuffle x through shared memory
+      every iteration. num_stages does nothing here (these loads are not pipelined
+      through shared memory), hence 1. Each tile prefetches its rows' first 512 columns
+      into L2 before waiting on the previous kernel (PDL).
+    * M <= 16: tl.dot body with BLOCK_M = 16, so one weight tile serves the whole batch;
+      64 x 512 B tiles, 4 stages (160 KiB of shared memory with bf16; with ``smem_limit``,
+      the bytes a block may use, fewer stages or narrower tiles where that is less).
+    * M > 16: prefill tiles, 64 or 128 x 128 x 128 B of K.
+
+    Block sizes are capped by the problem (no 1024-wide chunk for K = 200) and block_k so
+    that K holds at least ``split_k`` chunks. Starting points, to be tuned on the GPU.
+    """
+    db = _dtype_bytes(dtype)
+    vec = max(VEC_BYTES // db, 1)
+    if M <= 1:
+        # Fastest on an H200 in a sweep (bf16, CUDA-graph replays, PDL on):
+        # 2 rows x 2048 columns x 2 warps, prefetching each row's first 512 columns into L2
+        # before the dependency wait: 0.90 / 1.04 / 1.03 of copy bandwidth at 4096->6144,
+        # 4096->28672 and 14336->4096 (0.82 / 1.01 / 0.96 without PDL). Many small tiles
+        # keep every SM streaming until the very end of the product.
+        bm, bn, bk, warps, stages, prefetch_k = 1, 2, vec * 32 * 2 * 4, 2, 1, 512
+    elif M <= SKINNY_MAX_M:
+        # Fastest on an H200 in a sweep (M=8, bf16): 64 weight rows x
+        # 512 B of K, 2 warps, 4 stages: 0.73 / 0.91 / 0.81 of copy at 4096->6144,
+        # 4096->28672, 14336->4096, level with torch (0.75 / 0.89 / 0.84); the earlier
+        # 16-row tiles reached 0.55-0.65. Stages drop where shared memory is smaller.
+        bm, bn, bk, warps, stages, prefetch_k = 16, 64, 512 // db, 2, 4, 0
+    else:
+        bm = 64 if M <= 64 else 128
+        bn, bk, warps, stages, prefetch_k = 128, 128 // db, (4 if bm == 64 else 8), 3, 0
+    floor = 1 if bm == 1 else DOT_MIN
+    # Even block_n >= 2 keeps silu_mul's gate/up pairs inside a tile.
+    bn = max(min(bn, triton.next_power_of_2(N)), 2 if bm == 1 else DOT_MIN)
+    bk = min(bk, triton.next_power_of_2(K))
+    if split_k > 1:
+        bk = min(bk, _prev_pow2(K // split_k))  # at least split_k chunks in K
+    bk = max(bk, floor)
+    if bm == 1:
+        warps = max(1, min(warps, bk // (vec * 32)))  # keep the warps along K for short K
+    config = LinearConfig(bm, bn, bk, split_k, warps, stages, prefetch_k=prefetch_k)
+    if smem_limit is not None and bm > 1:
+        # Fewer stages, then narrower tiles, until the operand ring fits (99 KiB on Ada parts).
+        while linear_smem_bytes(config, M, db) > smem_limit and (config.num_stages > 2 or config.block_n > DOT_MIN):
+            if config.num_stages > 2:
+                config = LinearConfig(**{**config.to_dict(), "num_stages": config.num_stages - 1})
+            else:
+                config = LinearConfig(**{**config.to_dict(), "block_n": config.block_n // 2})
+    return config
+
+
+def linear_k_splits(K: int, block_k: int, split_k: int) -> list[tuple[int, int]]:
+    """The K range [k_lo, k_hi) of each split, as the kernels cut them (linear_split_range).
+
+    Contiguous, in order, each a whole number of block_k chunks except the last one's
+    ragged end; chunk counts differ by at most one. Empty ranges appear only when split_k
+    exceeds the chunk count (the launcher refuses that).
+    """
+    n_chunks = -(-K // block_k)
+    return [((s * n_chunks // split_k) * block_k, min(((s + 1) * n_chunks // split_k) * block_k, K))
+            for s in range(split_k)]
+
+
+def prefetch_lines(config: LinearConfig, K: int, dtype_bytes: int) -> tuple[int, int]:
+    """(lines per weight row, elements per line) that a tile of ``config`` prefetches: the
+    first ``prefetch_k`` columns of its K range (at most the range), in 128-byte lines,
+    rounded up to a power of two of lines. (0, line) when it prefetches nothing."""
+    line = max(128 // dtype_bytes, 1)
+    span = min(config.prefetch_k, -(-K // config.split_k))
+    if span <= 0:
+        return 0, line
+    return triton.next_power_of_2(-(-span // line)), line
+
+
+def _tile_rows(config: LinearConfig, M: int) -> int:
+    """Rows per tile as launched: block_m, cut down to what M needs, but never below tl.dot's
+    16, or :data:`WEIGHT_MAJOR_MIN_ROWS` for a weight-major tile (its rows, twice over, are
+    its MMA's N)."""
+    if config.block_m == 1:
+        return 1
+    rows = min(config.block_m, triton.next_power_of_2(max(M, 1)))
+    return max(WEIGHT_MAJOR_MIN_ROWS if weight_major(max(rows, DOT_MIN), config.block_n) else DOT_MIN, rows)
+
+
+def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int:
+    """Shared memory one tile needs, from the 3-D tile (rows x block_n x block_k).
+
+    tl.dot body: the software-pipelined operand ring, num_stages x (x chunk [rows, block_k]
+    + weight chunk [block_n, block_k]) x dtype_bytes, where rows is block_m capped by M as
+    the launcher does; decode tiles (weight-major, at most 16 rows) also stage x's hi and
+    lo halves ([2 rows, block_k]) as the wgmma's shared-memory operand. Exact for Hopper's
+    prefill tiles (block_m >= 64) on Triton 3.9; the RMSNorm prologue and the pipeliner's
+    choices move a few KiB either way, so treat it as an upper bound within ~30%.
+
+    GEMV body (block_m == 1): its loads go straight to registers, not through a ring. What
+    remains is the cross-warp reduction (block_n x num_warps float32) and, when block_k is
+    not (16 B / dtype) x 32 x num_warps, a float32 shuffle of x's chunk each iteration.
+
+    With split_k > 1, plus one float32 [rows, block_n] partial tile staged for the
+    workspace store. (This is the standalone launcher's tile; inside the megakernel tiles
+    compile differently: :func:`mk.planner.cost.op_smem_bytes` models those.)
+    """
+    rows = _tile_rows(config, M)
+    if config.block_m == 1:
+        vec = max(VEC_BYTES // dtype_bytes, 1)
+        shuffle = 0 if config.block_k == vec * 32 * config.num_warps else config.block_k * 4
+        body = config.block_n * config.num_warps * 4 + shuffle
+    else:
+        body = config.num_stages * (rows + config.block_n) * config.block_k * dtype_bytes
+        if weight_major(rows, config.block_n):
+            body += 2 * rows * config.block_k * dtype_bytes
+    partial = rows * config.block_n * 4 if config.split_k > 1 else 0
+    return body + partial
+
+
+def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool = False, norm: bool = False,
+                silu_mul: bool = False, split_k: int = 1) -> TaskCost:
+    """Device-memory bytes and flops of one linear (N = weight rows, interleaved with silu_mul).
+
+    Counts W, x, the norm weight and residual once each (per-tile re-reads of x hit L2),
+    the output, and with split_k > 1 the float32 workspace written and read back.
+    Flops: 2*M*N*K for the product, plus the prologue/epilogue's elementwise work.
+    """
+    n_out = N // 2 if silu_mul else N
+    read = N * K * dtype_bytes + M * K * dtype_bytes
+    written = M * n_out * dtype_bytes
+    flops = 2 * M * N * K
+    if norm:
+        read += K * dtype_bytes
+        flops += 4 * M * K
+    if residual:
+        read += M * n_out * dtype_bytes
+        flops += M * n_out
+    if silu_mul:
+        flops += 5 * M * n_out
+    if split_k > 1:
+        written += split_k * M * N * 4
+        read += split_k * M * N * 4
+        flops += (split_k - 1) * M * N
+    return TaskCost(read, written, flops)
+
+
+def _check_config(config: object, K: int, silu_mul: bool) -> LinearConfig:
+    if not isinstance(config, LinearConfig):
+        raise TypeError(f"config must be a LinearConfig, got {type(config).__name__}")
+    for field in ("block_m", "block_n", "block_k", "num_warps"):
+        if not _is_pow2(getattr(config, field)):
+            raise ValueError(f"config.{field} must be a power of two, got {getattr(config, field)!r}")
+    if config.num_warps > 32:
+        raise ValueError(f"config.num_warps must be <= 32, got {config.num_warps}")
+    if config.block_m != 1 and config.block_m < DOT_MIN:
+        raise ValueError(f"config.block_m must be 1 (GEMV) or >= {DOT_MIN} (tl.dot), got {config.block_m}")
+    if config.block_m >= DOT_MIN and min(config.block_n, config.block_k) < DOT_MIN:
+        raise ValueError(f"config.block_n and config.block_k must be >= {DOT_MIN} with block_m >= {DOT_MIN}, "
+                         f"got {config.block_n}, {config.block_k}")
+    if silu_mul and config.block_n < 2:
+        raise ValueError("config.block_n must be even (>= 2) with silu_mul")
+    check_positive_int("config.num_stages", config.num_stages)
+    check_positive_int("config.group_m", config.group_m)
+    check_positive_int("config.split_k", config.split_k)
+    if isinstance(config.prefetch_k, bool) or not isinstance(config.prefetch_k, int) or config.prefetch_k < 0:
+        raise ValueError(f"config.prefetch_k must be an int >= 0, got {config.prefetch_k!r}")
+    n_chunks = -(-K // config.block_k)
+    if config.split_k > n_chunks:
+        raise ValueError(f"split_k={config.split_k} exceeds the {n_chunks} chunks of block_k={config.block_k} "
+                         f"in K={K}; use a smaller split_k or block_k")
+    return config
