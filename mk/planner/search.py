@@ -19,7 +19,7 @@ from typing import Callable
 from mk.tasks.linear import X_GROUP, gemv_stream
 
 from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_wait_ops, linear_tiles_n,
-                   whole_range_stages, xmajor_decode_tile)
+                   reduce_width, whole_range_stages, xmajor_decode_tile)
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .simulate import SCHEDULES, simulate_step
@@ -351,6 +351,16 @@ def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: Device
     return times
 
 
+def _whole_heads(node: OpNode, host: OpNode, choice: OpChoice) -> bool:
+    """A RoPE that norms each head's q and k first (``qk_norm``) fuses only into tiles that
+    hold whole heads: tiles (and, split-K, reduce tiles) a multiple of ``head_dim`` wide
+    (:func:`mk.tasks.qkv_rope.check_qkv_rope_tile`). Every other fusion fits any tile."""
+    if node.kind != "rope_kv" or not node.dims.get("qk_norm"):
+        return True
+    d = node.dims["head_dim"]
+    return choice.block_n % d == 0 and (choice.split_k == 1 or reduce_width(host, choice) % d == 0)
+
+
 def _layer_key(node: OpNode):
     def strip(name: str) -> str:  # the op's role in its layer
         return name[len(node.scope):] if name.startswith(node.scope) else name
@@ -442,7 +452,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             # 1. Fuse this op into its host, already chosen (epilogue fusions), budget permitting.
             hc = _find(state.choices, host) if host is not None else None
             if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"
-                    and (node.kind != "argmax" or hc.split_k == 1)):
+                    and (node.kind != "argmax" or hc.split_k == 1) and _whole_heads(node, nodes[host], hc)):
                 old = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse)
                 new = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse + (node.name,))
                 choices = tuple((n, replace(c, fuse=c.fuse + (node.name,)) if n == host else c)
