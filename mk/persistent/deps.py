@@ -338,7 +338,8 @@ def group_events(num_tasks: int, deps: list[list[Interval]], seed: int = 0x6D6B)
 
 
 class RangeMax:
-    """Maximum of a growing list over index ranges, in O(sqrt n) per query (list schedules)."""
+    """Maximum of a growing list of nonnegative values over index ranges, in O(sqrt n) per
+    query (list schedules, :mod:`mk.planner.simulate`)."""
 
     BLOCK = 256
 
@@ -353,14 +354,10 @@ class RangeMax:
             self.blocks[b] = v
 
     def max(self, a: int, b: int) -> float:
-        best = 0.0
-        while a < b and a % self.BLOCK:
-            best = max(best, self.values[a])
-            a += 1
-        while a + self.BLOCK <= b:
-            best = max(best, self.blocks[a // self.BLOCK])
-            a += self.BLOCK
-        while a < b:
-            best = max(best, self.values[a])
-            a += 1
-        return best
+        """The most of values [a, b) (0 when empty): whole blocks from their maxima, the
+        ragged ends as slices."""
+        if b - a <= 2 * self.BLOCK:
+            return max(self.values[a:b], default=0.0)
+        first, last = -(-a // self.BLOCK), b // self.BLOCK
+        return max(max(self.values[a:first * self.BLOCK], default=0.0), max(self.blocks[first:last]),
+                   max(self.values[last * self.BLOCK:b], default=0.0))
