@@ -41,6 +41,7 @@ from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gum
                              scale_logits_ref)
 
 from mk.models.blocks import cache_keys, weight_key
+from mk.planner.lower import StepCache
 
 from .config import LlamaConfig
 from . import prefill as _prefill
@@ -142,6 +143,9 @@ class DecoderModel:
         self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self._device_spec = device_spec
         self._decoders: dict[tuple[int, str, int], _Decoder] = {}
+        #: Decode steps lowered before, by plan, batch and length (host memory only: a
+        #: decoder dropped from _decoders is bound to new tensors from here, not lowered again).
+        self._steps = StepCache()
         self.last_decoder: _Decoder | None = None  # the step the last stream() ran
         #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
         #: (plan_s, lower_s, compile_s; 0 when its step was built before).
@@ -343,8 +347,9 @@ class DecoderModel:
         if key not in self._decoders:
             # One step per batch and way of choosing the next token is kept: steps planned
             # for other lengths go (each holds its own activations and queues, and generation
-            # stays within weights + KV cache + 64 MiB); a length planned again rebuilds from
-            # the plan and kernel caches.
+            # stays within weights + KV cache + 64 MiB); a length planned again is bound to new
+            # tensors from the lowered steps (_steps), the plan and kernel caches: nothing is
+            # lowered again.
             for other in [k for k in self._decoders if k[:2] == key[:2]]:
                 del self._decoders[other]
             t0 = time.perf_counter()
@@ -355,10 +360,10 @@ class DecoderModel:
         return self._decoders[key]
 
     def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
-        """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh state."""
-        from mk.persistent.graph import lower
+        """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh
+        state. The lowered step (tasks, dependencies, queues, descriptors) comes from
+        :attr:`_steps` when this plan, batch and length were lowered before."""
         from mk.persistent.runtime import Megakernel
-        from mk.planner.lower import lower_decode_step, step_queues
 
         t0 = time.perf_counter()
         S = self.max_seq_len
@@ -371,16 +376,17 @@ class DecoderModel:
         for L in range(self.config.num_hidden_layers):
             kn, vn = cache_keys(L)
             bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
-        step = lower_decode_step(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token)
 
         def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
-            queues = step_queues(step, graph, self.device_spec, workers)
-            return Megakernel(lower(step.graph, num_workers=workers, queues=queues))
+            lowered = self._steps.get(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token,
+                                      device=self.device_spec, workers=workers)
+            step, program = lowered.bind(bufs, self.device)
+            return step, Megakernel(program)
 
-        kernel = compile_for(1 if self.device.type != "cuda" else plan.workers)
+        step, kernel = compile_for(1 if self.device.type != "cuda" else plan.workers)
         t1 = time.perf_counter()
         if self.device.type == "cuda" and kernel.residency().max_workers < plan.workers:  # (compiles)
-            kernel = compile_for(kernel.residency().max_workers)
+            step, kernel = compile_for(kernel.residency().max_workers)
             kernel.residency()
         t2 = time.perf_counter()
         return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1))

@@ -32,102 +32,143 @@ Interval = tuple[int, int]  # task indices [first, end)
 
 
 class _Run:
-    """Regions of one buffer touched by nondecreasing task indices, searchable by bisect.
+    """Boxes of one buffer touched by nondecreasing task indices, searchable by bisect.
 
-    kind ``same``: one region repeated. ``cols`` / ``rows``: disjoint boxes in increasing
-    order along that axis, all with the same extent across it.
+    kind ``same``: one box repeated. ``cols`` / ``rows``: disjoint boxes in increasing
+    order along that axis, all with the same extent across it. Boxes are ``(r0, r1, c0,
+    c1)`` tuples (the fields of a :class:`~mk.tasks.Region`).
     """
 
     __slots__ = ("kind", "first", "starts", "ends", "tasks", "consecutive")
 
-    def __init__(self, region: Region, task: int) -> None:
+    def __init__(self, box: tuple, task: int) -> None:
         self.kind = "one"
-        self.first = region
+        self.first = box
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.tasks = [task]
         self.consecutive = True
 
-    def _span(self, r: Region) -> tuple[int, int]:
-        return (r.c0, r.c1) if self.kind == "cols" else (r.r0, r.r1)
-
-    def extend(self, region: Region, task: int) -> bool:
-        """Append (region, task) if the run stays searchable; False if it does not."""
-        f = self.first
-        if self.kind == "one":
-            if region == f:
+    def extend(self, box: tuple, task: int) -> bool:
+        """Append (box, task) if the run stays searchable; False if it does not. Along a
+        run's axis a box may also repeat the last one (consecutive tiles that read the same
+        box: starts and ends stay sorted, so bisect still finds every box that intersects)."""
+        if task == self.tasks[-1]:
+            return False  # a task's own boxes go to runs across its neighbours' (see RegionIndex)
+        r0, r1, c0, c1 = box
+        f0, f1, g0, g1 = self.first
+        kind = self.kind
+        if kind == "one" or kind == "same":
+            if box == self.first:
                 self.kind = "same"
-            elif (region.r0, region.r1) == (f.r0, f.r1) and region.c0 >= f.c1:
-                self.kind = "cols"
-            elif (region.c0, region.c1) == (f.c0, f.c1) and region.r0 >= f.r1:
-                self.kind = "rows"
+            elif r0 == f0 and r1 == f1 and c0 >= g1:
+                n = len(self.tasks)
+                self.kind, self.starts, self.ends = "cols", [g0] * n + [c0], [g1] * n + [c1]
+            elif c0 == g0 and c1 == g1 and r0 >= f1:
+                n = len(self.tasks)
+                self.kind, self.starts, self.ends = "rows", [f0] * n + [r0], [f1] * n + [r1]
             else:
                 return False
-            if self.kind != "same":
-                s, e = self._span(f)
-                self.starts, self.ends = [s], [e]
-        elif self.kind == "same":
-            if region != f:
+        elif kind == "cols":
+            if r0 != f0 or r1 != f1 or (c0 < self.ends[-1] and (c0 != self.starts[-1] or c1 != self.ends[-1])):
                 return False
-        elif self.kind == "cols":
-            if (region.r0, region.r1) != (f.r0, f.r1) or region.c0 < self.ends[-1]:
+            self.starts.append(c0)
+            self.ends.append(c1)
+        else:
+            if c0 != g0 or c1 != g1 or (r0 < self.ends[-1] and (r0 != self.starts[-1] or r1 != self.ends[-1])):
                 return False
-        elif (region.c0, region.c1) != (f.c0, f.c1) or region.r0 < self.ends[-1]:
-            return False
-        if self.kind != "same":
-            s, e = self._span(region)
-            self.starts.append(s)
-            self.ends.append(e)
-        self.consecutive = self.consecutive and task == self.tasks[-1] + 1
-        self.tasks.append(task)
+            self.starts.append(r0)
+            self.ends.append(r1)
+        tasks = self.tasks
+        if self.consecutive and task != tasks[-1] + 1:
+            self.consecutive = False
+        tasks.append(task)
         return True
 
-    def query(self, region: Region) -> list[Interval]:
-        """Task intervals of the run's regions that intersect ``region``."""
-        f = self.first
-        if self.kind in ("one", "same"):
-            if not f.intersects(region):
+    def query(self, r0: int, r1: int, c0: int, c1: int) -> list[Interval]:
+        """Task intervals of the run's boxes that intersect the (non-empty) box."""
+        f0, f1, g0, g1 = self.first
+        kind = self.kind
+        if kind == "cols":
+            # Across the run's axis every box has the first's extent; along it, bisect.
+            if not (f0 < r1 and r0 < f1):
                 return []
-            lo, hi = 0, len(self.tasks)
-        else:
-            # Across the run's axis every box has f's extent; along it, bisect.
-            if self.kind == "cols":
-                if not (f.r0 < region.r1 and region.r0 < f.r1):
-                    return []
-                q0, q1 = region.c0, region.c1
-            else:
-                if not (f.c0 < region.c1 and region.c0 < f.c1):
-                    return []
-                q0, q1 = region.r0, region.r1
-            lo = bisect.bisect_right(self.ends, q0)  # first box ending after q0
-            hi = bisect.bisect_left(self.starts, q1)  # first box starting at or after q1
+            lo = bisect.bisect_right(self.ends, c0)  # first box ending after c0
+            hi = bisect.bisect_left(self.starts, c1)  # first box starting at or after c1
             if lo >= hi:
                 return []
+        elif kind == "rows":
+            if not (g0 < c1 and c0 < g1):
+                return []
+            lo = bisect.bisect_right(self.ends, r0)
+            hi = bisect.bisect_left(self.starts, r1)
+            if lo >= hi:
+                return []
+        else:
+            if not (f0 < r1 and r0 < f1 and g0 < c1 and c0 < g1):
+                return []
+            lo, hi = 0, len(self.tasks)
         if self.consecutive:
             return [(self.tasks[lo], self.tasks[hi - 1] + 1)]
         return merge_intervals([(t, t + 1) for t in self.tasks[lo:hi]])
 
 
+#: Runs of one shape a region may continue (the latest): a rotary tile writes two boxes of
+#: a cache row band (each head's halves), and its neighbour the next two.
+OPEN_RUNS = 4
+
+
 class RegionIndex:
-    """Per buffer, the regions touched so far (as runs) and by which tasks."""
+    """Per buffer, the regions touched so far (as runs) and by which tasks.
+
+    A region extends the run it continues, which need not be the buffer's latest: a
+    split-K partial writes its tile of the workspace and its column of x**2 sums, and its
+    neighbour the next tile and the next column, so the tiles make one run and the columns
+    another (every region a run of its own would make each query scan the whole op); and
+    a run takes one box a task, so that the boxes a reduce reads from every split join the
+    runs of its neighbours' boxes in those splits rather than make a run of their own.
+    Which run a region may continue is looked up by its shape (``_open``): the same box
+    again, the next box as wide in its row band, or as high in its column band (the
+    latest :data:`OPEN_RUNS` runs of each).
+    """
 
     def __init__(self) -> None:
         self._runs: dict[str, list[_Run]] = defaultdict(list)
+        self._open: dict[tuple, list[_Run]] = {}
 
     def add(self, region: Region, task: int) -> None:
-        if region.size == 0:
+        r0, r1, c0, c1 = box = (region.r0, region.r1, region.c0, region.c1)
+        if r1 <= r0 or c1 <= c0:
             return
-        runs = self._runs[region.buffer]
-        if not runs or not runs[-1].extend(region, task):
-            runs.append(_Run(region, task))
+        buffer = region.buffer
+        runs = self._runs[buffer]
+        if runs and runs[-1].extend(box, task):
+            return
+        # The same box, the next box of this width in its row band, of this height in its column band.
+        keys = ((buffer, 0, box), (buffer, 1, r0, r1, c1 - c0), (buffer, 2, c0, c1, r1 - r0))
+        opened = self._open
+        for key in keys:
+            for run in opened.get(key, ()):
+                if run.extend(box, task):
+                    return
+        run = _Run(box, task)
+        runs.append(run)
+        for key in keys:
+            candidates = opened.setdefault(key, [])
+            if len(candidates) == OPEN_RUNS:
+                del candidates[0]
+            candidates.append(run)
 
     def query(self, region: Region) -> list[Interval]:
         """Intervals of the tasks whose regions intersect ``region`` (unmerged)."""
-        if region.size == 0:
+        r0, r1, c0, c1 = region.r0, region.r1, region.c0, region.c1
+        if r1 <= r0 or c1 <= c0:
             return []
         out: list[Interval] = []
         for run in self._runs.get(region.buffer, ()):
-            out.extend(run.query(region))
+            found = run.query(r0, r1, c0, c1)
+            if found:
+                out.extend(found)
         return out
 
 
@@ -298,7 +339,8 @@ def group_events(num_tasks: int, deps: list[list[Interval]], seed: int = 0x6D6B)
 
 
 class RangeMax:
-    """Maximum of a growing list over index ranges, in O(sqrt n) per query (list schedules)."""
+    """Maximum of a growing list of nonnegative values over index ranges, in O(sqrt n) per
+    query (list schedules, :mod:`mk.planner.simulate`)."""
 
     BLOCK = 256
 
@@ -313,14 +355,10 @@ class RangeMax:
             self.blocks[b] = v
 
     def max(self, a: int, b: int) -> float:
-        best = 0.0
-        while a < b and a % self.BLOCK:
-            best = max(best, self.values[a])
-            a += 1
-        while a + self.BLOCK <= b:
-            best = max(best, self.blocks[a // self.BLOCK])
-            a += self.BLOCK
-        while a < b:
-            best = max(best, self.values[a])
-            a += 1
-        return best
+        """The most of values [a, b) (0 when empty): whole blocks from their maxima, the
+        ragged ends as slices."""
+        if b - a <= 2 * self.BLOCK:
+            return max(self.values[a:b], default=0.0)
+        first, last = -(-a // self.BLOCK), b // self.BLOCK
+        return max(max(self.values[a:first * self.BLOCK], default=0.0), max(self.blocks[first:last]),
+                   max(self.values[last * self.BLOCK:b], default=0.0))

@@ -59,6 +59,7 @@ class TaskGraph:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self.tasks: list[Task] = []
+        self._events: tuple | None = None  # events(), until a task is added
 
     def buffer(self, name: str, tensor: torch.Tensor) -> str:
         """Add (or replace) a named buffer; returns its name."""
@@ -100,6 +101,7 @@ class TaskGraph:
                 and op.team(prev.args) == op.team(args)):
             team_start = prev.team_start
         self.tasks.append(Task(index, op, bind, args, name or f"{op.name}#{index}", team_start))
+        self._events = None
         return index
 
     def dependencies(self) -> list[list[int]]:
@@ -127,7 +129,14 @@ class TaskGraph:
         """The graph's dependencies with implied ones dropped, and its events (producers with
         the same consumers share one). Deriving them is most of the time to lower a large
         graph (seconds for an 8B step), so they are kept on disk under the graph's
-        :meth:`structure_key`: a step built before loads them."""
+        :meth:`structure_key`: a step built before loads them; and kept on the graph, which
+        the queue simulation (:mod:`mk.planner.simulate`) and :func:`lower` both ask."""
+        if self._events is not None and len(self._events[0]) == len(self.tasks):
+            return self._events
+        self._events = self._derive_events()
+        return self._events
+
+    def _derive_events(self) -> tuple[list[list[tuple[int, int]]], Events]:
         path = cache_dir("deps") / f"{self.structure_key()}.pkl"
         try:
             with open(path, "rb") as f:

@@ -43,19 +43,20 @@ rounding q/k/v, the attention output and SiLU·mul's output still cost ~1%
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import torch
 
-from mk.persistent.graph import TaskGraph
+from mk.persistent.graph import Program, TaskGraph, lower
 from mk.tasks import make_op, op_tiles
 
 from .cost import reduce_width
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
 from .search import Plan
-from .simulate import simulate_step
+from .simulate import phase_task_costs, simulate, step_costs
 
 #: L2 prefetch ahead of a register GEMV tile's dependency wait, in weight columns (never under
 #: the interpreter): bench/test_persistent.py's 8192 chain runs best with 1024. Not for tiles
@@ -81,6 +82,9 @@ class DecodeStep:
     next_token: str
     logits: str = "logits"
     tasks_per_op: dict[str, int] = field(default_factory=dict)
+    #: (op, tasks) of each run of one op's tasks of one kind, in program order: the
+    #: dependency phases the cost model prices (:func:`mk.planner.simulate.phase_task_costs`).
+    phases: list[tuple[str, int]] = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"decode step: {len(self.graph.tasks)} tasks over {len(self.tasks_per_op)} ops, "
@@ -180,6 +184,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         for a in tiles:
             g.add(spec, **bind, **a)
         step.tasks_per_op[node_name] = step.tasks_per_op.get(node_name, 0) + len(tiles)
+        step.phases.append((node_name, len(tiles)))
 
     for node in graph.nodes:
         if node.name in fused_into and node.kind != "argmax":  # (a fused argmax leaves the token append)
@@ -264,15 +269,90 @@ def _layer_shared(shared: dict, name: str, scope: str, shape: tuple, dt: torch.d
     return shared[key]
 
 
+@dataclass
+class LoweredStep:
+    """A decode step lowered once, over ``meta`` tensors: its task graph (dependencies and
+    events derived), its queues and its :class:`~mk.persistent.graph.Program` (descriptors
+    name buffer slots, not addresses). :meth:`bind` gives the same step over real tensors,
+    lowering nothing again."""
+
+    step: DecodeStep
+    program: Program
+
+    def bind(self, buffers: Mapping[str, torch.Tensor], device) -> tuple[DecodeStep, Program]:
+        """The step and program over the caller's ``buffers`` (by name, the shapes and
+        dtypes it was lowered for) and fresh zeroed activations on ``device``, shared where
+        the lowering shared them (:func:`_layer_shared`)."""
+        meta = self.step.graph
+        g = TaskGraph()
+        fresh: dict[int, torch.Tensor] = {}  # id of a meta activation -> its tensor on the device
+        for name, t in meta.buffers.items():
+            if name in buffers:
+                real = buffers[name]
+                if tuple(real.shape) != tuple(t.shape) or real.dtype != t.dtype:
+                    raise ValueError(f"LoweredStep.bind: buffer {name} is {tuple(real.shape)} {real.dtype}, lowered "
+                                     f"for {tuple(t.shape)} {t.dtype}")
+            else:
+                real = fresh.get(id(t))
+                if real is None:
+                    real = fresh[id(t)] = torch.zeros(t.shape, dtype=t.dtype, device=device)
+            g.buffer(name, real)
+        g.tasks = meta.tasks
+        g._events = meta._events
+        return replace(self.step, graph=g), replace(self.program, graph=g)
+
+
+class StepCache:
+    """Lowered steps (:class:`LoweredStep`) by what decides them: the plan (its choices and
+    schedule), the batch, the planned length, the cache length, the next-token rule, the
+    workers and the buffers' shapes and dtypes; the ``size`` used last are kept. A step
+    asked for again (a request back at a length bucket or batch size seen before) is bound
+    to new tensors, not lowered again."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._steps: OrderedDict = OrderedDict()
+
+    def get(self, plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Tensor], *, eps: float,
+            next_token: str, device: DeviceSpec, workers: int) -> LoweredStep:
+        """The step of ``plan`` lowered over ``buffers``' shapes for ``workers`` workers
+        (queues as :func:`step_queues` deals them): from the cache, or lowered now."""
+        bound = {*weight_names(graph), *STATE_BUFFERS, *SAMPLING_BUFFERS}
+        need = [n for n in buffers if n in bound]
+        shapes = tuple(sorted((n, tuple(buffers[n].shape), str(buffers[n].dtype)) for n in need))
+        key = (plan.to_json(), graph.to_json(), shapes, eps, next_token, workers,
+               device.to_json())
+        hit = self._steps.get(key)
+        if hit is not None:
+            self._steps.move_to_end(key)
+            return hit
+        meta = {n: torch.empty(buffers[n].shape, dtype=buffers[n].dtype, device="meta") for n in need}
+        step = lower_decode_step(plan, graph, meta, eps=eps, next_token=next_token)
+        program = lower(step.graph, num_workers=workers, queues=step_queues(step, graph, device, workers))
+        self._steps[key] = lowered = LoweredStep(step, program)
+        while len(self._steps) > self.size:
+            self._steps.popitem(last=False)
+        return lowered
+
+
 def step_queues(step: DecodeStep, graph: OpGraph, device: DeviceSpec, workers: int) -> list[list[int]]:
-    """The workers' queues of the lowered ``step`` under its plan's schedule: the ones the
-    planner simulated (:mod:`mk.planner.simulate`), for :func:`mk.persistent.graph.lower`'s
-    ``queues``."""
-    sim = simulate_step(graph, step.plan.choices, device, workers, step.plan.schedule, step.next_token)
-    if len(sim.worker_of) != len(step.graph.tasks):
-        raise RuntimeError(f"step_queues: the simulation has {len(sim.worker_of)} tasks, the lowered step "
-                           f"{len(step.graph.tasks)}: the two disagree on an op's tasks")
-    return sim.queues()
+    """The workers' queues of the lowered ``step`` under its plan's schedule, for
+    :func:`mk.persistent.graph.lower`'s ``queues``: its tasks, with the cost model's time of
+    each, simulated over the task graph's own dependencies (:mod:`mk.planner.simulate`)."""
+    phases = step_costs(graph, step.plan.choices, device, workers, step.next_token)
+    phase_task_costs(phases, step.phases)
+    deps, _ = step.graph.events()
+    return simulate(phases, deps, workers, step.plan.schedule).queues()
+
+
+def lowered_phases(graph: OpGraph, choices: Mapping, next_token: str = "argmax"
+                   ) -> tuple[list[tuple[str, int]], list[list[tuple[int, int]]]]:
+    """The phases (:attr:`DecodeStep.phases`) and dependencies (implied ones dropped,
+    :meth:`mk.persistent.graph.TaskGraph.events`) of the step of ``graph`` under ``choices``
+    (op name -> OpChoice), lowered on ``meta`` buffers: what the planner simulates a plan on."""
+    plan = Plan(graph.name, graph.batch, graph.kv_len, "meta", 0, dict(choices), 0.0, 0)
+    step = lower_decode_step(plan, graph, meta_buffers(graph, graph.kv_len), eps=1e-5, next_token=next_token)
+    return step.phases, step.graph.events()[0]
 
 
 def _streaming(choice, M: int, K: int) -> dict:

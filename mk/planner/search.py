@@ -22,7 +22,7 @@ from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_w
                    reduce_width, whole_range_stages, xmajor_decode_tile)
 from .device import DeviceSpec
 from .graph import OpGraph, OpNode
-from .simulate import SCHEDULES, simulate_step
+from .simulate import SCHEDULES, simulate_schedules
 
 #: (kind of the fused op, kind of its host): what the task bodies can do in one tile. RoPE
 #: + KV append fuses into a QKV linear's tiles, or its split-K reduce (:mod:`mk.tasks.qkv_rope`);
@@ -292,15 +292,12 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
         if key in seen:
             continue
         seen.add(key)
-        # Zig-zag deals each layer from a different place in its pass over the workers, so
-        # one layer does not stand for the others (8B batch 8: 6.5 ms from the template,
-        # 9.0 simulated whole): it is simulated over the whole step.
-        times = _schedule_times(planned, choices, device, n_workers,
-                                graph.layers - 1 if template is not None else 0,
-                                [s for s in SCHEDULES if template is None or s != "zigzag"])
+        # The finalists are simulated as lowered, over the whole step (one layer does not
+        # stand for the others: zig-zag deals each from a different place in its pass over
+        # the workers; 8B batch 8: 6.5 ms from one layer, 9.0 simulated whole).
         if template is not None:
             choices = _expand(choices, graph)
-            times["zigzag"] = simulate_step(graph, choices, device, n_workers, "zigzag").seconds
+        times = {s: sim.seconds for s, sim in simulate_schedules(graph, choices, device, n_workers).items()}
         best = SCHEDULES[0]  # ties go to the first schedule
         for sched in SCHEDULES[1:]:
             if times[sched] < times[best] * (1 - 1e-9):
@@ -329,26 +326,6 @@ def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, bea
                        beam_width, top_k, progress, xmajor)
     except ValueError:
         return _search(graph, device, device.sm_count, device.smem_per_block, beam_width, top_k, progress, xmajor)
-
-
-def _schedule_times(graph: OpGraph, choices: dict[str, OpChoice], device: DeviceSpec, workers: int,
-                    more_layers: int, schedules=SCHEDULES) -> dict[str, float]:
-    """The simulated step under each of ``schedules`` (:mod:`mk.planner.simulate`).
-
-    ``more_layers`` > 0: ``graph`` is a one-layer template of a model with that many more
-    layers, each of which takes the template layer's simulated time (layers meet at a
-    barrier: the next layer's first op reads the whole residual row).
-    """
-    times = {}
-    layer_of = {n.name: n.layer for n in graph.nodes}
-    for sched in schedules:
-        sim = simulate_step(graph, choices, device, workers, sched)
-        times[sched] = sim.seconds
-        if more_layers:
-            in_layer = [i for i, op in enumerate(sim.phase_ops) if layer_of[op] == 0]
-            before = sim.phase_end[in_layer[0] - 1] if in_layer[0] else 0.0
-            times[sched] += more_layers * (sim.phase_end[in_layer[-1]] - before)
-    return times
 
 
 def _whole_heads(node: OpNode, host: OpNode, choice: OpChoice) -> bool:

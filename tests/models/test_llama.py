@@ -477,3 +477,44 @@ def test_batch_one_decodes_as_the_reference_when_rows_are_shorter_than_a_box(hid
     prompt = [1, 17, 42, 311, 7, 99]
     got = model.generate([prompt], max_new_tokens=6)[0][len(prompt):]
     assert got == greedy_generate(ref, [prompt], 6)[0]
+
+
+def test_a_step_lowered_before_is_bound_again_not_lowered(monkeypatch, tmp_path):
+    """A request back at a length bucket or batch size seen before lowers nothing: the
+    lowered step (tasks, dependencies, queues, descriptors) is kept by plan, batch and
+    length, and only bound to new activations and state; it decodes as the first did."""
+    import mk.planner.lower as lowering
+    from mk.persistent import deps
+
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))  # (no dependencies from the disk cache)
+    calls = {"lower_decode_step": 0, "dependency_intervals": 0, "lower": 0, "step_queues": 0}
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in ((lowering, "lower_decode_step"), (deps, "dependency_intervals"), (lowering, "lower"),
+                         (lowering, "step_queues")):
+        counting(module, name)
+    import mk.persistent.graph as taskgraph
+
+    monkeypatch.setattr(taskgraph, "dependency_intervals", deps.dependency_intervals)
+    model = Llama.from_config(CONFIG, seed=3, max_batch_size=2, max_seq_len=300, dtype=torch.float32)
+    model._decoder(1, "argmax", 64)
+    first = dict(calls)
+    assert all(first.values()), first
+    model._decoder(1, "argmax", 300)  # another length bucket: lowered, and replaces the first decoder
+    model._decoder(2, "argmax", 64)  # another batch size
+    built = dict(calls)
+    out = model.generate([[3, 4, 5]], max_new_tokens=3)  # plans for 64 again
+    again = model.generate([[3, 4, 5]], max_new_tokens=3)
+    assert calls == built, "a step lowered before was lowered again"
+    assert sorted(model._decoders) == [(1, "argmax", 64), (2, "argmax", 64)]
+    assert out == again
+    fresh = Llama.from_config(CONFIG, seed=3, max_batch_size=2, max_seq_len=300, dtype=torch.float32)
+    assert fresh.generate([[3, 4, 5]], max_new_tokens=3) == out

@@ -1,11 +1,12 @@
-"""The simulated schedule: checked against a run over the lowered step's exact dependencies.
+"""The simulated schedule: checked against a plain run over the lowered step's dependencies.
 
-The simulation knows each op's phases and which producer group a task waits for; the
-reference below knows nothing of phases: it takes the task graph the lowering builds
-(dependencies derived from the regions each task reads and writes) and runs the same
-queues task by task. The two must agree on the step's end and every phase's end, for
-random model shapes, batches, tilings (split-K, KV splits, an unfused norm or RoPE) and worker
-counts. The search must then pick the schedule whose simulated step is shortest.
+The simulation runs the lowered tasks (the dependencies their regions give) with the cost
+model's time of each phase, dealing them to queues as it goes; the reference below takes
+the dealt queues and runs them task by task, expanding every dependency interval. The two
+must agree on the step's end and every phase's end, for random model shapes, batches,
+tilings (split-K, KV splits, an unfused norm or RoPE) and worker counts; the cost model and
+the lowering must agree on every phase's tasks. The search must then pick the schedule
+whose simulated step is shortest.
 """
 
 import random
@@ -21,7 +22,8 @@ from mk.planner.device import DeviceSpec
 from mk.models.blocks import ModelShape, decode_graph
 from mk.planner.lower import lower_decode_step, meta_buffers, step_queues
 from mk.planner.search import Plan, search
-from mk.planner.simulate import simulate, simulate_step, step_phases
+from mk.planner.cost import PhaseCost
+from mk.planner.simulate import phase_task_costs, simulate, simulate_step, step_costs
 
 
 def run_exact(step_graph, queues, cost, wait_s, early=None):
@@ -85,18 +87,20 @@ def test_simulation_matches_a_run_over_the_exact_dependencies(case):
     next_token = rng.choice(["argmax", "sample", "logits"])
     step = lower_decode_step(plan, graph, meta_buffers(graph, max_seq), eps=1e-5, next_token=next_token)
     workers = rng.choice([1, 3, 7, 40])
-    phases = step_phases(graph, plan.choices, spec, workers, next_token)
-    cost = [p.cost.task_s for p in phases for _ in range(p.cost.tasks)]
-    early = [p.cost.early_s for p in phases for _ in range(p.cost.tasks)]
+    phases = step_costs(graph, plan.choices, spec, workers, next_token)
+    tasks = phase_task_costs(phases, step.phases)
+    cost = [p.task_s for p in tasks]
+    early = [p.early_s for p in tasks]
     assert len(cost) == len(step.graph.tasks)
+    deps = step.graph.events()[0]
     for schedule in SCHEDULES:
-        sim = simulate(phases, workers, schedule)
+        sim = simulate(phases, deps, workers, schedule)
         finish = run_exact(step.graph, sim.queues(), cost, spec.wait_overhead_s, early)
         assert sim.seconds == pytest.approx(max(finish), rel=1e-12), (schedule, workers)
         ends, i = [], 0
-        for p in phases:
-            ends.append(max(finish[i:i + p.cost.tasks]))
-            i += p.cost.tasks
+        for _, p in phases:
+            ends.append(max(finish[i:i + p.tasks]))
+            i += p.tasks
         assert sim.phase_end == pytest.approx(ends, rel=1e-12), (schedule, workers)
         if schedule != "list":  # the same queues as the runtime's own dealing
             deps = drop_implied(step.graph.dependency_intervals())
@@ -114,11 +118,10 @@ def test_the_search_picks_the_shortest_simulated_schedule():
         for plan in search(graph, spec, top_k=2):
             assert set(plan.schedule_s) == set(SCHEDULES)
             assert plan.predicted_s == plan.schedule_s[plan.schedule] == min(plan.schedule_s.values())
-            # The search simulates one layer and adds the others; the whole step agrees
-            # (zig-zag's offsets differ from layer to layer, so it is only close).
+            # The search simulates its finalists as lowered, the whole step.
             for schedule in SCHEDULES:
                 full = simulate_step(graph, plan.choices, spec, plan.workers, schedule).seconds
-                assert plan.schedule_s[schedule] == pytest.approx(full, rel=1e-9 if schedule != "zigzag" else 0.1)
+                assert plan.schedule_s[schedule] == pytest.approx(full, rel=1e-12)
             assert "queues: " + plan.schedule in plan.explain()
             again = Plan.from_json(plan.to_json())
             assert (again.schedule, again.schedule_s) == (plan.schedule, plan.schedule_s)
@@ -127,22 +130,27 @@ def test_the_search_picks_the_shortest_simulated_schedule():
 def test_zigzag_doubles_up_workers_where_a_phase_turns_a_lap():
     # Two phases of 6 tasks on 8 workers: round-robin deals the second to workers 6, 7, 0..3,
     # all idle; zig-zag's second lap turns back over 7 and 6, which already have one task.
-    from mk.planner.cost import PhaseCost
-    from mk.planner.simulate import SimPhase
-
-    phases = [SimPhase("a", PhaseCost(6, 1.0, 0.0)), SimPhase("b", PhaseCost(6, 1.0, 0.0))]
-    rr, zz = simulate(phases, 8, "round_robin"), simulate(phases, 8, "zigzag")
+    phases = [("a", PhaseCost(6, 1.0, 0.0)), ("b", PhaseCost(6, 1.0, 0.0))]
+    deps = [[]] * 6 + [[(0, 6)]] * 6  # b reads all of a
+    rr, zz = simulate(phases, deps, 8, "round_robin"), simulate(phases, deps, 8, "zigzag")
     assert rr.worker_of[6:] == [6, 7, 0, 1, 2, 3] and rr.seconds == 2.0
     assert zz.worker_of[6:] == [6, 7, 7, 6, 5, 4] and zz.seconds == 3.0
-    assert simulate(phases, 8, "list").seconds == 2.0
+    assert simulate(phases, deps, 8, "list").seconds == 2.0
+    # A task of b that reads only its own producer starts as soon as that one ends.
+    own = [[]] * 6 + [[(j, j + 1)] for j in range(6)]
+    assert simulate([("a", PhaseCost(6, 1.0, 0.0)), ("b", PhaseCost(6, 1.0, 0.5))], own, 4,
+                    "round_robin").phase_end == [2.0, 3.5]
 
 
 def test_bad_queues_and_schedules_are_refused():
-    phases = step_phases(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
-                         search(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 64),
-                                DeviceSpec.preset("h200"), top_k=1)[0].choices, DeviceSpec.preset("h200"), 8)
+    phases = [("a", PhaseCost(2, 1.0, 0.0))]
     with pytest.raises(ValueError, match="schedule must be one of"):
-        simulate(phases, 8, "random")
+        simulate(phases, [[], []], 8, "random")
+    with pytest.raises(ValueError, match="1 tasks' dependencies for phases of 2 tasks"):
+        simulate(phases, [[]], 8, "list")
+    # The cost model and the lowering must agree on every phase's tasks.
+    with pytest.raises(RuntimeError, match="phase 1 is b with 3 tasks, the lowered step's lm_head with 4"):
+        phase_task_costs(phases + [("b", PhaseCost(3, 1.0, 0.0))], [("qkv", 2), ("lm_head", 4)])
     from mk.persistent.graph import check_queues
 
     with pytest.raises(ValueError, match="not in program order"):
@@ -163,14 +171,12 @@ def test_a_task_does_its_early_part_while_it_waits():
     # ring's prologue) need no inputs, one wait of 1 s after a. Worker 1, idle since 0, is
     # done 0.5 s after its inputs arrive (at 6); worker 0 reaches its b task only at 5, so
     # only the wait's second overlaps: done at 7. Without the early part both end at 8.
-    from mk.planner.cost import PhaseCost
-    from mk.planner.simulate import SimPhase
-
-    phases = [SimPhase("a", PhaseCost(1, 5.0, 0.0)), SimPhase("b", PhaseCost(2, 2.0, 1.0, early_s=1.5))]
-    sim = simulate(phases, 2, "round_robin")
+    phases = [("a", PhaseCost(1, 5.0, 0.0)), ("b", PhaseCost(2, 2.0, 1.0, early_s=1.5))]
+    deps = [[], [(0, 1)], [(0, 1)]]
+    sim = simulate(phases, deps, 2, "round_robin")
     assert sim.worker_of == [0, 1, 0] or sim.worker_of == [0, 1, 1]
     assert sim.seconds == pytest.approx(7.0) and sim.phase_end == pytest.approx([5.0, 7.0])
-    plain = [phases[0], SimPhase("b", PhaseCost(2, 2.0, 1.0))]
-    assert simulate(plain, 2, "round_robin").seconds == pytest.approx(8.0)
+    plain = [phases[0], ("b", PhaseCost(2, 2.0, 1.0))]
+    assert simulate(plain, deps, 2, "round_robin").seconds == pytest.approx(8.0)
     # The phase alone: one wait, of which the early part takes what it can, then a task.
-    assert phases[1].cost.seconds(2) == pytest.approx(1.0 + 2.0 - 1.0)
+    assert phases[1][1].seconds(2) == pytest.approx(1.0 + 2.0 - 1.0)
