@@ -2,6 +2,7 @@
 
     h   = rmsnorm(x) = x / sqrt(mean(x**2) + eps) * norm_weight   (with norm_weight, else h = x)
     acc = h @ W.T                                                  (W is [N, K], Hugging Face layout)
+    acc = acc + bias                                               (with a bias, [N]: Qwen2's QKV)
     y   = acc + residual                                           (with a residual)
     y   = silu(acc[:, 0::2]) * acc[:, 1::2]                        (with silu_mul; see interleave_gate_up)
 
@@ -443,12 +444,17 @@ def _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm,
 def _linear_epilogue(
     acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    res=None,
+    res=None, bias_ptr=None,
 ):
     """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows); returns
     the tile as stored (out's dtype). ``res``: the tile's residual, when the caller loaded it
-    already (:func:`_load_residual`)."""
+    already (:func:`_load_residual`). ``bias_ptr``: ``[N]``, one value a weight row, added to
+    the product first: the bias belongs to the projection, so it comes before the residual
+    add and inside SiLU·mul (interleaved with the gate / up rows)."""
     offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if bias_ptr is not None:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         # Interleaved rows (2i = gate_i, 2i+1 = up_i): adjacent accumulator columns pair up,
         # so the split stays inside the tile whatever BLOCK_N (even) is.
@@ -475,7 +481,7 @@ def linear_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
     w_first=None, TMA_STAGES: tl.constexpr = 0,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
-    argmax_best=None,
+    argmax_best=None, bias_ptr=None,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -492,6 +498,7 @@ def linear_tile(
     dependency wait, made inside the weight stream (tl.dot TMA tiles: :func:`_linear_acc`);
     the wait's new state is returned. ``argmax_best``: an LM head's tile also folds each
     row's max over its columns into best[row] (:func:`mk.tasks.argmax.argmax_tile_into`).
+    ``bias_ptr``: ``[N]`` added to the product (a whole-K tile only: a K split's reduce adds it).
     """
     WAITS: tl.constexpr = WAIT is not None
     res = None
@@ -510,7 +517,8 @@ def linear_tile(
                           DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
                           TMA_STAGES=TMA_STAGES)
     y = _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                         HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+                         HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res,
+                         bias_ptr=bias_ptr)
     if argmax_best is not None:
         argmax_tile_into(y.to(tl.float32), pid_m, pid_n, M, N, argmax_best)
     if WAITS:
@@ -758,11 +766,22 @@ def _load_x_ahead(x_rows, k_lo, k_hi, n_k, j, n_chunks, BLOCK_K: tl.constexpr):
 
 @jit
 def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
-    """:func:`linear_run`'s epilogue for a linear: residual add or SiLU·mul, then the store.
-    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
-    res_ptr, out_ptr, M, N, stride_rm, stride_om = args
-    _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+    """:func:`linear_run`'s epilogue for a linear: bias, residual add or SiLU·mul, then the
+    store. ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om), optionally followed by
+    bias_ptr (``[N]``, or None); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
+    res_ptr = args[0]
+    out_ptr = args[1]
+    M = args[2]
+    N = args[3]
+    stride_rm = args[4]
+    stride_om = args[5]
+    if len(args) > 6:  # with a bias (Qwen2's QKV)
+        _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+                         HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1],
+                         bias_ptr=args[6])
+    else:
+        _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
+                         HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
 
 
 @jit
@@ -940,7 +959,7 @@ def linear_splitk_reduce_tile(
     pid_m, pid_n, M, N, split_k: tl.constexpr,
     stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    K=0, eps=0.0, NORM_SQ: tl.constexpr = False, PART_BLOCK_N: tl.constexpr = 0,
+    K=0, eps=0.0, NORM_SQ: tl.constexpr = False, PART_BLOCK_N: tl.constexpr = 0, bias_ptr=None,
 ):
     """Sum the split_k partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
@@ -948,7 +967,8 @@ def linear_splitk_reduce_tile(
     ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs. NORM_SQ:
     the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scale by it here.
     PART_BLOCK_N: the partials' tile width where this tile is narrower (one of several
-    reduce tiles of a partial tile: :func:`linear_splitk_sum`).
+    reduce tiles of a partial tile: :func:`linear_splitk_sum`). ``bias_ptr``: ``[N]`` added to
+    the sum (the partials leave it out).
     """
     res = None
     if HAS_RESIDUAL:
@@ -961,7 +981,8 @@ def linear_splitk_reduce_tile(
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ,
                             PART_BLOCK_N=PART_BLOCK_N)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res,
+                     bias_ptr=bias_ptr)
 
 
 @jit
@@ -1011,7 +1032,7 @@ def linear_tma_kernel(
 
 @jit
 def linear_kernel(
-    x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr,
+    x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, bias_ptr,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -1024,7 +1045,7 @@ def linear_kernel(
     linear_tile(x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps,
                 HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, bias_ptr=bias_ptr)
 
 
 @jit
@@ -1048,7 +1069,7 @@ def linear_partial_kernel(
 
 @jit
 def linear_splitk_reduce_kernel(
-    ws_ptr, res_ptr, out_ptr,
+    ws_ptr, res_ptr, out_ptr, bias_ptr,
     M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
@@ -1058,7 +1079,8 @@ def linear_splitk_reduce_kernel(
     _pdl_enter(PDL)
     linear_splitk_reduce_tile(ws_ptr, res_ptr, out_ptr, pid // num_pid_n, pid % num_pid_n, M, N, split_k,
                               stride_ws_split, stride_ws_m, stride_rm, stride_om,
-                              HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                              HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                              bias_ptr=bias_ptr)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1236,10 +1258,10 @@ def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int
 
 
 def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool = False, norm: bool = False,
-                silu_mul: bool = False, split_k: int = 1) -> TaskCost:
+                silu_mul: bool = False, split_k: int = 1, bias: bool = False) -> TaskCost:
     """Device-memory bytes and flops of one linear (N = weight rows, interleaved with silu_mul).
 
-    Counts W, x, the norm weight and residual once each (per-tile re-reads of x hit L2),
+    Counts W, x, the norm weight, the bias and residual once each (per-tile re-reads of x hit L2),
     the output, and with split_k > 1 the float32 workspace written and read back.
     Flops: 2*M*N*K for the product, plus the prologue/epilogue's elementwise work.
     """
@@ -1253,6 +1275,9 @@ def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool 
     if residual:
         read += M * n_out * dtype_bytes
         flops += M * n_out
+    if bias:
+        read += N * dtype_bytes
+        flops += M * N
     if silu_mul:
         flops += 5 * M * n_out
     if split_k > 1:
@@ -1325,8 +1350,9 @@ def linear(
     split_k: int = 1,
     config: LinearConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y = x @ weight.T``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
+    """``y = x @ weight.T (+ bias)``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
 
     Args:
         x: ``[..., K]``; rows may be strided, the last dim must be contiguous. Same dtype
@@ -1342,6 +1368,9 @@ def linear(
             is used, and split_k must be 1 or equal to it.
         config: tile sizes; :func:`linear_config` picks them when None.
         out_dtype: dtype of the result; x's dtype when None.
+        bias: optional ``[N]``, one value a weight row (Qwen2's q/k/v biases, in the rows'
+            order and permutation), added to the float32 product before the residual add or
+            SiLU·mul.
 
     Prefill rows (more than SKINNY_MAX_M) with 16-bit x, weight and result, no RMSNorm,
     residual or split-K and no config given run :func:`linear_tma_kernel` on a GPU with TMA
@@ -1382,6 +1411,9 @@ def linear(
     if norm_weight is not None:
         check_tensor("norm_weight", norm_weight, shape=(K,))
         check_same_device(x=x, norm_weight=norm_weight)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(N,))
+        check_same_device(x=x, bias=bias)
     if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
         raise ValueError(f"norm_eps must be a non-negative number, got {norm_eps!r}")
     check_positive_int("split_k", split_k)
@@ -1398,7 +1430,8 @@ def linear(
     out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return out.reshape(*x.shape[:-1], n_out)
-    if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k, silu_mul):
+    if pinned is None and bias is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k,
+                                                          silu_mul):
         tma = TMA_GEMM
         enable_device_descriptors()
         sms = sm_count(x)
@@ -1424,7 +1457,8 @@ def linear(
     prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk)
     if config.split_k == 1:
         linear_kernel[(tiles,)](
-            x2, weight, norm_w, res2, out, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),
+            x2, weight, norm_w, res2, out, bias, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0),
+            out.stride(0),
             float(norm_eps), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
             SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **prefetch, **launch)
     else:
@@ -1435,7 +1469,7 @@ def linear(
             HAS_NORM=norm_weight is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
             **prefetch, **launch)
         linear_splitk_reduce_kernel[(tiles,)](
-            ws, res2, out, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
+            ws, res2, out, bias, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, PDL=pdl,
             num_warps=config.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)
@@ -1499,6 +1533,7 @@ def linear_ref(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     silu_mul: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch float32 reference of :func:`linear` (same arguments, float32 result).
 
@@ -1509,8 +1544,9 @@ def linear_ref(
     if norm_weight is not None:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
     w = weight.float()
+    b = torch.zeros(w.shape[0], device=w.device) if bias is None else bias.float()
     if silu_mul:
-        gate, up = h @ w[0::2].T, h @ w[1::2].T
+        gate, up = h @ w[0::2].T + b[0::2], h @ w[1::2].T + b[1::2]
         return torch.nn.functional.silu(gate) * up
-    y = h @ w.T
+    y = h @ w.T + b
     return y if residual is None else y + residual.float()
