@@ -3,9 +3,11 @@ Hugging Face weights (the fused op gets them with q and k rows interleaved)."""
 
 import pytest
 import torch
+import triton.language as tl
 
-from mk.tasks.linear import LinearConfig
-from mk.tasks.qkv_rope import qkv_rope_kv, qkv_rope_kv_ref
+from mk import jit
+from mk.tasks.linear import LinearConfig, linear_run
+from mk.tasks.qkv_rope import qkv_rope_kv, qkv_rope_kv_ref, qkv_rope_kv_run_epilogue
 from mk.tasks.rope import interleave_rotary, rope_inv_freq, rope_kv_ref
 from tests.conftest import HAS_CUDA, assert_close
 
@@ -180,3 +182,33 @@ def test_qk_norm_needs_whole_heads_a_tile(device):
     assert all(not c.any() for c in caches)
     check_qkv_rope_tile(8, 16)  # without the norm, any even width serves
     check_qkv_rope_tile(32, 16, qk_norm=True)
+
+
+@jit
+def _qkv_run_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bias_ptr, qn_ptr, kn_ptr,
+                    N, K, max_seq, HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr):
+    # A run of TILES QKV tiles through linear_run, the family options in the epilogue's args.
+    linear_run(x_ptr, w_ptr, w_ptr, 0, tl.program_id(0) * TILES, TILES, 1, N, K, 0, K, K, K, 0.0,
+               qkv_rope_kv_run_epilogue,
+               (pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 1, max_seq, None,
+                bias_ptr, qn_ptr, kn_ptr, 1e-6),
+               (HQ, HKV, HEAD_DIM, False), HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+def test_run_epilogue_takes_bias_and_qk_norm(device):
+    hq, hkv, d, K, max_seq = 2, 1, 16, 48, 5
+    hf, packed, x, _, positions, inv_freq = _problem(1, hq, hkv, d, K, max_seq, device)
+    biases = [torch.randn(h * d, device=device) for h in (hq, hkv, hkv)]
+    norms = (torch.rand(d, device=device) + 0.5, torch.randn(d, device=device))
+    caches = [torch.zeros(1, hkv, max_seq, d, device=device) for _ in range(2)]
+    want_q, want_k, want_v = _family_reference(hf, biases, norms, x, positions, inv_freq, *caches, hq)
+    bias = torch.cat([interleave_rotary(biases[0], d), interleave_rotary(biases[1], d), biases[2]])
+    q = torch.empty(1, hq * d, device=device)
+    N = (hq + 2 * hkv) * d
+    _qkv_run_kernel[(N // (2 * d),)](x, packed, positions, inv_freq, q, *caches, bias,
+                                    interleave_rotary(norms[0], d), interleave_rotary(norms[1], d), N, K, max_seq,
+                                    HQ=hq, HKV=hkv, HEAD_DIM=d, BLOCK_N=d, BLOCK_K=16, TILES=2)
+    assert_close(q, want_q.reshape(1, -1), torch.float32, "q")
+    assert_close(caches[0], want_k, torch.float32, "k_cache")
+    assert_close(caches[1], want_v, torch.float32, "v_cache")
