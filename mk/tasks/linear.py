@@ -769,19 +769,12 @@ def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`linear_run`'s epilogue for a linear: bias, residual add or SiLU·mul, then the
     store. ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om), optionally followed by
     bias_ptr (``[N]``, or None); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
-    res_ptr = args[0]
-    out_ptr = args[1]
-    M = args[2]
-    N = args[3]
-    stride_rm = args[4]
-    stride_om = args[5]
-    if len(args) > 6:  # with a bias (Qwen2's QKV)
-        _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                         HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1],
-                         bias_ptr=args[6])
-    else:
-        _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                         HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+    bias_ptr = None
+    if len(args) > 6:  # with a bias (Qwen2's QKV); a plain spec passes the first six only
+        bias_ptr = args[6]
+    _linear_epilogue(acc, args[0], args[1], pid_m, pid_n, args[2], args[3], args[4], args[5],
+                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1],
+                     bias_ptr=bias_ptr)
 
 
 @jit

@@ -227,24 +227,19 @@ def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     followed by (bias_ptr, q_norm_w_ptr, k_norm_w_ptr, qk_eps), each pointer None when off
     (Qwen2's bias, Qwen3's q / k norm: :func:`qkv_rope_kv_epilogue`); FLAGS: (HQ, HKV,
     HEAD_DIM, WRITE_SEQLENS)."""
-    pos_ptr = args[0]
-    inv_freq_ptr = args[1]
-    q_ptr = args[2]
-    k_cache_ptr = args[3]
-    v_cache_ptr = args[4]
-    seqlens_ptr = args[5]
-    M = args[6]
-    max_seq = args[7]
-    pre = args[8]
+    bias_ptr = None
+    q_norm_w_ptr = None
+    k_norm_w_ptr = None
+    qk_eps = 0.0
     if len(args) > 9:  # the families' options (a Llama's spec passes the first nine only)
-        qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
-                             pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
-                             WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], pre=pre,
-                             bias_ptr=args[9], q_norm_w_ptr=args[10], k_norm_w_ptr=args[11], qk_eps=args[12])
-    else:
-        qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
-                             pid_m, pid_n, M, max_seq, HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2],
-                             WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1], pre=pre)
+        bias_ptr = args[9]
+        q_norm_w_ptr = args[10]
+        k_norm_w_ptr = args[11]
+        qk_eps = args[12]
+    qkv_rope_kv_epilogue(acc, args[0], args[1], args[2], args[3], args[4], args[5], pid_m, pid_n, args[6], args[7],
+                         HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2], WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0],
+                         BLOCK_N=acc.shape[1], pre=args[8], bias_ptr=bias_ptr, q_norm_w_ptr=q_norm_w_ptr,
+                         k_norm_w_ptr=k_norm_w_ptr, qk_eps=qk_eps)
 
 
 @jit
