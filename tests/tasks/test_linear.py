@@ -549,4 +549,5 @@ def test_linear_bias_cost_and_checks(device):
     assert linear_cost(4, 96, 64, bias=False) == linear_cost(4, 96, 64)
     assert linear_cost(4, 96, 64, bias=True).bytes_read == linear_cost(4, 96, 64).bytes_read + 96 * 2
     with pytest.raises(ValueError, match="bias"):
-        linear(torch.randn(2, 8, device=device), torch.randn(6, 8, device=device), bias=torch.randn(5, device=device))
+        x, w = torch.randn(2, 8, device=device), torch.randn(6, 8, device=device)
+        linear(x, w, bias=torch.randn(5, device=device))

@@ -258,8 +258,10 @@ def test_prefill_attention_window_continues_a_cache_chunk_with_lengths(window, d
     lens = torch.tensor([80, 52], dtype=torch.int32, device=device)
     q_start, tq = 30, 37
     visible = _hf_sliding_mask(torch.arange(q_start, q_start + tq), 80, window)
-    ref = _masked_attention(q[:, q_start:q_start + tq], k, v, visible[None, None] & (torch.arange(80) < lens.cpu()[:, None, None, None]))
-    ref = torch.where((torch.arange(q_start, q_start + tq, device=device)[None, :] < lens[:, None])[:, :, None, None], ref, 0.0)
+    key_valid = torch.arange(80) < lens.cpu()[:, None, None, None]                     # [B, 1, 1, T]
+    ref = _masked_attention(q[:, q_start:q_start + tq], k, v, visible[None, None] & key_valid)
+    query_valid = torch.arange(q_start, q_start + tq, device=device)[None, :] < lens[:, None]  # [B, Tq]
+    ref = torch.where(query_valid[:, :, None, None], ref, 0.0)  # tokens past a row's length come out 0
     out = prefill_attention(q[:, q_start:q_start + tq], k, v, lens, window=window, q_start=q_start,
                             config=PrefillAttentionConfig(32, 16, 16, num_stages=1))
     assert_close(out, ref, torch.float32)
