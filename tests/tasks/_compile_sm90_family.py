@@ -50,9 +50,9 @@ comp(linear.linear_splitk_reduce_kernel, dict(split_k=2, HAS_RESIDUAL=True, SILU
 
 
 @triton.jit
-def runs_kernel(  # the device functions a megakernel spec calls with the new operands
-x_ptr, w_ptr, out_ptr, bias_ptr, pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, M, N, K,
+def runs_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, M, N, K,
                 qk_eps, seqlen_ptr, lens_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The device functions a megakernel spec calls, with the new operands.
     linear.linear_run(x_ptr, w_ptr, w_ptr, 0, tl.program_id(0) * 2, 2, M, N, K, 0, K, K, K, 0.0,
                       linear.linear_store_epilogue, (out_ptr, out_ptr, M, N, N, N, bias_ptr), (False, False),
                       HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
