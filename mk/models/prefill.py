@@ -166,26 +166,34 @@ def graph_tokens(tokens: int, limit: int) -> int:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],
-              precision: str) -> torch.Tensor:
+              precision: str, window: int | None = None) -> torch.Tensor:
     """Causal grouped-query attention of a chunk's queries over the cache.
 
     ``q``: the chunk's rotated queries ``[n, Hq, D]``; ``k_cache, v_cache``: one layer's
     cache ``[B, Hkv, S, D]`` holding every segment's keys up to its ``stop``. Each segment
     attends to its prompt's tokens ``[0, stop)``, causally. Returns ``[n, Hq * D]`` in q's
-    dtype (float32 for a float32 q).
+    dtype (float32 for a float32 q). ``window``: a sliding window (Mistral): the token at
+    position t attends the tokens ``t - window < j <= t`` only (Hugging Face's rule).
 
     On a GPU in the fast precision with a cache of q's dtype: PyTorch's SDPA (its flash /
-    cuDNN kernels); else mk's :func:`~mk.tasks.prefill_attention.prefill_attention`.
+    cuDNN kernels; under a window, with an explicit mask a segment); else mk's
+    :func:`~mk.tasks.prefill_attention.prefill_attention`.
     """
     n, hq, d = q.shape
     sdpa = precision == "fast" and q.is_cuda and q.dtype == k_cache.dtype and q.dtype != torch.float32
     # Several whole prompts (the usual ragged batch) in one varlen launch; its packed keys are
     # then the chunk's own (a segment past a prompt's start would gather its whole prefix).
-    if sdpa and len(segments) > 1 and all(s.start == 0 for s in segments) and _varlen_attn() is not None:
+    # A window goes the per-segment way: its mask is explicit there, so it is checked on
+    # the CPU too, where varlen flash attention does not run.
+    if (sdpa and window is None and len(segments) > 1 and all(s.start == 0 for s in segments)
+            and _varlen_attn() is not None):
         return _varlen_attention(q, k_cache, v_cache, segments).reshape(n, hq * d)
     outs = []
     for s in segments:
         qs = q[s.offset:s.offset + s.tokens]
+        if sdpa and window is not None:
+            outs.append(_windowed_sdpa(qs, k_cache, v_cache, s, window))
+            continue
         k, v = k_cache[s.row:s.row + 1, :, :s.stop], v_cache[s.row:s.row + 1, :, :s.stop]
         if sdpa:
             qt = qs[None].transpose(1, 2)  # [1, Hq, n, D]
@@ -200,10 +208,30 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg
         else:
             qf = qs if q.dtype == k_cache.dtype or q.dtype == torch.float32 else qs.float()
             o = prefill_attention(qf[None], k.transpose(1, 2), v.transpose(1, 2), check_values=False,
-                                  q_start=s.start)
+                                  q_start=s.start, window=window)
             outs.append(o[0].to(q.dtype))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(n, hq * d)
+
+
+def window_mask(start: int, stop: int, key_start: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[stop - start, stop - key_start]`` mask (True: attend) of the tokens
+    ``[start, stop)`` over the keys ``[key_start, stop)`` under a sliding window: token t
+    sees key j when ``t - window < j <= t``."""
+    t = torch.arange(start, stop, device=device)[:, None]
+    j = torch.arange(key_start, stop, device=device)[None, :]
+    return (j <= t) & (j > t - window)
+
+
+def _windowed_sdpa(qs: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: Segment,
+                   window: int) -> torch.Tensor:
+    """One segment's SDPA under a sliding window: only the keys some token of the segment
+    sees (from ``start - window + 1``) are passed, with an explicit mask. ``[tokens, Hq, D]``."""
+    lo = max(s.start - window + 1, 0)
+    k, v = k_cache[s.row:s.row + 1, :, lo:s.stop], v_cache[s.row:s.row + 1, :, lo:s.stop]
+    mask = window_mask(s.start, s.stop, lo, window, qs.device)
+    o = F.scaled_dot_product_attention(qs[None].transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def _varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

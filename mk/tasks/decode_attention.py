@@ -26,6 +26,13 @@ straight to the output by split 0 (no workspace, no count, no merge), and otherw
 last of the live splits merges them. A decode step's attention cost then follows the
 sequence's length, not the number of splits planned for the longest one.
 
+Sliding window (Mistral): with ``window = W`` the query at position ``L - 1`` attends the
+keys ``j`` with ``L - 1 - W < j <= L - 1``, i.e. the last ``min(L, W)`` keys, itself included.
+This is Hugging Face's rule (``transformers.masking_utils.sliding_window_overlay``:
+``kv_idx > q_idx - sliding_window``, with the causal mask). The slices then cut
+``[max(L - W, 0), L)`` instead of ``[0, L)``: keys before the window are neither read nor
+counted, and the live splits are those of the window's ``min(L, W)`` keys.
+
 KV cache layout (shared with :mod:`mk.tasks.rope`): ``[B, Hkv, S_max, D]``; positions
 ``>= seqlens[b]`` are never read, so they may hold anything (even NaN).
 """
@@ -86,22 +93,43 @@ def decode_attention_config(num_q_heads: int, num_kv_heads: int, head_dim: int,
 
 def decode_attention_num_splits(batch: int, num_kv_heads: int, max_seqlen: int, *, num_sms: int,
                                 block_n: int = 64, min_blocks_per_split: int = 2,
-                                max_splits: int = MAX_NUM_SPLITS) -> int:
+                                max_splits: int = MAX_NUM_SPLITS, window: int | None = None) -> int:
     """How many KV splits to use (pure heuristic).
 
     Enough partial tasks (batch × num_kv_heads × splits) to give every SM about one,
     but no slice shorter than ``min_blocks_per_split`` blocks: below that the merge
-    and the per-task overhead cost more than the parallelism gains.
+    and the per-task overhead cost more than the parallelism gains. With a sliding
+    ``window`` the slices cut at most ``window`` keys, whatever the length.
     """
     tasks = max(1, batch * num_kv_heads)
     wanted = -(-num_sms // tasks)
-    useful = -(-max(1, max_seqlen) // (block_n * min_blocks_per_split))
+    keys = max_seqlen if window is None else min(max_seqlen, window)
+    useful = -(-max(1, keys) // (block_n * min_blocks_per_split))
     return max(1, min(wanted, useful, max_splits))
 
 
-def live_splits(seqlen: int, num_splits: int, block_n: int) -> int:
+def window_start(seqlen: int, window: int | None) -> int:
+    """The first key a decode query of a ``seqlen``-key sequence attends: ``max(seqlen - window,
+    0)`` under a sliding window, else 0 (the module docstring has the rule)."""
+    return 0 if window is None else max(seqlen - window, 0)
+
+
+def split_range(seqlen: int, split: int, num_splits: int, block_n: int,
+                window: int | None = None) -> tuple[int, int]:
+    """KV positions ``[start, end)`` that slice ``split`` covers, as the device cuts them
+    (``start >= end``: an empty slice)."""
+    lo = window_start(seqlen, window)
+    per_split = -(-(seqlen - lo) // num_splits)
+    split_len = -(-per_split // block_n) * block_n
+    start = lo + split * split_len
+    return start, min(start + split_len, seqlen)
+
+
+def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None) -> int:
     """:func:`decode_live_splits` on the host: the slices of a ``seqlen``-key sequence cut
-    into ``num_splits`` that hold a key (at least 1)."""
+    into ``num_splits`` that hold a key (at least 1); under a sliding ``window``, of its
+    last ``min(seqlen, window)`` keys."""
+    seqlen -= window_start(seqlen, window)
     per_split = -(-seqlen // num_splits)
     split_len = max(-(-per_split // block_n) * block_n, 1)  # whole blocks, as _split_len
     return max(-(-seqlen // split_len), 1)
@@ -117,10 +145,35 @@ def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
 
 
 @jit
-def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr):
+def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
     """How many of the ``num_splits`` slices of a ``seqlen``-key sequence hold a key (at
-    least one: seqlen 0, never valid, still gives split 0, which writes zeros)."""
+    least one: seqlen 0, never valid, still gives split 0, which writes zeros). WINDOW: a
+    sliding window, whose ``min(seqlen, WINDOW)`` keys the slices cut."""
+    if WINDOW is not None:
+        seqlen = tl.minimum(seqlen, WINDOW)
     return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
+
+
+@jit
+def _slice_start(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
+    """(first position, length) of slice ``split``: see :func:`decode_slice`."""
+    if WINDOW is None:
+        split_len = _split_len(seqlen, num_splits, BLOCK_N)
+        start = split * split_len
+    else:
+        lo = tl.maximum(seqlen - WINDOW, 0)
+        split_len = _split_len(seqlen - lo, num_splits, BLOCK_N)
+        start = lo + split * split_len
+    return start, split_len
+
+
+@jit
+def decode_slice(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
+    """KV positions [start, end) of slice ``split`` (``start >= end``: empty). Without a
+    window the slices cut [0, seqlen); with WINDOW, [max(seqlen - WINDOW, 0), seqlen), so a
+    split never reads a key before the window."""
+    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW)
+    return start, tl.minimum(start + split_len, seqlen)
 
 
 @jit
@@ -131,11 +184,11 @@ def _attend_slice(
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr = None,
 ):
     """Slice ``split`` of a sequence of ``seqlen`` keys for the group of ``kv_head``:
     (out float32 [BLOCK_G, BLOCK_D], normalised over the slice; lse float32 [BLOCK_G],
-    natural log; 0 and -inf for an empty slice)."""
+    natural log; 0 and -inf for an empty slice). WINDOW: see :func:`decode_slice`."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -155,9 +208,7 @@ def _attend_slice(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    split_len = _split_len(seqlen, num_splits, BLOCK_N)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seqlen)
+    start, end = decode_slice(seqlen, split, num_splits, BLOCK_N, WINDOW)
 
     k_base = k_cache_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_cache_ptr + b * stride_vb + kv_head * stride_vh
@@ -174,7 +225,8 @@ def _attend_slice(
         offs = n0 + offs_n
         mask_n = offs < end
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        # Masked loads never read positions >= seqlen, so garbage (even NaN) there can't leak.
+        # Masked loads never read positions >= seqlen (nor, under a window, before start), so
+        # garbage (even NaN) there can't leak.
         # V with K: its round trip overlaps K's instead of following the softmax.
         k = tl.load(k_base + offs[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -227,18 +279,19 @@ def decode_attention_partial_tile(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr = None,
 ):
     """Slice ``split`` of sequence b's KV for the GROUP query heads of ``kv_head``.
 
     Writes ``o_ptr[b, h, split, :]`` (normalised over the slice, cast to o's dtype) and
     ``lse_ptr[b, h, split]`` (natural-log log-sum-exp) for ``h = kv_head*GROUP + g``; nothing
-    else. With ``num_splits == 1`` o may point straight at the final output.
+    else. With ``num_splits == 1`` o may point straight at the final output. WINDOW: a
+    sliding window of that many keys (:func:`decode_slice`); None: all keys.
     """
     out, lse = _attend_slice(
         q_ptr, k_cache_ptr, v_cache_ptr, tl.load(seqlens_ptr + b), b, kv_head, split, num_splits, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW)
     _store_partial(o_ptr, lse_ptr, b, kv_head, split, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                    stride_ls, out, lse, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
 
@@ -248,6 +301,7 @@ def decode_attention_prefetch(
     k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, max_seq,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr = 2,
+    WINDOW: tl.constexpr = None,
 ):
     """Ask L2 for the first BLOCKS blocks of K and V rows of split ``split``'s slice of a
     sequence of ``seqlen`` keys; issued before the task waits for its inputs.
@@ -256,9 +310,9 @@ def decode_attention_prefetch(
     the seqlens buffer before the wait may be the last step's, one short (this step's QKV
     tiles write it). A prefetch is only a hint (no register, no fault, no stale value: L2 is
     where the QKV tiles' stores land), so a slightly wrong slice costs nothing but the lines.
-    The split's loads then meet L2 instead of DRAM. Compiled GPU code only (inline PTX)."""
-    split_len = _split_len(seqlen, num_splits, BLOCK_N)
-    start = split * split_len
+    The split's loads then meet L2 instead of DRAM. Compiled GPU code only (inline PTX).
+    WINDOW: the slice as :func:`decode_slice` cuts it under a sliding window."""
+    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW)
     # (+1: the position this step appends, if the length is the last step's)
     end = tl.minimum(tl.minimum(start + split_len, seqlen + 1), tl.minimum(start + BLOCKS * BLOCK_N, max_seq))
     LINE: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
@@ -327,7 +381,7 @@ def decode_attention_tile(
     stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_GROUP: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr, WINDOW: tl.constexpr = None,
 ):
     """Split ``split`` of (b, kv_head) for a sequence of ``seqlen`` keys, as
     :func:`decode_attention_partial_tile`; then the group's output, by one of the *live*
@@ -340,14 +394,15 @@ def decode_attention_tile(
       last to arrive sets it back to 0 and merges the live partials into ``out_ptr[b, h]``.
 
     Splits past the live ones return at once. No split waits for another, so the splits may
-    run in any order, or one after another on one program.
+    run in any order, or one after another on one program. WINDOW: a sliding window of that
+    many keys; the live splits are then those of the window's keys (:func:`decode_slice`).
     """
-    live = decode_live_splits(seqlen, num_splits, BLOCK_N)
+    live = decode_live_splits(seqlen, num_splits, BLOCK_N, WINDOW)
     if split < live:
         out, lse = _attend_slice(
             q_ptr, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,
             stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW)
         if live == 1:
             _store_heads(out_ptr, b, kv_head, stride_outb, stride_outh, out,
                          GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
@@ -383,7 +438,7 @@ def decode_attention_partial_kernel(
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # Grid (B * Hkv, num_splits).
     pid = tl.program_id(0)
@@ -392,7 +447,7 @@ def decode_attention_partial_kernel(
         pid // num_kv_heads, pid % num_kv_heads, tl.program_id(1), num_splits, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
-        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)
+        GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW)
 
 
 @jit
@@ -407,7 +462,7 @@ def decode_attention_kernel(
     stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_GROUP: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # Grid (B * Hkv, num_splits): partials and merges in one launch.
     pid = tl.program_id(0)
@@ -418,7 +473,7 @@ def decode_attention_kernel(
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, stride_outb, stride_outh,
         GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S,
-        BLOCK_GROUP=BLOCK_GROUP)
+        BLOCK_GROUP=BLOCK_GROUP, WINDOW=WINDOW)
 
 
 @jit
@@ -447,7 +502,15 @@ def _num_sms(t: torch.Tensor) -> int:
     return 4
 
 
-def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits):
+def check_window(window: object) -> int | None:
+    """A sliding window argument: None (every key) or an int >= 1 (keys of the query's last
+    ``window`` positions); raises ValueError otherwise."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+    return window
+
+
+def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits, window=None):
     """Validate decode_attention's arguments (nothing is written before); returns the scale."""
     check_tensor("q", q, ndim=3, contiguous=False, last_dim_contiguous=True)
     batch, hq, d = q.shape
@@ -469,6 +532,7 @@ def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     if num_splits is not None:
         check_positive_int("num_splits", num_splits, maximum=MAX_NUM_SPLITS)
+    check_window(window)
     # The only host sync: the standalone op checks the lengths (a fused kernel trusts them).
     # Not possible while a CUDA graph is being captured, so then they are trusted too.
     if batch and not is_capturing(seqlens):
@@ -478,7 +542,7 @@ def _check_args(q, k_cache, v_cache, seqlens, scale, num_splits):
     return float(scale)
 
 
-def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arrivals=None, out=None):
+def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arrivals=None, out=None, window=None):
     """The partials' grid; with ``arrivals`` (zeros, [B * Hkv]) and ``out``, each group's
     last split also merges it into out (:func:`decode_attention_tile`)."""
     batch, hq, d = q.shape
@@ -491,7 +555,7 @@ def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arriva
                o_part.stride(0), o_part.stride(1), o_part.stride(2),
                lse.stride(0), lse.stride(1), lse.stride(2))
     sizes = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_G=cfg.block_g, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 WINDOW=window, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if arrivals is None:
         decode_attention_partial_kernel[(batch * hkv, num_splits)](
             q, k_cache, v_cache, seqlens, o_part, lse, hkv, num_splits, scale, *strides, **sizes)
@@ -502,19 +566,20 @@ def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arriva
             BLOCK_GROUP=triton.next_power_of_2(hq // hkv), **sizes)
 
 
-def _default_splits(q, k_cache):
+def _default_splits(q, k_cache, window=None):
     # From shapes only (S_max, not the actual lengths): no host sync, and a captured CUDA
     # graph stays right when replayed with other lengths. Splits past a short sequence
     # are empty programs that return at once.
     batch, hq, d = q.shape
     _, hkv, max_seq, _ = k_cache.shape
     cfg = decode_attention_config(hq, hkv, d, q.element_size())
-    return decode_attention_num_splits(batch, hkv, max_seq, num_sms=_num_sms(q), block_n=cfg.block_n)
+    return decode_attention_num_splits(batch, hkv, max_seq, num_sms=_num_sms(q), block_n=cfg.block_n,
+                                       window=window)
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, *,
-    scale: float | None = None, num_splits: int | None = None,
+    scale: float | None = None, num_splits: int | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached keys and values.
 
@@ -529,47 +594,51 @@ def decode_attention(
             :func:`decode_attention_num_splits` on the cache length S_max. With 1 the
             partial task writes the output directly; with more, each group's last split
             merges it, in the same launch.
+        window: a sliding window (Mistral's ``sliding_window``): the query of a sequence of
+            L keys attends keys ``[max(L - window, 0), L)`` only; the others are not read.
+            None: every key.
 
     Lengths are checked on the host (one sync), except while a CUDA graph is captured.
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
     """
-    scale = _check_args(q, k_cache, v_cache, seqlens, scale, num_splits)
+    scale = _check_args(q, k_cache, v_cache, seqlens, scale, num_splits, window)
     batch, hq, d = q.shape
     out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
     if batch == 0 or hq == 0:
         return out
     if num_splits is None:
-        num_splits = _default_splits(q, k_cache)
+        num_splits = _default_splits(q, k_cache, window)
     lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
     if num_splits == 1:  # the partial is already the answer: write it straight into out
-        _launch_partials(q, k_cache, v_cache, seqlens, out[:, :, None, :], lse, scale)
+        _launch_partials(q, k_cache, v_cache, seqlens, out[:, :, None, :], lse, scale, window=window)
         return out
     o_part = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
     arrivals = torch.zeros(batch * k_cache.shape[1], dtype=torch.int32, device=q.device)
-    _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, arrivals=arrivals, out=out)
+    _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, arrivals=arrivals, out=out, window=window)
     return out
 
 
 def decode_attention_partials(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, *,
-    scale: float | None = None, num_splits: int | None = None,
+    scale: float | None = None, num_splits: int | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Only the partial tasks of :func:`decode_attention` (same arguments).
 
     Returns the float32 workspace ``(o_part [B, Hq, num_splits, D], lse [B, Hq, num_splits])``:
     each split's normalised output and natural-log log-sum-exp; an empty split gives
-    zeros and -inf. :func:`decode_attention_merge` turns it into the output.
+    zeros and -inf (so does every split past a sliding ``window``'s keys).
+    :func:`decode_attention_merge` turns it into the output.
     """
-    scale = _check_args(q, k_cache, v_cache, seqlens, scale, num_splits)
+    scale = _check_args(q, k_cache, v_cache, seqlens, scale, num_splits, window)
     batch, hq, d = q.shape
     if num_splits is None:
-        num_splits = _default_splits(q, k_cache) if batch else 1
+        num_splits = _default_splits(q, k_cache, window) if batch else 1
     o_part = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
     if batch and hq:
-        _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale)
+        _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, window=window)
     return o_part, lse
 
 
@@ -606,9 +675,10 @@ def decode_attention_merge(o_part: torch.Tensor, lse: torch.Tensor, *, out: torc
 
 def decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor, *,
-    scale: float | None = None,
+    scale: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """Plain float32 torch decode attention: explicit softmax over the valid positions."""
+    """Plain float32 torch decode attention: explicit softmax over the valid positions (under
+    a sliding ``window``, the scores of keys ``j <= L - 1 - window`` masked to -inf)."""
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -618,6 +688,8 @@ def decode_attention_ref(
         k = k_cache[b, :, :n].float().repeat_interleave(hq // hkv, dim=0)   # [Hq, n, D]
         v = v_cache[b, :, :n].float().repeat_interleave(hq // hkv, dim=0)
         scores = torch.einsum("hd,hnd->hn", q[b].float(), k) * scale
+        if window is not None:
+            scores[:, torch.arange(n, device=q.device) <= n - 1 - window] = float("-inf")
         probs = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         out[b] = torch.einsum("hn,hnd->hd", probs, v)
@@ -629,12 +701,14 @@ def decode_attention_ref(
 
 def decode_attention_cost(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                           seqlens: int | Sequence[int], num_splits: int = 1,
-                          dtype_bytes: int = 2) -> TaskCost:
+                          dtype_bytes: int = 2, window: int | None = None) -> TaskCost:
     """Bytes and flops of one decode attention (partials and merge together).
 
-    ``seqlens`` is one length for every sequence or one per sequence.
+    ``seqlens`` is one length for every sequence or one per sequence. Under a sliding
+    ``window`` a sequence reads ``min(length, window)`` keys.
     """
-    total_len = seqlens * batch if isinstance(seqlens, int) else sum(seqlens)
+    lengths = [seqlens] * batch if isinstance(seqlens, int) else list(seqlens)
+    total_len = sum(n if window is None else min(n, window) for n in lengths)
     kv_bytes = 2 * num_kv_heads * total_len * head_dim * dtype_bytes
     q_bytes = batch * num_q_heads * head_dim * dtype_bytes
     seqlen_bytes = batch * 4

@@ -11,6 +11,11 @@ chunk of the prompt: with ``q_start`` they are tokens [q_start, q_start + Tq) an
 to keys [0, q_start + Tq), so a long prompt can be prefilled a chunk at a time, each
 chunk's keys written to the cache before its attention (bounded activation memory).
 
+Sliding window (Mistral's ``sliding_window``): with ``window = W`` token t attends only the
+keys ``j`` with ``t - W < j <= t`` (its last W positions, itself included), Hugging Face's
+rule (``transformers.masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``, with
+the causal mask). Key blocks wholly before a tile's window are never loaded.
+
 The tile walks key blocks left to right keeping a running max and running sum per query
 row (online softmax), so no [T, T] score matrix exists; scores, sums and the output
 accumulator are float32 whatever the storage dtype. Key blocks wholly above the causal
@@ -102,7 +107,7 @@ def prefill_attention_tile(
     stride_ob, stride_ot, stride_oh,
     scale,
     GROUP: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
 ):
     """Attention output for query rows [tile_m*BLOCK_M, (tile_m+1)*BLOCK_M) of batch row b,
     head q_head: of the ``Tq`` rows of q, which are tokens ``q_start + row``.
@@ -111,7 +116,9 @@ def prefill_attention_tile(
     ``q_head // GROUP``. All tensors have unit stride in their last (head) dim. With
     HAS_SEQLENS the row's valid length is ``seqlens_ptr[b]``; keys at or past it, or past
     ``q_start + Tq`` (no query of this call sees them), are never read. Writes exactly this
-    tile's rows of out (zeros for tokens at or past the valid length).
+    tile's rows of out (zeros for tokens at or past the valid length). WINDOW: a sliding
+    window of that many keys (token t sees keys ``t - WINDOW < j <= t``); key blocks before
+    the tile's first token's window are never read. None: every earlier key.
     """
     kv_head = q_head // GROUP
     seqlen = q_start + Tq
@@ -148,7 +155,24 @@ def prefill_attention_tile(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    for start_n in range(0, lo_full, BLOCK_N):
+    if WINDOW is None:
+        full_lo = 0
+    else:
+        # Keys below lo_full are causal for every token of the tile. Of them, those from
+        # full_lo on lie inside every token's window (j > last token - WINDOW): no mask. The
+        # blocks from the first token's window up to full_lo need the window's mask only.
+        last = first + BLOCK_M - 1
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last - WINDOW + 1, 0), BLOCK_N) * BLOCK_N, lo_full)
+        win_lo = (tl.maximum(first - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        for start_n in range(win_lo, full_lo, BLOCK_N):
+            cols = start_n + offs_n
+            kt = tl.load(kt_ptrs + start_n * stride_kt)
+            v = tl.load(v_ptrs + start_n * stride_vt)
+            qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)) * qk_scale
+            qk = tl.where(cols[None, :] > tokens[:, None] - WINDOW, qk, float("-inf"))
+            acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v)
+
+    for start_n in range(full_lo, lo_full, BLOCK_N):
         kt = tl.load(kt_ptrs + start_n * stride_kt)
         v = tl.load(v_ptrs + start_n * stride_vt)
         qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)) * qk_scale
@@ -164,6 +188,8 @@ def prefill_attention_tile(
         v = tl.load(v_ptrs + start_n * stride_vt, mask=key_valid[:, None], other=0.0)
         qk = mma(q, kt, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)) * qk_scale
         visible = (cols[None, :] <= tokens[:, None]) & key_valid[None, :]
+        if WINDOW is not None:
+            visible &= cols[None, :] > tokens[:, None] - WINDOW
         qk = tl.where(visible, qk, float("-inf"))
         acc, m_i, l_i = _online_softmax_update(acc, m_i, l_i, qk, v)
 
@@ -184,7 +210,7 @@ def prefill_attention_kernel(
     stride_ob, stride_ot, stride_oh,
     scale,
     GROUP: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # Axis 0 runs over query tiles last-first: later tiles see more keys, so starting
     # them first shortens the tail of the grid.
@@ -199,6 +225,7 @@ def prefill_attention_kernel(
         stride_ob, stride_ot, stride_oh,
         scale,
         GROUP=GROUP, HAS_SEQLENS=HAS_SEQLENS, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        WINDOW=WINDOW,
     )
 
 
@@ -225,6 +252,7 @@ def prefill_attention(
     config: PrefillAttentionConfig | None = None,
     check_values: bool = True,
     q_start: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal grouped-query attention over right-padded prompts.
 
@@ -242,6 +270,8 @@ def prefill_attention(
         check_values: False skips the seqlens range check (no wait for the device), for a
             caller that built them; out-of-range lengths are then undefined behaviour.
         q_start: the first query's token index (a chunk of a longer prompt), >= 0.
+        window: a sliding window (Mistral's ``sliding_window``): token t attends keys
+            ``t - window < j <= t`` only (see the module docstring); None: all ``j <= t``.
 
     D must be a power of two in [16, 256].
 
@@ -253,6 +283,8 @@ def prefill_attention(
     batch, q_len, num_q_heads, head_dim = q.shape
     if isinstance(q_start, bool) or not isinstance(q_start, int) or q_start < 0:
         raise ValueError(f"q_start must be an int >= 0, got {q_start!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
     check_tensor("k", k, ndim=4, contiguous=False, last_dim_contiguous=True)
     seq_len = k.shape[1]
     if k.shape[0] != batch or k.shape[3] != head_dim or seq_len < q_start + q_len:
@@ -291,7 +323,7 @@ def prefill_attention(
         out.stride(0), out.stride(1), out.stride(2),
         float(scale),
         GROUP=num_q_heads // num_kv_heads, HAS_SEQLENS=seqlens is not None,
-        HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, WINDOW=window,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -305,8 +337,10 @@ def prefill_attention_ref(
     *,
     scale: float | None = None,
     q_start: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Plain float32 torch reference: explicit scores, causal and length masks, softmax.
+    """Plain float32 torch reference: explicit scores, causal (and sliding ``window``) and
+    length masks, softmax.
 
     Returns float32 ``[B, Tq, Hq, D]`` with padded query rows set to 0. Padded keys are
     removed with ``where`` before and after the softmax, so NaN padding does not leak.
@@ -323,7 +357,10 @@ def prefill_attention_ref(
     kf = torch.where(key_valid[:, :, None, None], k.float(), 0.0).repeat_interleave(group, dim=2)
     vf = torch.where(key_valid[:, :, None, None], v.float(), 0.0).repeat_interleave(group, dim=2)
     scores = torch.einsum("bthd,bshd->bhts", qf, kf) * scale               # [B, Hq, Tq, T]
-    visible = (key_pos[None, :] <= q_pos[:, None])[None, None] & key_valid[:, None, None, :]
+    causal = key_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        causal &= key_pos[None, :] > q_pos[:, None] - window
+    visible = causal[None, None] & key_valid[:, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                  # fully masked rows: NaN -> 0
     out = torch.einsum("bhts,bshd->bthd", probs, vf)
@@ -331,17 +368,23 @@ def prefill_attention_ref(
 
 
 def prefill_attention_cost(
-    batch: int, seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2
+    batch: int, seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2,
+    window: int | None = None,
 ) -> TaskCost:
     """Bytes and flops of one causal prefill over ``batch`` full rows of ``seq_len`` tokens.
 
     Bytes count q, k, v read once and out written once (the ideal: K/V re-reads by
     successive query tiles of a head are assumed to hit in L2). Flops count the two
-    matmuls over the causal triangle, 2 * 2 * D per (query, visible key) pair.
+    matmuls over the causal triangle, 2 * 2 * D per (query, visible key) pair; under a
+    sliding ``window`` token t sees ``min(t + 1, window)`` keys.
     """
     q_elems = batch * seq_len * num_q_heads * head_dim
     kv_elems = 2 * batch * seq_len * num_kv_heads * head_dim
-    pairs = batch * num_q_heads * seq_len * (seq_len + 1) // 2
+    if window is None or window >= seq_len:
+        visible = seq_len * (seq_len + 1) // 2
+    else:  # the triangle up to the window's width, then window keys a token
+        visible = window * (window + 1) // 2 + (seq_len - window) * window
+    pairs = batch * num_q_heads * visible
     return TaskCost(bytes_read=(q_elems + kv_elems) * dtype_bytes, bytes_written=q_elems * dtype_bytes,
                     flops=4 * head_dim * pairs)
 

@@ -17,6 +17,13 @@ rotated q and the KV cache keep the usual layout.
 ``rope_kv`` rotates q and k of each new token, returns the rotated q, and writes the
 rotated k and the untouched v into the KV cache at the token's position.
 
+Per-head q/k RMSNorm (Qwen3): with ``q_norm_weight`` / ``k_norm_weight`` (``[D]``, Hugging
+Face's ``q_norm.weight`` / ``k_norm.weight``) each head vector is first replaced by
+``x / sqrt(mean(x**2) + eps) * weight`` (float32 statistics over the head), then rotated,
+as Qwen3's attention does. The weight is in the layout of x's heads: with
+``interleaved=True`` pass ``interleave_rotary(weight, D)``, the permutation of the q / k
+weight rows (the mean is the same in any order, so the norm commutes with it).
+
 KV cache layout (shared with :mod:`mk.tasks.decode_attention`)::
 
     k_cache, v_cache: [B, Hkv, S_max, D]   row (b, h, s) holds position s of head h
@@ -128,7 +135,7 @@ def rope_cos_sin(inv_freq_ptr, position, HALF: tl.constexpr, BLOCK_HALF: tl.cons
 def rope_rotate_heads(
     x_ptr, out_ptr, stride_xh, stride_oh, num_heads, cos, sin,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, ROTATE: tl.constexpr,
-    INTERLEAVED: tl.constexpr = False, PAIR_LOADS: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False, PAIR_LOADS: tl.constexpr = False, norm_w_ptr=None, eps=0.0,
 ):
     """Heads ``0..num_heads`` of one token: out[h] = rope(x[h]) (or a plain copy if not ROTATE).
 
@@ -137,11 +144,17 @@ def rope_rotate_heads(
     pair i is elements (2i, 2i + 1), else (i, i + HALF); out's is always (i, i + HALF).
     PAIR_LOADS (with INTERLEAVED): read each head as one contiguous row and split the pairs
     in registers, rather than two stride-2 loads (4x the time at prefill sizes, H200).
+    ``norm_w_ptr``: RMSNorm each head (over its 2 * HALF elements, ``eps``) with this weight,
+    in x's layout, before the rotation (Qwen3's q / k norm); None: no norm.
     """
     offs_h = tl.arange(0, BLOCK_H)
     offs_c = tl.arange(0, BLOCK_HALF)
     first = offs_c * 2 if INTERLEAVED else offs_c
     second: tl.constexpr = 1 if INTERLEAVED else HALF
+    if norm_w_ptr is not None:
+        # The weight of each pair's two elements, in x's layout as the pair itself.
+        w1 = tl.load(norm_w_ptr + first, mask=offs_c < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + first + second, mask=offs_c < HALF, other=0.0).to(tl.float32)
     for h0 in range(0, num_heads, BLOCK_H):
         heads = h0 + offs_h
         mask = (heads < num_heads)[:, None] & (offs_c < HALF)[None, :]
@@ -158,6 +171,11 @@ def rope_rotate_heads(
         if ROTATE:
             x1 = x1.to(tl.float32)
             x2 = x2.to(tl.float32)
+            if norm_w_ptr is not None:
+                # Padded lanes loaded as 0, so the sum of squares is the head's.
+                rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+                x1 = x1 * rstd[:, None] * w1[None, :]
+                x2 = x2 * rstd[:, None] * w2[None, :]
             o1 = x1 * cos[None, :] - x2 * sin[None, :]
             o2 = x2 * cos[None, :] + x1 * sin[None, :]
         else:
@@ -196,27 +214,30 @@ def rope_kv_tile(
     stride_kcb, stride_kch, stride_kcs,
     stride_vcb, stride_vch, stride_vcs,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr = False,
-    PAIR_LOADS: tl.constexpr = False,
+    PAIR_LOADS: tl.constexpr = False, q_norm_w_ptr=None, k_norm_w_ptr=None, norm_eps=0.0,
 ):
     """Token (b, t): q_out[b, t] = rope(q[b, t]); caches[b, :, pos] = rope(k[b, t]), v[b, t].
 
     ``pos = positions[b, t]``. Touches only q_out[b, t] and the cache rows at pos; a
     position outside ``[0, max_seq)`` writes no cache row (launchers reject it first, this
     guard only keeps a bad position in a fused kernel from corrupting memory).
+    ``q_norm_w_ptr`` / ``k_norm_w_ptr``: ``[2 * HALF]`` weights of a per-head RMSNorm of q /
+    of k before the rotation (Qwen3; eps ``norm_eps``), in q's and k's layout (the module
+    docstring); None: none.
     """
     position = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
     cos, sin = rope_cos_sin(inv_freq_ptr, position, HALF, BLOCK_HALF)
     rope_rotate_heads(q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_qob + t * stride_qot,
                       stride_qh, stride_qoh, num_q_heads, cos, sin,
                       HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, INTERLEAVED=INTERLEAVED,
-                      PAIR_LOADS=PAIR_LOADS)
+                      PAIR_LOADS=PAIR_LOADS, norm_w_ptr=q_norm_w_ptr, eps=norm_eps)
     # A head count of 0 makes the cache loops empty: no branch on a tensor condition needed.
     kv_heads = tl.where((position >= 0) & (position < max_seq), num_kv_heads, 0)
     rope_rotate_heads(k_ptr + b * stride_kb + t * stride_kt,
                       k_cache_ptr + b * stride_kcb + position * stride_kcs,
                       stride_kh, stride_kch, kv_heads, cos, sin,
                       HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, ROTATE=True, INTERLEAVED=INTERLEAVED,
-                      PAIR_LOADS=PAIR_LOADS)
+                      PAIR_LOADS=PAIR_LOADS, norm_w_ptr=k_norm_w_ptr, eps=norm_eps)
     rope_rotate_heads(v_ptr + b * stride_vb + t * stride_vt,
                       v_cache_ptr + b * stride_vcb + position * stride_vcs,
                       stride_vh, stride_vch, kv_heads, cos, sin,
@@ -253,6 +274,7 @@ def rope_kernel(
 @jit
 def rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, num_rows,
+    q_norm_w_ptr, k_norm_w_ptr, norm_eps,
     T, num_q_heads, num_kv_heads, max_seq,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -279,7 +301,8 @@ def rope_kv_kernel(
                  stride_vb, stride_vt, stride_vh, stride_pb, stride_pt,
                  stride_qob, stride_qot, stride_qoh,
                  stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
-                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED, PAIR_LOADS=True)
+                 HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED, PAIR_LOADS=True,
+                 q_norm_w_ptr=q_norm_w_ptr, k_norm_w_ptr=k_norm_w_ptr, norm_eps=norm_eps)
 
 
 # --------------------------------------------------------------------------- settings
@@ -340,6 +363,20 @@ def _permute_head_axis(t: torch.Tensor, head_dim: int, dim: int, split: tuple[in
     return t.reshape(shape).transpose(dim + 1, dim + 2).reshape(t.shape).contiguous()
 
 
+def check_qk_norm(q_norm_weight, k_norm_weight, head_dim: int, eps, like: torch.Tensor) -> None:
+    """Per-head q/k norm weights: both None, or both ``[head_dim]`` on ``like``'s device, and
+    a non-negative eps; raises ValueError (TypeError for a non-tensor) otherwise."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together (Qwen3 norms both q and k)")
+    if q_norm_weight is None:
+        return
+    check_tensor("q_norm_weight", q_norm_weight, shape=(head_dim,))
+    check_tensor("k_norm_weight", k_norm_weight, shape=(head_dim,))
+    check_same_device(q=like, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"the q/k norm eps must be a non-negative number, got {eps!r}")
+
+
 def _check_head_dim(name: str, t: torch.Tensor) -> int:
     d = t.shape[-1]
     if d < 2 or d % 2:
@@ -385,6 +422,7 @@ def rope_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False, check_values: bool = True,
     cache_rows: torch.Tensor | None = None, validate: bool = True,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Rotate q and k at ``positions``, append k and v to the KV cache, return the rotated q.
 
@@ -405,6 +443,10 @@ def rope_kv(
             have any number of rows), and (row, position) pairs must be distinct.
         validate: False skips every check (their host time is several launches'), for a
             caller that built the arguments (mk's prefill); bad arguments are then undefined.
+        q_norm_weight, k_norm_weight: ``[D]`` each, together or neither: every q and k head is
+            RMSNorm-ed with them (eps ``norm_eps``) before the rotation, as Qwen3 does; in q's
+            and k's layout (with ``interleaved``, :func:`interleave_rotary` of Hugging Face's
+            ``q_norm.weight`` / ``k_norm.weight``).
 
     Writes ``k_cache[b, h, positions[b, t]] = rope(k[b, t, h])`` and
     ``v_cache[b, h, positions[b, t]] = v[b, t, h]`` (``b = cache_rows[t]`` with cache_rows);
@@ -430,6 +472,7 @@ def rope_kv(
         _check_positions(positions, batch, tokens)
         _check_inv_freq(inv_freq, d // 2)
         _check_interleaved(interleaved)
+        check_qk_norm(q_norm_weight, k_norm_weight, d, norm_eps, q)
         if cache_rows is not None:
             if batch != 1:
                 raise ValueError(f"cache_rows packs several sequences into one row of q: q must have B = 1, got {batch}")
@@ -466,7 +509,7 @@ def rope_kv(
         block_h, block_half = rope_blocks(d, max(hq, hkv))
         rope_kv_kernel[(batch * tokens,)](
             q, k, v, positions, inv_freq, q_out, k_cache, v_cache, positions if cache_rows is None else cache_rows,
-            cache_batch, tokens, hq, hkv, max_seq,
+            cache_batch, q_norm_weight, k_norm_weight, float(norm_eps), tokens, hq, hkv, max_seq,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -498,18 +541,28 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *
     return xf * emb.cos() + rotated_half * emb.sin()
 
 
+def head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """float32 RMSNorm of each head vector (last dim) with ``weight``; x itself (float32) if
+    weight is None."""
+    x = x.float()
+    if weight is None:
+        return x
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
 def rope_kv_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False,
-    cache_rows: torch.Tensor | None = None,
+    cache_rows: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference for :func:`rope_kv`; changes nothing it is given.
 
     Returns float32 ``(q_rot, k_cache_after, v_cache_after)``: the caches are float32
     copies with the new rows written.
     """
-    q_rot = rope_ref(q, positions, inv_freq, interleaved=interleaved)
-    k_rot = rope_ref(k, positions, inv_freq, interleaved=interleaved)
+    q_rot = rope_ref(head_rmsnorm_ref(q, q_norm_weight, norm_eps), positions, inv_freq, interleaved=interleaved)
+    k_rot = rope_ref(head_rmsnorm_ref(k, k_norm_weight, norm_eps), positions, inv_freq, interleaved=interleaved)
     k_after, v_after = k_cache.float().clone(), v_cache.float().clone()
     for b in range(q.shape[0]):
         for t in range(q.shape[1]):
@@ -523,13 +576,18 @@ def rope_kv_ref(
 
 
 def rope_kv_cost(batch: int, tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 dtype_bytes: int = 2) -> TaskCost:
-    """Bytes and flops of one :func:`rope_kv` call (positions and inv_freq included)."""
+                 dtype_bytes: int = 2, qk_norm: bool = False) -> TaskCost:
+    """Bytes and flops of one :func:`rope_kv` call (positions and inv_freq included;
+    ``qk_norm``: with the per-head q/k RMSNorm, its two weights and its work)."""
     n = batch * tokens
     elems = n * (num_q_heads + 2 * num_kv_heads) * head_dim
     reads = elems * dtype_bytes + n * 8 + (head_dim // 2) * 4
     # 6 flops per rotated (x1, x2) pair (4 mul, 2 add), i.e. 3 per element of q and k, plus the angles.
     flops = n * (num_q_heads + num_kv_heads) * head_dim * 3 + n * head_dim // 2
+    if qk_norm:
+        reads += 2 * head_dim * dtype_bytes
+        # square, add, and two multiplies (rstd, weight) per element of q and k.
+        flops += n * (num_q_heads + num_kv_heads) * head_dim * 4
     return TaskCost(reads, elems * dtype_bytes, flops)
 
 

@@ -198,3 +198,73 @@ def test_one_launch_leaves_the_arrival_counts_at_zero_for_the_next(device):
         assert_close(out, decode_attention_ref(q, k_cache, v_cache, lens), torch.float32)
         assert torch.isnan(o_part[0]).all() and torch.isnan(lse[0]).all(), trial
         assert torch.isfinite(lse[2, :, 0]).all(), trial
+
+
+# --------------------------------------------------------------------------- sliding window
+
+
+def _hf_window_mask(q_pos: int, n: int, window: int) -> torch.Tensor:
+    """Which of the keys [0, n) the query at q_pos attends under Mistral's sliding window, as
+    transformers' own mask function says (the independent statement of the rule)."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    allowed = masking.sliding_window_causal_mask_function(window)
+    return allowed(torch.tensor(0), torch.tensor(0), torch.tensor(q_pos), torch.arange(n))
+
+
+def test_decode_window_rule_is_transformers_rule(device):
+    """The reference's window and the slices' bounds against transformers' mask: a query at
+    position L - 1 sees exactly the keys [max(L - W, 0), L)."""
+    from mk.tasks.decode_attention import split_range, window_start
+    for n, w in [(1, 1), (5, 1), (5, 3), (7, 7), (7, 9), (16, 5)]:
+        hf = _hf_window_mask(n - 1, n, w)
+        covered = [j for s in range(3) for j in range(*split_range(n, s, 3, 16, window=w))]
+        assert covered == hf.nonzero().flatten().tolist() == list(range(window_start(n, w), n))
+        # One-hot values: output column j is key j's probability, > 0 exactly where it is seen.
+        q = torch.randn(1, 2, 16, device=device)
+        k = torch.randn(1, 1, n, 16, device=device)
+        v = torch.eye(16, device=device)[:n].reshape(1, 1, n, 16)
+        out = decode_attention_ref(q, k, v, torch.tensor([n], device=device), window=w)
+        assert torch.equal((out[0, :, :n] > 0).cpu(), hf.expand(2, n))
+        kernel = decode_attention(q, k, v, torch.tensor([n], dtype=torch.int32, device=device), window=w)
+        assert torch.equal((kernel[0, :, :n] > 0).cpu(), hf.expand(2, n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 64, 90, 1000])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_decode_attention_window_matches_masked_softmax(window, num_splits, dtype, device):
+    """Keys before the window hold NaN: a read of any of them would show. Splits past the
+    window's keys (16 splits of a 5-key window) must stay out of the merge."""
+    lens = [1, 37, 100, 130]
+    q, k_cache, v_cache, seqlens = make_inputs(lens, 8, 2, 64, dtype, device, max_seq=140)
+    # The reference: plain softmax over the window's keys, built here from the rule.
+    ref = torch.empty(q.shape, dtype=torch.float32, device=device)
+    for b, n in enumerate(lens):
+        lo = max(n - window, 0)
+        k = k_cache[b, :, lo:n].float().repeat_interleave(4, dim=0)
+        v = v_cache[b, :, lo:n].float().repeat_interleave(4, dim=0)
+        p = torch.softmax(torch.einsum("hd,hnd->hn", q[b].float(), k) / 8.0, dim=-1)
+        ref[b] = torch.einsum("hn,hnd->hd", p, v)
+    assert_close(decode_attention_ref(q, k_cache, v_cache, seqlens, window=window), ref, torch.float32, "ref")
+    for b, n in enumerate(lens):
+        k_cache[b, :, :max(n - window, 0)] = float("nan")
+        v_cache[b, :, :max(n - window, 0)] = float("nan")
+    out = decode_attention(q, k_cache, v_cache, seqlens, num_splits=num_splits, window=window)
+    assert_close(out, ref, dtype)
+    o_part, lse = decode_attention_partials(q, k_cache, v_cache, seqlens, num_splits=num_splits, window=window)
+    assert_close(decode_attention_merge(o_part, lse), ref, dtype, "partials + merge")
+
+
+def test_decode_attention_window_splits_and_cost(device):
+    from mk.tasks.decode_attention import live_splits
+    # Splits are planned for the window's keys, not the cache's length.
+    assert decode_attention_num_splits(1, 1, 100_000, num_sms=100, block_n=64, window=256) == 2
+    assert decode_attention_num_splits(1, 1, 100_000, num_sms=100, block_n=64) == 100
+    assert live_splits(10_000, 8, 64, window=100) == 2 and live_splits(10_000, 8, 64) == 8
+    plain = decode_attention_cost(2, 8, 2, 64, [50, 5000])
+    assert decode_attention_cost(2, 8, 2, 64, [50, 5000], window=None) == plain
+    windowed = decode_attention_cost(2, 8, 2, 64, [50, 5000], window=100)
+    assert plain.bytes_read - windowed.bytes_read == 2 * 2 * (5000 - 100) * 64 * 2
+    with pytest.raises(ValueError, match="window"):
+        q, k_cache, v_cache, lens = make_inputs([3], 2, 1, 16, torch.float32, device)
+        decode_attention(q, k_cache, v_cache, lens, window=0)

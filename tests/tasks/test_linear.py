@@ -19,8 +19,10 @@ from mk.tasks.linear import (
     linear_k_splits,
     linear_partial_tile,
     linear_ref,
+    linear_run,
     linear_smem_bytes,
     linear_split_range,
+    linear_store_epilogue,
     linear_splitk_reduce_tile,
     linear_tile,
     weight_major,
@@ -508,3 +510,55 @@ def test_prefill_rows_take_the_tma_gemm_on_hopper(M, N, K, silu):
     assert rel_err(got, linear_ref(x, w, silu_mul=silu)) < 1e-2
     assert tma_gemm_serves(x, w, silu) == (torch.cuda.get_device_capability()[0] >= 9)
     assert not tma_gemm_serves(x.float(), w.float(), silu) and not tma_gemm_serves(x[:16], w, silu)
+
+
+# --- projection bias (Qwen2) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M,config", [
+    (1, None), (5, None), (40, None),
+    (1, LinearConfig(1, 16, 32, 3)), (5, LinearConfig(16, 16, 32, 2, num_warps=2)),
+])
+@pytest.mark.parametrize("epilogue", ["plain", "residual", "silu_mul"])
+def test_linear_bias_matches_torch_linear(M, config, epilogue, device):
+    """y = F.linear(x, W, b) (+ residual, or SiLU·mul of the biased gate and up), whole K and
+    split K (the bias added once, after the sum)."""
+    N, K = 70, 96
+    x, w = torch.randn(M, K, device=device), 0.1 * torch.randn(N, K, device=device)
+    bias = torch.randn(N, device=device)
+    y = torch.nn.functional.linear(x, w, bias)
+    kwargs = {}
+    if epilogue == "residual":
+        kwargs["residual"] = torch.randn(M, N, device=device)
+        y = y + kwargs["residual"]
+    elif epilogue == "silu_mul":
+        kwargs["silu_mul"] = True
+        y = torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+    out = linear(x, w, bias=bias, config=config, **kwargs)
+    assert_close(out, y, torch.float32)
+    assert_close(linear_ref(x, w, bias=bias, **kwargs), y, torch.float32, "linear_ref")
+
+
+@jit
+def _bias_run_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TILES: tl.constexpr):
+    # A run of TILES tiles through linear_run, each stored with its bias by linear_store_epilogue.
+    linear_run(x_ptr, w_ptr, w_ptr, 0, tl.program_id(0) * TILES, TILES, M, N, K, 0, K, K, K, 0.0,
+               linear_store_epilogue, (out_ptr, out_ptr, M, N, N, N, bias_ptr), (False, False),
+               HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+
+
+def test_linear_run_store_epilogue_adds_the_bias(device):
+    M, N, K = 1, 64, 80
+    x, w, bias = torch.randn(M, K, device=device), torch.randn(N, K, device=device), torch.randn(N, device=device)
+    out = torch.empty(M, N, device=device)
+    _bias_run_kernel[(2,)](x, w, bias, out, M, N, K, BLOCK_N=16, BLOCK_K=32, TILES=2)
+    assert_close(out, torch.nn.functional.linear(x, w, bias), torch.float32)
+
+
+def test_linear_bias_cost_and_checks(device):
+    assert linear_cost(4, 96, 64, bias=False) == linear_cost(4, 96, 64)
+    assert linear_cost(4, 96, 64, bias=True).bytes_read == linear_cost(4, 96, 64).bytes_read + 96 * 2
+    with pytest.raises(ValueError, match="bias"):
+        x, w = torch.randn(2, 8, device=device), torch.randn(6, 8, device=device)
+        linear(x, w, bias=torch.randn(5, device=device))

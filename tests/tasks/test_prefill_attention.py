@@ -218,3 +218,64 @@ def test_prefill_attention_planner_hooks():
             assert c.head_dim == d and c.block_m >= 16 and c.block_n >= 16
             assert math.log2(c.block_m).is_integer() and math.log2(c.block_n).is_integer()
             assert prefill_attention_smem_bytes(c) <= 160 * 1024
+
+
+# --------------------------------------------------------------------------- sliding window
+
+
+def _hf_sliding_mask(q_positions: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """[Tq, n_keys] bool: transformers' own sliding-window causal mask function (Mistral)."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    allowed = masking.sliding_window_causal_mask_function(window)
+    return allowed(torch.tensor(0), torch.tensor(0), q_positions.cpu()[:, None], torch.arange(n_keys)[None, :])
+
+
+def _masked_attention(q, k, v, visible):
+    """Explicit softmax attention under a [Tq, T] visibility mask (float32, GQA by repeat)."""
+    group = q.shape[2] // k.shape[2]
+    kf, vf = k.float().repeat_interleave(group, dim=2), v.float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), kf) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), vf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 3, 17, 40])
+@pytest.mark.parametrize("blocks", [None, (32, 16), (16, 32)])
+def test_prefill_attention_window_matches_transformers_mask(window, blocks, dtype, device):
+    q, k, v = _qkv(2, 70, 4, 2, 16, device, dtype)
+    config = None if blocks is None else PrefillAttentionConfig(16, *blocks, num_stages=1)
+    ref = _masked_attention(q, k, v, _hf_sliding_mask(torch.arange(70), 70, window))
+    assert_close(prefill_attention_ref(q, k, v, window=window), ref, torch.float32, "reference")
+    assert_close(prefill_attention(q, k, v, window=window, config=config), ref, dtype)
+
+
+@pytest.mark.parametrize("window", [2, 16, 33])
+def test_prefill_attention_window_continues_a_cache_chunk_with_lengths(window, device):
+    """A chunk of queries [q_start, q_start + Tq) over keys its earlier chunks left in the
+    cache, rows of different valid lengths: the window counts absolute positions."""
+    q, k, v = _qkv(2, 80, 6, 2, 32, device)
+    lens = torch.tensor([80, 52], dtype=torch.int32, device=device)
+    q_start, tq = 30, 37
+    visible = _hf_sliding_mask(torch.arange(q_start, q_start + tq), 80, window)
+    key_valid = torch.arange(80) < lens.cpu()[:, None, None, None]                     # [B, 1, 1, T]
+    ref = _masked_attention(q[:, q_start:q_start + tq], k, v, visible[None, None] & key_valid)
+    query_valid = torch.arange(q_start, q_start + tq, device=device)[None, :] < lens[:, None]  # [B, Tq]
+    ref = torch.where(query_valid[:, :, None, None], ref, 0.0)  # tokens past a row's length come out 0
+    out = prefill_attention(q[:, q_start:q_start + tq], k, v, lens, window=window, q_start=q_start,
+                            config=PrefillAttentionConfig(32, 16, 16, num_stages=1))
+    assert_close(out, ref, torch.float32)
+    assert_close(prefill_attention_ref(q[:, q_start:q_start + tq], k, v, lens, window=window, q_start=q_start), ref,
+                 torch.float32, "reference")
+
+
+def test_prefill_attention_window_cost_and_checks(device):
+    plain = prefill_attention_cost(1, 100, 8, 2, 64)
+    assert prefill_attention_cost(1, 100, 8, 2, 64, window=None) == plain
+    assert prefill_attention_cost(1, 100, 8, 2, 64, window=100) == plain
+    # 10 tokens see 1..10 keys, the other 90 see 10 each.
+    assert prefill_attention_cost(1, 100, 8, 2, 64, window=10).flops == 4 * 64 * 8 * (55 + 90 * 10)
+    q, k, v = _qkv(1, 4, 2, 1, 16, device)
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="window"):
+            prefill_attention(q, k, v, window=bad)

@@ -341,3 +341,56 @@ def test_rope_kv_unchecked_rows_outside_the_cache_write_nothing(device):
             validate=False)
     assert torch.isnan(k_cache[0]).all() and torch.isnan(v_cache[0]).all()
     assert not torch.isnan(k_cache[1, :, 1]).any() and torch.isnan(k_cache[1, :, 0]).all()
+
+
+# --------------------------------------------------------------------------- Qwen3 q/k norm
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (6, 2, 24), (2, 1, 128)])
+def test_rope_kv_qk_norm_matches_qwen3(hq, hkv, d, interleaved, device):
+    """q and k RMSNorm-ed per head, then rotated, against transformers' Qwen3RMSNorm and
+    apply_rotary_pos_emb in HF's layout; with ``interleaved`` mk gets q, k and both norm
+    weights permuted by interleave_rotary, and its outputs come back in the usual layout."""
+    from mk.tasks.rope import interleave_rotary
+    from tests.tasks.hf_reference import qwen3_norm_rope
+    batch, tokens, max_seq, eps = 2, 3, 9, 1e-6
+    q = 3 * torch.randn(batch, tokens, hq, d, device=device)
+    k = torch.randn(batch, tokens, hkv, d, device=device) + 0.5
+    v = torch.randn(batch, tokens, hkv, d, device=device)
+    qw, kw = torch.rand(d, device=device) + 0.5, torch.randn(d, device=device)
+    positions = torch.stack([torch.randperm(max_seq, device=device)[:tokens] for _ in range(batch)]).int()
+    inv_freq = rope_inv_freq(d, 10000.0).to(device)
+    k_cache = torch.randn(batch, hkv, max_seq, d, device=device)
+    v_cache = torch.randn(batch, hkv, max_seq, d, device=device)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    perm = (lambda t: interleave_rotary(t, d, dim=-1)) if interleaved else (lambda t: t)
+    q_out = rope_kv(perm(q), perm(k), v, positions, inv_freq, k_cache, v_cache, interleaved=interleaved,
+                    q_norm_weight=perm(qw), k_norm_weight=perm(kw), norm_eps=eps)
+    assert_close(q_out, qwen3_norm_rope(q, qw, positions, inv_freq, eps), torch.float32, "q")
+    k_rot = qwen3_norm_rope(k, kw, positions, inv_freq, eps)
+    for b in range(batch):
+        for t in range(tokens):
+            p = int(positions[b, t])
+            k_before[b, :, p], v_before[b, :, p] = k_rot[b, t], v[b, t]
+    assert_close(k_cache, k_before, torch.float32, "k cache")
+    assert torch.equal(v_cache, v_before)
+    q_ref, k_ref, _ = rope_kv_ref(perm(q), perm(k), v, positions, inv_freq, k_cache, v_cache,
+                                  interleaved=interleaved, q_norm_weight=perm(qw), k_norm_weight=perm(kw), norm_eps=eps)
+    assert_close(q_ref, q_out, torch.float32, "rope_kv_ref")
+
+
+def test_rope_kv_qk_norm_arguments_are_checked(device):
+    q, k, v = (torch.randn(1, 1, h, 8, device=device) for h in (2, 1, 1))
+    pos = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    inv_freq = rope_inv_freq(8, 10000.0).to(device)
+    caches = torch.zeros(1, 1, 4, 8, device=device), torch.zeros(1, 1, 4, 8, device=device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match="together"):
+        rope_kv(q, k, v, pos, inv_freq, *caches, q_norm_weight=w)
+    with pytest.raises(ValueError, match="k_norm_weight"):
+        rope_kv(q, k, v, pos, inv_freq, *caches, q_norm_weight=w, k_norm_weight=torch.ones(4, device=device))
+    with pytest.raises(ValueError, match="eps"):
+        rope_kv(q, k, v, pos, inv_freq, *caches, q_norm_weight=w, k_norm_weight=w, norm_eps=-1.0)
+    assert rope_kv_cost(1, 1, 2, 1, 8, qk_norm=False) == rope_kv_cost(1, 1, 2, 1, 8)
+    assert rope_kv_cost(1, 1, 2, 1, 8, qk_norm=True).bytes_read == rope_kv_cost(1, 1, 2, 1, 8).bytes_read + 2 * 8 * 2

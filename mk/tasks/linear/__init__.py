@@ -2,6 +2,7 @@
 
     h   = rmsnorm(x) = x / sqrt(mean(x**2) + eps) * norm_weight   (with norm_weight, else h = x)
     acc = h @ W.T                                                  (W is [N, K], Hugging Face layout)
+    acc = acc + bias                                               (with a bias, [N]: Qwen2's QKV)
     y   = acc + residual                                           (with a residual)
     y   = silu(acc[:, 0::2]) * acc[:, 1::2]                        (with silu_mul; see interleave_gate_up)
 

@@ -288,10 +288,10 @@ def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int
 
 
 def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool = False, norm: bool = False,
-                silu_mul: bool = False, split_k: int = 1) -> TaskCost:
+                silu_mul: bool = False, split_k: int = 1, bias: bool = False) -> TaskCost:
     """Device-memory bytes and flops of one linear (N = weight rows, interleaved with silu_mul).
 
-    Counts W, x, the norm weight and residual once each (per-tile re-reads of x hit L2),
+    Counts W, x, the norm weight, the bias and residual once each (per-tile re-reads of x hit L2),
     the output, and with split_k > 1 the float32 workspace written and read back.
     Flops: 2*M*N*K for the product, plus the prologue/epilogue's elementwise work.
     """
@@ -305,6 +305,9 @@ def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool 
     if residual:
         read += M * n_out * dtype_bytes
         flops += M * n_out
+    if bias:
+        read += N * dtype_bytes
+        flops += M * N
     if silu_mul:
         flops += 5 * M * n_out
     if split_k > 1:

@@ -19,7 +19,7 @@ from .tma_gemm import _tile_coords, _tma_gemm_fits, linear_tma_kernel, tma_gemm_
 
 @jit
 def linear_kernel(
-    x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr,
+    x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, bias_ptr,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -32,7 +32,7 @@ def linear_kernel(
     linear_tile(x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps,
                 HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, bias_ptr=bias_ptr)
 
 
 @jit
@@ -56,7 +56,7 @@ def linear_partial_kernel(
 
 @jit
 def linear_splitk_reduce_kernel(
-    ws_ptr, res_ptr, out_ptr,
+    ws_ptr, res_ptr, out_ptr, bias_ptr,
     M, N, split_k: tl.constexpr, stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
@@ -66,7 +66,8 @@ def linear_splitk_reduce_kernel(
     _pdl_enter(PDL)
     linear_splitk_reduce_tile(ws_ptr, res_ptr, out_ptr, pid // num_pid_n, pid % num_pid_n, M, N, split_k,
                               stride_ws_split, stride_ws_m, stride_rm, stride_om,
-                              HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                              HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                              bias_ptr=bias_ptr)
 
 
 def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -100,8 +101,9 @@ def linear(
     split_k: int = 1,
     config: LinearConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``y = x @ weight.T``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
+    """``y = x @ weight.T (+ bias)``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
 
     Args:
         x: ``[..., K]``; rows may be strided, the last dim must be contiguous. Same dtype
@@ -117,6 +119,9 @@ def linear(
             is used, and split_k must be 1 or equal to it.
         config: tile sizes; :func:`linear_config` picks them when None.
         out_dtype: dtype of the result; x's dtype when None.
+        bias: optional ``[N]``, one value a weight row (Qwen2's q/k/v biases, in the rows'
+            order and permutation), added to the float32 product before the residual add or
+            SiLU·mul.
 
     Prefill rows (more than SKINNY_MAX_M) with 16-bit x, weight and result, no RMSNorm,
     residual or split-K and no config given run :func:`linear_tma_kernel` on a GPU with TMA
@@ -157,6 +162,9 @@ def linear(
     if norm_weight is not None:
         check_tensor("norm_weight", norm_weight, shape=(K,))
         check_same_device(x=x, norm_weight=norm_weight)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(N,))
+        check_same_device(x=x, bias=bias)
     if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
         raise ValueError(f"norm_eps must be a non-negative number, got {norm_eps!r}")
     check_positive_int("split_k", split_k)
@@ -173,7 +181,8 @@ def linear(
     out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return out.reshape(*x.shape[:-1], n_out)
-    if pinned is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k, silu_mul):
+    if pinned is None and bias is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k,
+                                                          silu_mul):
         sms = sm_count(x)
         tma = tma_gemm_config(M, N, sms)
         enable_device_descriptors()
@@ -199,7 +208,8 @@ def linear(
     prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk)
     if config.split_k == 1:
         linear_kernel[(tiles,)](
-            x2, weight, norm_w, res2, out, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),
+            x2, weight, norm_w, res2, out, bias, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0),
+            out.stride(0),
             float(norm_eps), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
             SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **prefetch, **launch)
     else:
@@ -210,7 +220,7 @@ def linear(
             HAS_NORM=norm_weight is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
             **prefetch, **launch)
         linear_splitk_reduce_kernel[(tiles,)](
-            ws, res2, out, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
+            ws, res2, out, bias, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, PDL=pdl,
             num_warps=config.num_warps, launch_pdl=pdl)
     return out.reshape(*x.shape[:-1], n_out)
@@ -223,6 +233,7 @@ def linear_ref(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     silu_mul: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch float32 reference of :func:`linear` (same arguments, float32 result).
 
@@ -233,8 +244,9 @@ def linear_ref(
     if norm_weight is not None:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
     w = weight.float()
+    b = torch.zeros(w.shape[0], device=w.device) if bias is None else bias.float()
     if silu_mul:
-        gate, up = h @ w[0::2].T, h @ w[1::2].T
+        gate, up = h @ w[0::2].T + b[0::2], h @ w[1::2].T + b[1::2]
         return torch.nn.functional.silu(gate) * up
-    y = h @ w.T
+    y = h @ w.T + b
     return y if residual is None else y + residual.float()

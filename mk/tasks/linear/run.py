@@ -242,11 +242,15 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
 
 @jit
 def linear_store_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
-    """:func:`linear_run`'s epilogue for a linear: residual add or SiLU·mul, then the store.
-    ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
-    res_ptr, out_ptr, M, N, stride_rm, stride_om = args
-    _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1])
+    """:func:`linear_run`'s epilogue for a linear: bias, residual add or SiLU·mul, then the
+    store. ``args``: (res_ptr, out_ptr, M, N, stride_rm, stride_om), optionally followed by
+    bias_ptr (``[N]``, or None); FLAGS: (HAS_RESIDUAL, SILU_MUL)."""
+    bias_ptr = None
+    if len(args) > 6:  # with a bias (Qwen2's QKV); a plain spec passes the first six only
+        bias_ptr = args[6]
+    _linear_epilogue(acc, args[0], args[1], pid_m, pid_n, args[2], args[3], args[4], args[5],
+                     HAS_RESIDUAL=FLAGS[0], SILU_MUL=FLAGS[1], BLOCK_M=acc.shape[0], BLOCK_N=acc.shape[1],
+                     bias_ptr=bias_ptr)
 
 
 @jit

@@ -109,7 +109,7 @@ def linear_splitk_reduce_tile(
     pid_m, pid_n, M, N, split_k: tl.constexpr,
     stride_ws_split, stride_ws_m, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    K=0, eps=0.0, NORM_SQ: tl.constexpr = False, PART_BLOCK_N: tl.constexpr = 0,
+    K=0, eps=0.0, NORM_SQ: tl.constexpr = False, PART_BLOCK_N: tl.constexpr = 0, bias_ptr=None,
 ):
     """Sum the split_k partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
@@ -117,7 +117,8 @@ def linear_splitk_reduce_tile(
     ``.cg`` (bypassing L1): in a persistent kernel they were written by other SMs. NORM_SQ:
     the partials left out the RMSNorm's rstd (:func:`linear_partial_tile`); scale by it here.
     PART_BLOCK_N: the partials' tile width where this tile is narrower (one of several
-    reduce tiles of a partial tile: :func:`linear_splitk_sum`).
+    reduce tiles of a partial tile: :func:`linear_splitk_sum`). ``bias_ptr``: ``[N]`` added to
+    the sum (the partials leave it out).
     """
     res = None
     if HAS_RESIDUAL:
@@ -130,4 +131,5 @@ def linear_splitk_reduce_tile(
                             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=eps, NORM_SQ=NORM_SQ,
                             PART_BLOCK_N=PART_BLOCK_N)
     _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+                     HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res,
+                     bias_ptr=bias_ptr)

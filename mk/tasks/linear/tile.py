@@ -306,12 +306,17 @@ def _load_residual(res_ptr, pid_m, pid_n, M, N, stride_rm,
 def _linear_epilogue(
     acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
     HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    res=None,
+    res=None, bias_ptr=None,
 ):
     """Store tile (pid_m, pid_n) of y from its float32 accumulator (N = weight rows); returns
     the tile as stored (out's dtype). ``res``: the tile's residual, when the caller loaded it
-    already (:func:`_load_residual`)."""
+    already (:func:`_load_residual`). ``bias_ptr``: ``[N]``, one value a weight row, added to
+    the product first: the bias belongs to the projection, so it comes before the residual
+    add and inside SiLU·mul (interleaved with the gate / up rows)."""
     offs_m, offs_o, mask = _out_tile(pid_m, pid_n, M, N, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if bias_ptr is not None:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
         # Interleaved rows (2i = gate_i, 2i+1 = up_i): adjacent accumulator columns pair up,
         # so the split stays inside the tile whatever BLOCK_N (even) is.
@@ -338,7 +343,7 @@ def linear_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
     w_first=None, TMA_STAGES: tl.constexpr = 0,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
-    argmax_best=None,
+    argmax_best=None, bias_ptr=None,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -355,6 +360,7 @@ def linear_tile(
     dependency wait, made inside the weight stream (tl.dot TMA tiles: :func:`_linear_acc`);
     the wait's new state is returned. ``argmax_best``: an LM head's tile also folds each
     row's max over its columns into best[row] (:func:`mk.tasks.argmax.argmax_tile_into`).
+    ``bias_ptr``: ``[N]`` added to the product (a whole-K tile only: a K split's reduce adds it).
     """
     WAITS: tl.constexpr = WAIT is not None
     res = None
@@ -373,7 +379,8 @@ def linear_tile(
                           DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
                           TMA_STAGES=TMA_STAGES)
     y = _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
-                         HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res)
+                         HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res,
+                         bias_ptr=bias_ptr)
     if argmax_best is not None:
         argmax_tile_into(y.to(tl.float32), pid_m, pid_n, M, N, argmax_best)
     if WAITS:
