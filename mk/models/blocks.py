@@ -142,14 +142,14 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
            fuse_into=p + "qkv")
         n_qkv = (hq + 2 * hkv) * d
         qkv_w = {"w": weight_key(p + "qkv")} | ({"bias": weight_key(p + "qkv", "bias")} if m.qkv_bias else {})
-        op(p + "qkv", "linear", [p + "h"], [p + "qkv"], {"M": B, "N": n_qkv, "K": h}, linear_cost(B, n_qkv, h, db),
-           L, buffers=qkv_w)
+        op(p + "qkv", "linear", [p + "h"], [p + "qkv"], {"M": B, "N": n_qkv, "K": h},
+           linear_cost(B, n_qkv, h, db, bias=m.qkv_bias), L, buffers=qkv_w)
         rope_bufs = {"inv_freq": "inv_freq", "k_cache": k_cache, "v_cache": v_cache}
         if m.qk_norm:
             rope_bufs |= {"q_norm": weight_key(p + "q_norm"), "k_norm": weight_key(p + "k_norm")}
         op(p + "rope_kv", "rope_kv", [p + "qkv"], [p + "q", p + "kv_cache"],
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "qk_norm": m.qk_norm},
-           rope_kv_cost(B, 1, hq, hkv, d, db), L, fuse_into=p + "qkv", buffers=rope_bufs)
+           rope_kv_cost(B, 1, hq, hkv, d, db, qk_norm=m.qk_norm), L, fuse_into=p + "qkv", buffers=rope_bufs)
         op(p + "attention", "attention", [p + "q", p + "kv_cache"], [p + "attn"],
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": attended,
             "kv_dtype_bytes": m.kv_dtype_bytes, "window": m.sliding_window},

@@ -586,41 +586,46 @@ class DecoderModel:
         delta = None  # fast: the last projection's output, added into x by the next norm
         for L in range(c.num_hidden_layers):
             kc, vc = self.k_cache[L], self.v_cache[L]
+            l = f"l{L}."
+            bias = W(l + "qkv.bias") if c.QKV_BIAS else None
             if fast:
-                h, x = self._add_norm(x, delta, W(f"l{L}.attn_norm"))
+                h, x = self._add_norm(x, delta, W(l + "attn_norm"))
                 delta = None  # added in: its memory goes back before the next projection
-                qkv = _mm(h, W(f"l{L}.qkv"))
+                qkv = _mm(h, W(l + "qkv")) if bias is None else torch.addmm(bias, h, W(l + "qkv").t())
                 del h
             else:
-                qkv = linear(x, W(f"l{L}.qkv"), norm_weight=W(f"l{L}.attn_norm"), norm_eps=eps, out_dtype=f32)
+                qkv = linear(x, W(l + "qkv"), norm_weight=W(l + "attn_norm"), norm_eps=eps, bias=bias, out_dtype=f32)
             q, k, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            norms = (dict(q_norm_weight=W(l + "q_norm"), k_norm_weight=W(l + "k_norm"), norm_eps=eps)
+                     if c.QK_NORM else {})
             # Positions and rows were built here from checked lengths: no checks, no read-back.
-            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True, cache_rows=rows, validate=False)
+            q = rope_kv(q, k, v, positions, w["inv_freq"], kc, vc, interleaved=True, cache_rows=rows, validate=False,
+                        **norms)
             del qkv, k, v
-            attn = _prefill.attention(q[0], kc, vc, segments, self.prefill_precision)
+            attn = _prefill.attention(q[0], kc, vc, segments, self.prefill_precision, window=c.window)
             del q
             if fast:
-                delta = _mm(attn, W(f"l{L}.o_proj"))
+                delta = _mm(attn, W(l + "o_proj"))
                 del attn
-                h, x = self._add_norm(x, delta, W(f"l{L}.mlp_norm"))
+                h, x = self._add_norm(x, delta, W(l + "mlp_norm"))
                 delta = None
-                if tma_gemm_serves(h, W(f"l{L}.gate_up"), silu_mul=True):
+                if tma_gemm_serves(h, W(l + "gate_up"), silu_mul=True):
                     # mk's TMA GEMM with SiLU·mul in its epilogue: the [n, 2I] product is
                     # never stored (1B / 8B, 2048-8192 tokens: 4-15% under cuBLAS + SiLU·mul).
-                    act = linear(h, W(f"l{L}.gate_up"), silu_mul=True)
+                    act = linear(h, W(l + "gate_up"), silu_mul=True)
                 else:
-                    gu = _mm(h, W(f"l{L}.gate_up"))  # gate and up rows interleaved
+                    gu = _mm(h, W(l + "gate_up"))  # gate and up rows interleaved
                     act = silu_mul(gu[:, 0::2], gu[:, 1::2], validate=False)
                     del gu
                 del h
-                delta = _mm(act, W(f"l{L}.down"))
+                delta = _mm(act, W(l + "down"))
                 del act
             else:
-                x = linear(attn, W(f"l{L}.o_proj"), residual=x, out_dtype=f32)
+                x = linear(attn, W(l + "o_proj"), residual=x, out_dtype=f32)
                 del attn
-                act = linear(x, W(f"l{L}.gate_up"), norm_weight=W(f"l{L}.mlp_norm"), norm_eps=eps, silu_mul=True,
+                act = linear(x, W(l + "gate_up"), norm_weight=W(l + "mlp_norm"), norm_eps=eps, silu_mul=True,
                              out_dtype=f32)
-                x = linear(act, W(f"l{L}.down"), residual=x, out_dtype=f32)
+                x = linear(act, W(l + "down"), residual=x, out_dtype=f32)
                 del act
         if delta is not None:
             x += delta

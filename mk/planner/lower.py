@@ -204,8 +204,10 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         elif kind == "rope_kv":
             first = node.name == first_rope
             spec = make_op("rope_kv", batch=B, num_q_heads=d["heads"], num_kv_heads=d["kv_heads"],
-                           head_dim=d["head_dim"], max_seq=S, write_seqlens=first, interleaved=True)
+                           head_dim=d["head_dim"], max_seq=S, write_seqlens=first, interleaved=True,
+                           **({"qk_norm": True, "qk_eps": eps} if d.get("qk_norm") else {}))
             extra = {"seqlens": activation("seqlens", B, dt=torch.int32)} if first else {}
+            extra |= {r: node.buffers[r] for r in ("q_norm", "k_norm") if r in node.buffers}
             add_op(node.name, spec, qkv=node.inputs[0], pos="pos", inv_freq=node.buffers["inv_freq"],
                    q=activation(node.outputs[0], B, d["heads"] * d["head_dim"]), k_cache=node.buffers["k_cache"],
                    v_cache=node.buffers["v_cache"], **extra)
@@ -214,7 +216,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             # One phase: each KV group's last split merges it (with one split too: a copy). The
             # length from the positions: known before the wait (the step's QKV writes seqlens).
             spec = make_op("decode_attention", batch=B, num_q_heads=hq, num_kv_heads=d["kv_heads"],
-                           head_dim=dh, max_seq=S, num_splits=splits, from_positions=True)
+                           head_dim=dh, max_seq=S, num_splits=splits, from_positions=True,
+                           **({"window": d["window"]} if d.get("window") else {}))
             add_op(node.name, spec, q=node.inputs[0], k_cache=node.buffers["k_cache"],
                    v_cache=node.buffers["v_cache"], pos="pos",
                    o_part=activation(f"{node.name}.o_part", B, hq, splits * dh),
@@ -407,12 +410,20 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         r, first = rope.dims, rope.name == first_rope
         heads = dict(num_q_heads=r["heads"], num_kv_heads=r["kv_heads"], head_dim=r["head_dim"], K=K,
                      max_seq=max_seq, write_seqlens=first)
+        # The family options: the projection's bias, the q / k norm before the rotation.
+        heads |= {"bias": True} if "bias" in node.buffers else {}
+        heads |= {"qk_norm": True, "qk_eps": eps} if r.get("qk_norm") else {}
         epilogue.update(pos="pos", inv_freq=rope.buffers["inv_freq"],
                         q=activation(rope.outputs[0], M, r["heads"] * r["head_dim"]),
                         k_cache=rope.buffers["k_cache"], v_cache=rope.buffers["v_cache"])
+        epilogue |= {"bias": node.buffers["bias"]} if "bias" in node.buffers else {}
+        epilogue |= {role: rope.buffers[role] for role in ("q_norm", "k_norm") if role in rope.buffers}
         if first:
             epilogue["seqlens"] = activation("seqlens", M, dt=torch.int32)
     else:
+        if "bias" in node.buffers:
+            raise ValueError(f"lower_decode_step: op {node.name} has a bias, which only the QKV tiles with RoPE "
+                             f"fused add (the plan must fuse its RoPE)")
         if add is not None:
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)

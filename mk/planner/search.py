@@ -442,8 +442,11 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             if node.kind == "rmsnorm" and host is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS:
                 new_beam.append(_State(state.cost, state.peak_smem, state.choices, state.pending + (node.name,),
                                        state.order + (-2,)))
-            # 3. Run it on its own (a linear takes the RMSNorms waiting for it).
+            # 3. Run it on its own (a linear takes the RMSNorms waiting for it). A RoPE after a
+            # QKV with a bias fuses: the bias is added in the QKV + RoPE tiles' epilogue.
             if node.kind in MUST_FUSE and host is not None:
+                continue
+            if node.kind == "rope_kv" and host is not None and "bias" in nodes[host].buffers:
                 continue
             takes = tuple(p for p in state.pending if nodes[p].fuse_into == node.name)
             rest = tuple(p for p in state.pending if p not in takes)

@@ -749,22 +749,15 @@ def kv_length_at(pos: int, max_seq: int) -> int:
     return min(max(pos + 1, 0), max_seq)
 
 
-def _attention_split(seqlen: int, num_splits: int, block_n: int, split: int) -> tuple[int, int]:
-    """KV positions [start, end) of ``split``, cut as decode_attention_partial_tile cuts them."""
-    split_len = cdiv(cdiv(seqlen, num_splits), block_n) * block_n
-    start = split * split_len
-    return start, max(start, min(start + split_len, seqlen))
-
-
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
                          max_seq: int, splits: int, block_n: int, scale: float, seqlen: int,
-                         direct: bool = False) -> None:
+                         direct: bool = False, window: int | None = None) -> None:
     """KV split s of (b, kv) of a sequence of ``seqlen`` keys for its group's query heads, with
     torch (the VM's partial); ``direct``: the split is the sequence's only live one and writes
-    out instead."""
+    out instead; ``window``: the slices cut the window's keys only (:func:`split_range`)."""
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
-    start, end = _attention_split(seqlen, splits, block_n, s)
+    start, end = split_range(seqlen, s, splits, block_n, window)
     q = operand_view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
     o_part = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
     lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
@@ -908,7 +901,8 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
 @register("decode_attention")
 def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                         num_splits: int, *, scale: float | None = None, block_n: int | None = None,
-                        num_warps: int | None = None, from_positions: bool = False) -> OpSpec:
+                        num_warps: int | None = None, from_positions: bool = False,
+                        window: int | None = None) -> OpSpec:
     """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
     of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
     split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
@@ -933,8 +927,13 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     (:attr:`OpSpec.waits_in_body`): they read and write nothing, and a consumer still waits
     for split 0, which is always live and waits. (At a short context most of the splits
     planned for the cache's length are past it: 1B batch 8, 3 of 4.)
+
+    ``window``: a sliding window (Mistral): the slices cut only the last ``window`` keys
+    (:func:`decode_slice`), so keys before them are never read.
     """
     op = "decode_attention"
+    check_window(window)
+    win = ", WINDOW=WINDOW" if window is not None else ""  # (without a window: the code as before)
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
                                        scale=scale, block_n=block_n, num_warps=num_warps)
     hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
@@ -948,9 +947,9 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     # The K/V lines of the slice into L2 while the task waits (inline PTX: compiled code only).
     preload += ("if GPU:\n    decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
                 "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
-                "S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D)")
+                f"S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D{win})")
     # With the exact length before the wait, only the live splits wait for their inputs.
-    wait = ("if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N):\n"
+    wait = (f"if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N{win}):\n"
             "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
             if from_positions else "")
     body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
@@ -958,18 +957,19 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
             "o_part, lse, arrivals, out, b.to(tl.int64), "
             "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
             "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
-            "BLOCK_GROUP=BLOCK_GROUP)")
+            f"BLOCK_GROUP=BLOCK_GROUP{win})")
 
     tile = _attention_tile(op, batch, hkv, S)
 
     def run(bufs, a):
         b, kv, s = tile(a)
         seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions)
-        live = live_splits(seqlen, S, c["BLOCK_N"])
+        live = live_splits(seqlen, S, c["BLOCK_N"], window)
         if s >= live:  # past the sequence: nothing to do
             return
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
-                             block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen)
+                             block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen,
+                             window=window)
         if live == 1:  # split 0 wrote out itself
             return
         arrivals = operand_view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
@@ -997,7 +997,8 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                   imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
                            "decode_length, decode_live_splits",),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
-                              "FROM_POSITIONS": int(from_positions)},
+                              "FROM_POSITIONS": int(from_positions),
+                              **({"WINDOW": window} if window is not None else {})},
                   num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",),
                   tiles=part.tiles)

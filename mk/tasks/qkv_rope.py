@@ -422,14 +422,49 @@ class _QkvRope:
     """The RoPE + KV append epilogue of a QKV tile (fused, or after a split-K reduce): its
     VM semantics and its regions, for tiles of ``s`` (a :class:`mk.tasks.linear.spec.LinearShape`)."""
 
-    def __init__(self, op, s, batch, hq, hkv, d, max_seq, write_seqlens):
+    def __init__(self, op, s, batch, hq, hkv, d, max_seq, write_seqlens, bias=False, qk_norm=False, qk_eps=1e-6):
         self.op, self.s, self.batch, self.hq, self.hkv, self.d = op, s, batch, hq, hkv, d
         self.max_seq, self.write_seqlens = max_seq, write_seqlens
+        self.bias, self.qk_norm, self.qk_eps = bias, qk_norm, qk_eps
+        if qk_norm:
+            check_qkv_rope_tile(s.bn, d, qk_norm=True)
+
+    @property
+    def operands(self) -> tuple[str, ...]:
+        """The family options' operands: bias ``[N]``, q_norm and k_norm ``[D]`` (in the rows' layout)."""
+        return (("bias",) if self.bias else ()) + (("q_norm", "k_norm") if self.qk_norm else ())
+
+    def device_kwargs(self) -> str:
+        """The options as the tile functions' keyword arguments (empty when off)."""
+        out = ", bias_ptr=bias" if self.bias else ""
+        return out + (", q_norm_w_ptr=q_norm, k_norm_w_ptr=k_norm, qk_eps=QK_EPS" if self.qk_norm else "")
+
+    def run_args(self) -> str:
+        """The options as :func:`qkv_rope_kv_run_epilogue`'s trailing args (none when off)."""
+        if not (self.bias or self.qk_norm):
+            return ""
+        norms = "q_norm, k_norm, QK_EPS" if self.qk_norm else "None, None, 0.0"
+        return f", {'bias' if self.bias else 'None'}, {norms}"
+
+    def constexprs(self) -> dict:
+        return {"QKV_BIAS": int(self.bias), "QK_NORM": int(self.qk_norm),
+                **({"QK_EPS": float(self.qk_eps)} if self.qk_norm else {})}
 
     def store(self, b, a, acc: torch.Tensor) -> None:
-        """VM: rotate the float32 tile ``acc`` and store q, or k / v into the caches."""
+        """VM: add the bias, norm the q / k heads, rotate the float32 tile ``acc`` and store
+        q, or k / v into the caches."""
         op, batch, hq, hkv, d, max_seq = self.op, self.batch, self.hq, self.hkv, self.d, self.max_seq
         r0, r1, n0, n1, _, _ = self.s.tile(a)
+        if self.bias:
+            acc = acc + as_2d(b["bias"])[0, n0:n1].float()
+        if self.qk_norm:  # whole heads (check_qkv_rope_tile): each q / k head's columns normed
+            acc = acc.clone()
+            for c in range(0, n1 - n0, d):
+                head = (n0 + c) // d
+                if head < hq + hkv:
+                    w = as_2d(b["q_norm" if head < hq else "k_norm"])[0].float()
+                    x = acc[:, c:c + d]
+                    acc[:, c:c + d] = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.qk_eps) * w
         pos = operand_view(op, "pos", b["pos"], 1, batch)[0, r0:r1].long()
         inv = operand_view(op, "inv_freq", b["inv_freq"], 1, d // 2)[0].float()
         cols = torch.arange(n0, n1, 2, device=acc.device)
@@ -460,8 +495,13 @@ class _QkvRope:
             seqlens[r0:r1] = (pos + 1).clamp(0, max_seq).to(seqlens.dtype)
 
     def reads(self, a, bind) -> list:
-        r0, r1, _, _, _, _ = self.s.tile(a)
-        return [Region(bind["pos"], 0, 1, r0, r1), Region(bind["inv_freq"], 0, 1, 0, self.d // 2)]
+        r0, r1, n0, n1, _, _ = self.s.tile(a)
+        regs = [Region(bind["pos"], 0, 1, r0, r1), Region(bind["inv_freq"], 0, 1, 0, self.d // 2)]
+        if self.bias:
+            regs.append(Region(bind["bias"], 0, 1, n0, n1))
+        if self.qk_norm:
+            regs += [Region(bind["q_norm"], 0, 1, 0, self.d), Region(bind["k_norm"], 0, 1, 0, self.d)]
+        return regs
 
     def writes(self, a, bind) -> list:
         hq, hkv, d, max_seq = self.hq, self.hkv, self.d, self.max_seq
@@ -497,7 +537,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                    num_warps: int | None = None, norm: bool = False, eps: float = 1e-6,
                    write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
                    tma_stages: int = 0, prefetch_k: int = 0, tiles_per_task: int = 1,
-                   dtype: torch.dtype | None = None) -> OpSpec:
+                   dtype: torch.dtype | None = None, bias: bool = False, qk_norm: bool = False,
+                   qk_eps: float = 1e-6) -> OpSpec:
     """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
     (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
     rotates its q / k pairs and stores q, or its k / v columns into the caches.
@@ -505,8 +546,11 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     Operands: x ``[batch, K]``, w (q/k rows interleaved, :func:`mk.tasks.rope.interleave_rotary`),
     norm_w ``[K]`` (with norm), pos ``[batch]``, inv_freq float32 ``[D/2]``, q float32
     ``[batch, Hq * D]``, k_cache and v_cache ``[batch, Hkv, max_seq, D]``, with
-    ``write_seqlens`` seqlens ``[batch]`` (= pos + 1, written by the tiles of column 0).
-    Args: pid_m, pid_n. Tiles, weight streaming, prefetch and their options as :func:`mk.tasks.linear.linear_op`.
+    ``write_seqlens`` seqlens ``[batch]`` (= pos + 1, written by the tiles of column 0);
+    with ``bias`` bias ``[N]`` (Qwen2), with ``qk_norm`` q_norm and k_norm ``[D]`` (Qwen3:
+    each q / k head RMSNorm-ed, eps ``qk_eps``, before the rotation; block_n a multiple of D),
+    both in the rows' layout. Args: pid_m, pid_n. Tiles, weight streaming, prefetch and
+    their options as :func:`mk.tasks.linear.linear_op`.
 
     Regions: a tile's cache write is at a runtime position, so it declares every position
     of the heads (and head columns) it covers, per sequence: attention of those heads waits
@@ -523,13 +567,14 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     if s.bn % 2:
         raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
     tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
+    rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens, bias, qk_norm, qk_eps)
     operands = (("x", "w") + (("norm_w",) if norm else ()) + ("pos", "inv_freq", "q", "k_cache", "v_cache")
-                + (("seqlens",) if write_seqlens else ()))
+                + (("seqlens",) if write_seqlens else ()) + rope.operands)
     body = (f"qkv_rope_kv_tile(x, w, {'norm_w' if norm else 'w'}, pos, inv_freq, q, k_cache, v_cache, "
             f"{'seqlens' if write_seqlens else 'pos'}, pid_m, pid_n, M, K, S_MAX, {'EPS' if norm else '0.0'}, "
             f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
-            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''})")
+            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''}{rope.device_kwargs()})")
     body = s.waiting(body, tma)
     rope_pre = ""
     if s.streams_in_run(tma):
@@ -538,15 +583,15 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         rope_pre = _ROPE_PRE if s.run == 1 else ""
         body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
                           f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX, "
-                          f"{'rope_pre' if rope_pre else 'None'}",
+                          f"{'rope_pre' if rope_pre else 'None'}{rope.run_args()}",
                           "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), **s.stream_constexprs(tma), "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
     if norm:
         constexprs["EPS"] = float(eps)
-
-    rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens)
+    if bias or qk_norm:  # (a Llama's keys stay as they were)
+        constexprs.update(rope.constexprs())
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     preload_src = "\n".join(x for x in (preload_src, rope_pre) if x)
@@ -578,7 +623,8 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
                           split_k: int, *, block_m: int | None = None, block_n: int | None = None,
                           block_k: int | None = None, num_warps: int | None = None, write_seqlens: bool = False,
                           norm_sq: bool = False, eps: float = 1e-6, part_block_n: int | None = None,
-                          dtype: torch.dtype | None = None) -> OpSpec:
+                          dtype: torch.dtype | None = None, bias: bool = False, qk_norm: bool = False,
+                          qk_eps: float = 1e-6) -> OpSpec:
     """Tile (pid_m, pid_n) of a split-K QKV projection: sum its float32 partials (from a
     :func:`mk.tasks.linear.linear_partial_op` of the same sizes, N = (Hq + 2 Hkv) * D, q/k rows interleaved),
     then RoPE + KV append as :func:`qkv_rope_kv_op` does.
@@ -586,6 +632,7 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
     Operands: ws float32 ``[split_k, batch, N]``, pos, inv_freq, q, k_cache, v_cache (and
     seqlens with ``write_seqlens``) as in :func:`qkv_rope_kv_op`. Args: pid_m, pid_n.
     ``norm_sq``, ``part_block_n``: as :func:`mk.tasks.linear.linear_reduce_op` (the RMSNorm's rstd applied here).
+    ``bias``, ``qk_norm``, ``qk_eps``: as :func:`qkv_rope_kv_op` (the partials leave the bias out).
     """
     op = "qkv_rope_kv_reduce"
     check_sizes(op, batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, K=K,
@@ -598,16 +645,19 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
     if s.bn % 2:
         raise ValueError(f"{op}: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
     part_bn = s.narrow_reduce(part_block_n)
-    rope = _QkvRope(op, s, batch, hq, hkv, d, max_seq, write_seqlens)
-    operands = ("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+    rope = _QkvRope(op, s, batch, hq, hkv, d, max_seq, write_seqlens, bias, qk_norm, qk_eps)
+    operands = (("ws", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+                + rope.operands)
     body = (f"qkv_rope_kv_reduce_tile(ws, pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, "
             f"pid_m, pid_n, M, S_MAX, SPLIT_K, M * WS_N, WS_N, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, "
             f"WRITE_SEQLENS=SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, NORM_SQ=NORM_SQ, pre=rope_pre, "
-            f"PART_BLOCK_N=PART_BLOCK_N)")
+            f"PART_BLOCK_N=PART_BLOCK_N{rope.device_kwargs()})")
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
     constexprs.update(SPLIT_K=split_k, HQ=hq, HKV=hkv, HEAD_DIM=d, S_MAX=max_seq, SEQLENS=int(write_seqlens),
                       NORM_SQ=int(norm_sq), WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0,
                       PART_BLOCK_N=part_bn)
+    if bias or qk_norm:
+        constexprs.update(rope.constexprs())
 
     def run(b, a):
         rope.store(b, a, s.reduce(b, a, norm_sq, eps))

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
-from ._spec import OpSpec, Region, check_sizes, check_tile, operand_view, register
+from ._spec import OpSpec, Region, as_2d, check_sizes, check_tile, operand_view, register
 from .decode_attention import kv_length_at
 
 #: Elements of one half-head tile [BLOCK_H, BLOCK_HALF] a program holds at once.
@@ -603,7 +603,8 @@ def rope_kv_smem_bytes(block_h: int, block_half: int, num_warps: int) -> int:
 
 @register("rope_kv")
 def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, *,
-               write_seqlens: bool = True, interleaved: bool = False, num_warps: int | None = None) -> OpSpec:
+               write_seqlens: bool = True, interleaved: bool = False, num_warps: int | None = None,
+               qk_norm: bool = False, qk_eps: float = 1e-6) -> OpSpec:
     """RoPE of sequence b's one new token, and its k and v appended to the KV cache.
 
     Operands: qkv ``[batch, (Hq + 2 Hkv) * D]`` (the fused QKV projection: q heads, then k
@@ -621,6 +622,9 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
     tasks of b, which read their head's rows, then wait for this task (as they must), and
     nothing else of a decode step touches that layer's cache. A position outside
     ``[0, max_seq)`` writes no cache row (the device function's guard; the VM does the same).
+
+    ``qk_norm``: operands q_norm and k_norm ``[D]`` (in q's and k's layout) RMSNorm each q and
+    k head (eps ``qk_eps``) before the rotation, as Qwen3 does.
     """
     check_sizes("rope_kv", batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                  max_seq=max_seq)
@@ -629,14 +633,16 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     block_h, block_half = rope_blocks(d, max(hq, hkv))
     width = (hq + 2 * hkv) * d
-    operands = ("qkv", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+    operands = (("qkv", "pos", "inv_freq", "q", "k_cache", "v_cache") + (("seqlens",) if write_seqlens else ())
+                + (("q_norm", "k_norm") if qk_norm else ()))
     # b in 64 bits: b * (Hkv * S_max * D) passes 2**31 for long caches.
     body = ("rope_kv_tile(qkv, qkv + HQ * HEAD_DIM, qkv + (HQ + HKV) * HEAD_DIM, pos, inv_freq, q, k_cache, v_cache, "
             "b.to(tl.int64), 0, HQ, HKV, S_MAX, "
             "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, (HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, "
             "(HQ + 2 * HKV) * HEAD_DIM, 0, HEAD_DIM, 1, 0, HQ * HEAD_DIM, 0, HEAD_DIM, "
             "HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, "
-            "HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED)")
+            "HALF=HALF, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=INTERLEAVED"
+            + (", q_norm_w_ptr=q_norm, k_norm_w_ptr=k_norm, norm_eps=QK_EPS)" if qk_norm else ")"))
     if write_seqlens:
         body += "\nrope_kv_seqlen_tile(pos, seqlens, b, 0, 1, 0, S_MAX)"
 
@@ -651,13 +657,16 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
         inv_freq = operand_view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
         positions = pos_t.reshape(1, 1)
         q_out = operand_view("rope_kv", "q", bufs["q"], batch, hq * d)
-        q_out[b] = rope_ref(qkv[:hq * d].view(1, 1, hq, d), positions, inv_freq,
-                            interleaved=interleaved).reshape(-1).to(q_out.dtype)
+        norms = {}
+        if qk_norm:
+            norms = {w: as_2d(bufs[w])[0].float() for w in ("q_norm", "k_norm")}
+        q_in = head_rmsnorm_ref(qkv[:hq * d].view(1, 1, hq, d), norms.get("q_norm"), qk_eps)
+        q_out[b] = rope_ref(q_in, positions, inv_freq, interleaved=interleaved).reshape(-1).to(q_out.dtype)
         pos = int(pos_t)
         if 0 <= pos < max_seq:
             kc, vc = (operand_view("rope_kv", c, bufs[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
                       for c in ("k_cache", "v_cache"))
-            k = qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d)
+            k = head_rmsnorm_ref(qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d), norms.get("k_norm"), qk_eps)
             kc[b, :, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
             vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
         if write_seqlens:
@@ -665,8 +674,11 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
 
     def reads(a, bind):
         b = seq(a)
-        return [Region(bind["qkv"], b, b + 1, 0, width), Region(bind["pos"], 0, 1, b, b + 1),
+        regs = [Region(bind["qkv"], b, b + 1, 0, width), Region(bind["pos"], 0, 1, b, b + 1),
                 Region(bind["inv_freq"], 0, 1, 0, d // 2)]
+        if qk_norm:
+            regs += [Region(bind["q_norm"], 0, 1, 0, d), Region(bind["k_norm"], 0, 1, 0, d)]
+        return regs
 
     def writes(a, bind):
         b = seq(a)
@@ -681,6 +693,7 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
                   imports=("from mk.tasks.rope import rope_kv_seqlen_tile, rope_kv_tile",),
                   constexprs={"BATCH": batch, "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HALF": d // 2,
                               "BLOCK_H": block_h, "BLOCK_HALF": block_half, "SEQLENS": int(write_seqlens),
-                              "INTERLEAVED": int(bool(interleaved))},
+                              "INTERLEAVED": int(bool(interleaved)),
+                              **({"QK_NORM": 1, "QK_EPS": float(qk_eps)} if qk_norm else {})},
                   num_warps=num_warps or rope_num_warps(block_h, block_half), run=run, reads=reads, writes=writes,
                   tiles=lambda _: [{"b": b} for b in range(batch)])

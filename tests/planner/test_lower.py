@@ -13,8 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mk.models import LlamaConfig, ReferenceLlama, random_weights
-from mk.models.llama import Llama
+from mk.models import AutoModel, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, ReferenceLlama, random_weights
 from mk.persistent.graph import lower
 from mk.persistent.runtime import Megakernel
 from mk.persistent.vm import run_vm
@@ -36,8 +35,9 @@ B, S = 2, 12
 POSITIONS = [3, 7]  # each sequence's cache holds this many tokens before the step
 
 
-def variants(graph):
-    """Plans to lower: the search's best two, and hand-edited ones covering every lowering path."""
+def variants(graph, own_rope_ok: bool = True):
+    """Plans to lower: the search's best two, and hand-edited ones covering every lowering path
+    (``own_rope_ok`` False: RoPE stays fused, as a QKV bias needs)."""
     plans = search(graph, DeviceSpec.preset("h100"), top_k=2)
     best = plans[0]
     edited = dict(best.choices)
@@ -59,15 +59,15 @@ def variants(graph):
     edited["l0.attn_norm"] = OpChoice()
     tma = {n: replace(c, tma_stages=2, block_n=16, block_k=32, split_k=1) if graph.node(n).kind == "linear" else c
            for n, c in best.choices.items()}
-    return plans + [replace(best, choices=edited), replace(best, choices=own_rope), replace(best, choices=tma)]
+    return plans + [replace(best, choices=edited)] + ([replace(best, choices=own_rope)] if own_rope_ok else []) + [
+        replace(best, choices=tma)]
 
 
-@pytest.fixture(scope="module")
-def setup():
-    model = Llama.from_config(CONFIG, seed=11, max_batch_size=B, max_seq_len=S)
-    ref = ReferenceLlama(CONFIG, random_weights(CONFIG, seed=11))
+def _setup(config):
+    model = AutoModel.from_config(config, seed=11, max_batch_size=B, max_seq_len=S)
+    ref = ReferenceLlama(config, random_weights(config, seed=11))
     cache = ref.new_cache(B, S)
-    history = torch.randint(0, CONFIG.vocab_size, (B, S))
+    history = torch.randint(0, config.vocab_size, (B, S))
     for b, n in enumerate(POSITIONS):  # fill each sequence's cache with its first n tokens
         single = ref.new_cache(1, S)
         ref.forward(history[b:b + 1, :n], 0, single)
@@ -78,6 +78,11 @@ def setup():
     return model, (k0, v0), history, logits, cache
 
 
+@pytest.fixture(scope="module")
+def setup():
+    return _setup(CONFIG)
+
+
 def run_step(model, plan, graph, setup_data, workers=None, seed=0):
     _, (k0, v0), history, _, _ = setup_data
     model.k_cache.copy_(k0), model.v_cache.copy_(v0)
@@ -85,9 +90,9 @@ def run_step(model, plan, graph, setup_data, workers=None, seed=0):
     state = {"ids": history[torch.arange(B), torch.tensor(POSITIONS)].to(**i32),
              "pos": torch.tensor(POSITIONS, **i32), "tokens": history.to(**i32).clone()}
     bufs = dict(model.weights, **state)
-    for L in range(CONFIG.num_hidden_layers):
+    for L in range(model.config.num_hidden_layers):
         bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = model.k_cache[L], model.v_cache[L]
-    step = lower_decode_step(plan, graph, bufs, eps=CONFIG.rms_norm_eps)
+    step = lower_decode_step(plan, graph, bufs, eps=model.config.rms_norm_eps)
     if workers is None:
         Megakernel(lower(step.graph, num_workers=1)).run()
     else:
@@ -124,6 +129,33 @@ def test_vm_proves_the_lowered_dependencies(setup, workers):
     for i, plan in enumerate(variants(graph)[2:]):  # the hand-edited plans: every kind of task
         step, state = run_step(model, plan, graph, setup, workers=workers, seed=workers + i)
         check(step, state, setup, model, f"plan {i} on the VM, {workers} workers")
+
+
+#: The families' options on the same small shape: a window shorter than the cached
+#: sequences, biases, per-head q/k norms (whole heads in every fused tile the plans use).
+FAMILY = {"mistral-window": MistralConfig.tiny(**{**CONFIG.to_dict(), "rope_scaling": None}, sliding_window=5),
+          "qwen2-bias": Qwen2Config.tiny(**{**CONFIG.to_dict(), "rope_scaling": None}),
+          "qwen3-qknorm": Qwen3Config.tiny(**{**CONFIG.to_dict(), "rope_scaling": None})}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_every_family_plan_lowers_to_the_reference_step(name):
+    # The VM runs every hand-edited plan's tasks (split-K QKV reduces with the bias and q/k
+    # norm, split-KV attention over the window, RoPE as its own task) in random orders.
+    config = FAMILY[name]
+    data = _setup(config)
+    model = data[0]
+    graph = decode_graph(config.to_model_shape(dtype_bytes=4), B, S)
+    plans = variants(graph, own_rope_ok=not config.QKV_BIAS)
+    if config.QK_NORM:  # fused RoPE tiles must hold whole heads
+        for p in plans:
+            assert all(c.block_n % config.head_dim == 0 for n, c in p.choices.items() if "l0.rope_kv" in c.fuse
+                       or "l1.rope_kv" in c.fuse), name
+    step, state = run_step(model, plans[0], graph, data)
+    check(step, state, data, model, f"{name}: the best plan on the megakernel")
+    for i, plan in enumerate(plans[2:]):
+        step, state = run_step(model, plan, graph, data, workers=5, seed=i)
+        check(step, state, data, model, f"{name}: plan {i} on the VM")
 
 
 def test_layers_share_their_activation_memory(setup):
