@@ -489,7 +489,7 @@ def decode_attention_merge_kernel(
     decode_attention_merge_tile(
         o_part_ptr, lse_ptr, out_ptr, pid // num_q_heads, pid % num_q_heads, num_splits,
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ls, stride_ob, stride_oh,
-        HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D)
+        HEAD_DIM=HEAD_DIM, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, CACHE=".ca")  # (Triton 3.6 fails on the "" default)
 
 
 # --------------------------------------------------------------------------- launcher
