@@ -10,7 +10,6 @@ source hash.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import os
@@ -226,9 +225,7 @@ from mk.tasks._device import jit
 @jit
 def {KERNEL_NAME}(desc_ptr, queue_ptr, counters_ptr, state_ptr, error_ptr, trace_ptr, num_workers, timeout,
                DESC_WORDS: tl.constexpr, TRACE: tl.constexpr, USE_TIMER: tl.constexpr,
-               BACKOFF_NS: tl.constexpr, DEFER_SIGNALS: tl.constexpr, PROXY_FENCES: tl.constexpr):
-    # PROXY_FENCES is not read here: it keys the compiled binary (with or without the proxy
-    # fences of Triton's pass, proxy_fence_pass()) apart in Triton's caches.
+               BACKOFF_NS: tl.constexpr, DEFER_SIGNALS: tl.constexpr):
     worker = tl.program_id(0)
     # state: [launches completed, workers finished (cumulative)]; thresholds grow with it,
     # so counters never need a host reset between launches.
@@ -250,17 +247,16 @@ KERNEL_ARGS = {"desc_ptr": "*i32", "queue_ptr": "*i32", "counters_ptr": "*i32", 
 
 
 def kernel_constexprs(program: Program, *, trace: bool = False, use_timer: bool = True, backoff_ns: int = 0,
-                      defer_signals: bool = True, proxy_fences: bool = False) -> dict:
+                      defer_signals: bool = True) -> dict:
     """The constexpr arguments of the generated kernel (what a launch passes by keyword)."""
     return dict(DESC_WORDS=device_words(program), TRACE=trace, USE_TIMER=use_timer, BACKOFF_NS=backoff_ns,
-                DEFER_SIGNALS=defer_signals, PROXY_FENCES=proxy_fences)
+                DEFER_SIGNALS=defer_signals)
 
 
 def compile_for_target(program: Program, *, arch: int = 90, num_warps: int = 4, **constexprs):
     """Compile ``program``'s megakernel for ``sm_<arch>`` without launching it (no GPU needed
     when Triton's NVIDIA backend is installed): type, layout and inline-PTX errors show here.
-    Compiled as :class:`mk.persistent.runtime.Megakernel` compiles it (``proxy_fences``
-    among the constexprs: see :func:`proxy_fence_pass`)."""
+    Compiled as :class:`mk.persistent.runtime.Megakernel` compiles it."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -268,76 +264,7 @@ def compile_for_target(program: Program, *, arch: int = 90, num_warps: int = 4, 
     cx = kernel_constexprs(program, **constexprs)
     src = triton.compiler.ASTSource(fn=kernel, signature={**KERNEL_ARGS, **{k: "constexpr" for k in cx}},
                                     constexprs=cx)
-    with proxy_fence_pass(cx["PROXY_FENCES"]):
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-
-
-class _WithoutProxyFencePass:
-    """A Triton pipeline hook (``triton.knobs.runtime.add_stages_inspection_hook``) whose
-    TTGIR -> LLVM stage skips the NVIDIA backend's proxy-fence pass; any hook already
-    installed runs first."""
-
-    KEY = "mk-without-proxy-fence-pass"
-
-    def __init__(self, previous):
-        self.previous = previous
-
-    def __call__(self, backend=None, stages=None, options=None, language=None, capability=None):
-        if stages is None:  # Triton >= 3.7 first asks the hook for a key to its caches
-            key, digest = self.previous() if self.previous is not None else ("", "")
-            return key + self.KEY, f"{digest}{self.KEY}"
-        if self.previous is not None:
-            self.previous(backend, stages, options, language, capability)
-        to_llir = stages.get("llir")
-        if to_llir is None:
-            return
-        from triton._C.libtriton import nvidia
-
-        passes = nvidia.passes.ttnvgpuir
-
-        def llir(src, metadata):
-            add_pass = getattr(passes, "add_proxy_fence_insertion", None)
-            if add_pass is None:
-                return to_llir(src, metadata)
-            passes.add_proxy_fence_insertion = lambda pm, capability: None
-            try:
-                return to_llir(src, metadata)
-            finally:
-                passes.add_proxy_fence_insertion = add_pass
-
-        stages["llir"] = llir
-
-
-@contextlib.contextmanager
-def proxy_fence_pass(enabled: bool):
-    """Compile (and look up compiled kernels) with Triton's proxy-fence pass, or without it.
-
-    The pass puts a ``fence.proxy.async.shared::cta`` before each TMA write to shared memory
-    that generic-proxy accesses of the same bytes precede: in the weight streams of mk.tasks,
-    before every refill of a ring slot whose chunk the warps have just read (a MEMBAR.ALL.CTA
-    a chunk in the SASS). That write-after-read is already ordered: Triton puts a CTA barrier between
-    the warps' reads and the one thread's TMA issue, the reads have returned their values by
-    then, and the TMA write lands only after its global read, an L2 or DRAM round trip
-    later; CUTLASS's TMA pipelines release a slot to its producer with the slot's mbarrier
-    alone. The fences Triton needs for wgmma operands come from another pass (in the TTGIR
-    stage), which stays. Measured on an H100: the 1B decode step
-    1.031 -> 1.021 ms, batch 8 1.474 -> 1.460, the 8B 5.358 -> 5.354, the same tokens.
-
-    ``enabled``: leave the pass in (``Megakernel(proxy_fences=True)``).
-    Not thread-safe against other threads compiling Triton kernels at the same moment.
-    """
-    if enabled:
-        yield
-        return
-    import triton
-
-    runtime = triton.knobs.runtime
-    previous = runtime.add_stages_inspection_hook
-    runtime.add_stages_inspection_hook = _WithoutProxyFencePass(previous)
-    try:
-        yield
-    finally:
-        runtime.add_stages_inspection_hook = previous
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
 def load_kernel(source: str):

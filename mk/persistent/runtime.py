@@ -18,7 +18,7 @@ import torch
 
 from mk.tasks import enable_device_descriptors
 
-from .codegen import device_words, generate_source, kernel_constexprs, load_kernel, proxy_fence_pass
+from .codegen import device_words, generate_source, kernel_constexprs, load_kernel
 from .graph import Program
 from .sync import ERROR_WORDS
 
@@ -104,16 +104,12 @@ class Megakernel:
         num_warps: warps a worker; default the most any task asks for. Task bodies compile
             for any count (Triton picks their layouts), so fewer warps trade each worker's
             threads for more resident workers.
-        proxy_fences: compile with Triton's proxy-fence pass, whose fence before every TMA
-            refill of a ring slot mk's streams do not need
-            (:func:`mk.persistent.codegen.proxy_fence_pass`). Default: without.
     """
 
     def __init__(self, program: Program, *, timeout_s: float = 0.5, trace: bool = False,
                  interpret_polls: int = 2000, backoff_ns: int = 0, defer_signals: bool = True,
-                 num_warps: int | None = None, proxy_fences: bool = False):
+                 num_warps: int | None = None):
         self.program = program
-        self.proxy_fences = bool(proxy_fences)
         buffers = [program.graph.buffers[n] for n in program.buffer_names]
         devices = {b.device for b in buffers}
         if len(devices) > 1:
@@ -149,8 +145,7 @@ class Megakernel:
         return ((self.desc, self.queue_starts, self.counters, self.state, self.error, self.trace_buf,
                  p.num_workers, self.timeout),
                 dict(kernel_constexprs(p, trace=self.trace_enabled, use_timer=not self.interpret,
-                                       backoff_ns=self.backoff_ns, defer_signals=self.defer_signals,
-                                       proxy_fences=self.proxy_fences),
+                                       backoff_ns=self.backoff_ns, defer_signals=self.defer_signals),
                      num_warps=self.num_warps))
 
     def residency(self) -> Residency:
@@ -160,8 +155,7 @@ class Megakernel:
                 self._residency = Residency(0, 0, 0, self.num_warps, 1, 1)
             else:
                 args, kw = self._args()
-                with proxy_fence_pass(self.proxy_fences):
-                    compiled = self.kernel.warmup(*args, grid=(self.program.num_workers,), **kw)
+                compiled = self.kernel.warmup(*args, grid=(self.program.num_workers,), **kw)
                 if hasattr(compiled, "_init_handles"):
                     compiled._init_handles()
                 props = torch.cuda.get_device_properties(self.device)
@@ -181,8 +175,7 @@ class Megakernel:
                 f"and {res.shared_bytes} B of shared memory with {res.num_warps} warps, so at most "
                 f"{res.blocks_per_sm} per SM × {res.sm_count} SMs = {res.max_workers}")
         args, kw = self._args()
-        with proxy_fence_pass(self.proxy_fences or self.interpret):  # Triton >= 3.7 keys its cache lookup on the hook
-            self.kernel[(self.program.num_workers,)](*args, **kw)
+        self.kernel[(self.program.num_workers,)](*args, **kw)
 
     def check(self, error_words: torch.Tensor | None = None) -> None:
         """Raise :class:`MegakernelTimeout` if a wait timed out (then reset). Reads the error

@@ -77,13 +77,6 @@ def main() -> None:
     ptx = compile_for_target(lower(chain, num_workers=2)).asm["ptx"]
     before = ptx[:ptx.index("ld.global.acquire.gpu")].count("cp.async.bulk.tensor")
     assert before == 8, f"{before} chunks requested before the wait, not 8"
-    # Without Triton's proxy-fence pass (the default, proxy_fence_pass()) the stream refills
-    # its ring slots with no fence.proxy.async before them; the pass, asked for, puts them back.
-    fenced = compile_for_target(lower(chain, num_workers=2), proxy_fences=True).asm["ptx"]
-    proxy_fence = "fence.proxy.async.shared::cta"
-    assert fenced.count(proxy_fence) > ptx.count(proxy_fence), (fenced.count(proxy_fence), ptx.count(proxy_fence))
-    import triton.knobs
-    assert triton.knobs.runtime.add_stages_inspection_hook is None, "the compile left its pipeline hook installed"
     # The standalone GEMV launch: PDL (gdc wait/launch) and the TMA bulk prefetch before it.
     # (No bias: a None pointer is a constexpr, as the launcher passes it.)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",

@@ -165,22 +165,6 @@ def test_generated_source_is_readable_and_cached(tmp_path):
     assert "def megakernel(" in text and "rmsnorm_tile(" in text and "wait_event(" in text
 
 
-def test_proxy_fences_are_off_unless_asked_for():
-    """The megakernel compiles without Triton's proxy-fence pass unless Megakernel(proxy_fences=True);
-    the choice is a constexpr of the kernel, so the two binaries never share a cache entry
-    (tests/persistent/_compile_sm90.py compiles both)."""
-    g = TaskGraph()
-    g.buffer("x", torch.randn(1, 8, device=DEV)), g.buffer("w", torch.randn(8, device=DEV))
-    g.buffer("y", torch.empty(1, 8, device=DEV))
-    g.add(make_op("rmsnorm", n=8), x="x", w="w", out="y", row=0)
-    program = lower(g, 1)
-    assert Megakernel(program)._args()[1]["PROXY_FENCES"] is False
-    kernel = Megakernel(program, proxy_fences=True)
-    assert kernel.proxy_fences and kernel._args()[1]["PROXY_FENCES"] is True
-    kernel.launch()  # under the interpreter the setting changes nothing
-    assert torch.allclose(g.buffers["y"], rmsnorm(g.buffers["x"], g.buffers["w"], 1e-6), atol=1e-5)
-
-
 @pytest.mark.parametrize("defer", [False, True])
 def test_deferred_signals_are_safe_and_fewer(defer):
     """A worker's run of same-event tasks signals once: same results, no deadlock under random
