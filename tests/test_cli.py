@@ -52,3 +52,16 @@ def test_generate_command_errors_are_one_line(capsys, tmp_path):
     assert "[0, 512)" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--ids", "1"]) == 1
     assert "give --prompt or --ids, not both" in capsys.readouterr().err
+
+
+def test_generate_and_plan_take_a_checkpoint_of_another_family(capsys, tmp_path):
+    from mk.models import Qwen3Config, random_weights, save_weights
+
+    config = Qwen3Config.tiny(vocab_size=300, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, num_hidden_layers=1)
+    save_weights(random_weights(config, seed=3), config, tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--ids", "5,9,11", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(qwen3)" in out and "match the float32 torch reference (3/3)" in out
+    assert main(["plan", "--model", str(tmp_path), "--device", "h100", "--kv-len", "256"]) == 0
+    assert "l0.qkv" in capsys.readouterr().out
