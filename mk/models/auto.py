@@ -9,11 +9,10 @@ every family offers the same API (:class:`~mk.models.decoder.DecoderModel`):
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 
-from .config import LlamaConfig
+from .config import LlamaConfig, read_config_json
 from .decoder import DecoderModel
 from .llama import Llama
 from .mistral import Mistral
@@ -43,28 +42,13 @@ def family_of(d: Mapping, source: str = "config") -> type[DecoderModel]:
     return Llama  # a bare config of sizes: Llama's, as mk has always read them
 
 
-def _read_config(folder: str | os.PathLike) -> tuple[dict, str]:
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no config.json in checkpoint folder {folder!r}")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        return json.loads(text), path
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
-
-
 class AutoConfig:
     """The config of whichever family a checkpoint is."""
 
     @staticmethod
     def from_pretrained(folder: str | os.PathLike) -> LlamaConfig:
         """``folder/config.json`` read by its family's config class."""
-        d, path = _read_config(folder)
+        d, path = read_config_json(folder)
         return family_of(d, path).config_class.from_dict(d, path)
 
 
@@ -74,7 +58,7 @@ class AutoModel:
     @staticmethod
     def from_pretrained(folder: str | os.PathLike, **kwargs) -> DecoderModel:
         """Load ``folder`` as its family (:meth:`DecoderModel.from_pretrained`'s arguments)."""
-        d, path = _read_config(folder)
+        d, path = read_config_json(folder)
         return family_of(d, path).from_pretrained(folder, **kwargs)
 
     @staticmethod

@@ -223,23 +223,12 @@ class LlamaConfig:
     @classmethod
     def from_json(cls, text: str, source: str = "config JSON") -> "LlamaConfig":
         """From the text of a ``config.json``."""
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{source}: invalid JSON ({e})") from None
-        return cls.from_dict(d, source)
+        return cls.from_dict(parse_config_json(text, source), source)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "LlamaConfig":
         """From ``folder/config.json`` (a Hugging Face checkpoint folder)."""
-        folder = os.fspath(folder)
-        if not os.path.isdir(folder):
-            raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
-        path = os.path.join(folder, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"no config.json in checkpoint folder {folder!r}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read(), source=path)
+        return cls.from_dict(*read_config_json(folder))
 
     # ------------------------------------------------------------------ output
 
@@ -278,6 +267,26 @@ class LlamaConfig:
                           tie_embeddings=self.tie_word_embeddings, dtype_bytes=dtype_bytes,
                           kv_dtype_bytes=kv_dtype_bytes, qkv_bias=self.QKV_BIAS, qk_norm=self.QK_NORM,
                           sliding_window=self.window)
+
+
+def parse_config_json(text: str, source: str) -> Any:
+    """The JSON value of a ``config.json``'s text; ValueError naming ``source`` if it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: invalid JSON ({e})") from None
+
+
+def read_config_json(folder: str | os.PathLike) -> tuple[Any, str]:
+    """``folder/config.json`` parsed, and its path; ValueError naming what is missing or bad."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no config.json in checkpoint folder {folder!r}")
+    with open(path, encoding="utf-8") as f:
+        return parse_config_json(f.read(), path), path
 
 
 def _check_positive_int(name: str, v: object) -> None:
