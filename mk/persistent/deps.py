@@ -137,10 +137,10 @@ class RegionIndex:
         self._open: dict[tuple, list[_Run]] = {}
 
     def add(self, region: Region, task: int) -> None:
-        r0, r1, c0, c1 = box = (region.r0, region.r1, region.c0, region.c1)
+        buffer, r0, r1, c0, c1 = region
         if r1 <= r0 or c1 <= c0:
             return
-        buffer = region.buffer
+        box = (r0, r1, c0, c1)
         runs = self._runs[buffer]
         if runs and runs[-1].extend(box, task):
             return
@@ -161,11 +161,17 @@ class RegionIndex:
 
     def query(self, region: Region) -> list[Interval]:
         """Intervals of the tasks whose regions intersect ``region`` (unmerged)."""
-        r0, r1, c0, c1 = region.r0, region.r1, region.c0, region.c1
+        buffer, r0, r1, c0, c1 = region
         if r1 <= r0 or c1 <= c0:
             return []
         out: list[Interval] = []
-        for run in self._runs.get(region.buffer, ()):
+        for run in self._runs.get(buffer, ()):
+            # Across its axis a run keeps its first box's extent: most of a buffer's runs
+            # (every earlier layer's, where layers share the buffer) fail here, without a call.
+            f0, f1, g0, g1 = run.first
+            kind = run.kind
+            if (kind != "rows" and (f1 <= r0 or r1 <= f0)) or (kind != "cols" and (g1 <= c0 or c1 <= g0)):
+                continue
             found = run.query(r0, r1, c0, c1)
             if found:
                 out.extend(found)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -32,9 +32,12 @@ TL_DTYPES = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.f
              torch.int32: "tl.int32", torch.int64: "tl.int64"}
 
 
-@dataclass(frozen=True)
-class Region:
-    """A box of a buffer viewed as 2-D ``[rows, cols]``: rows [r0, r1) × cols [c0, c1)."""
+class Region(NamedTuple):
+    """A box of a buffer viewed as 2-D ``[rows, cols]``: rows [r0, r1) × cols [c0, c1).
+
+    A named tuple, not a frozen dataclass: a step's tasks make hundreds of thousands of
+    regions when its dependencies are derived, and a frozen dataclass takes ~1.5 µs to
+    build one, a named tuple under half of that."""
 
     buffer: str
     r0: int
