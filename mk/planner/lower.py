@@ -35,10 +35,8 @@ activations of one role are one tensor (``l0.qkv`` is ``l1.qkv``, their ops' sco
 :func:`_layer_shared`), so
 after a step each holds the last layer's values. A float32 activation
 meets a bf16 weight or cache in two bf16 halves on the tensor cores (:func:`mk.tasks._dot.mma`)
-or in float32 FMAs (the GEMV), so nothing between them is rounded: on a random-weight
-Llama-3-8B, a bf16 residual stream put the logits 3.5-4.5% off the float32 reference, and
-rounding q/k/v, the attention output and SiLU·mul's output still cost ~1%
-(measured against float32 on an H200). A decode activation is a few KiB a row.
+or in float32 FMAs (the GEMV), so nothing between them is rounded (what rounding them would
+cost: docs/PERFORMANCE.md). A decode activation is a few KiB a row.
 """
 
 from __future__ import annotations

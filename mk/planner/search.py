@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mk.tasks.linear import X_GROUP, gemv_stream
+from mk.tasks.qkv_rope import check_qkv_rope_tile
 
 from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_wait_ops, linear_tiles_n,
                    reduce_width, whole_range_stages, xmajor_decode_tile)
@@ -329,13 +330,18 @@ def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, bea
 
 
 def _whole_heads(node: OpNode, host: OpNode, choice: OpChoice) -> bool:
-    """A RoPE that norms each head's q and k first (``qk_norm``) fuses only into tiles that
-    hold whole heads: tiles (and, split-K, reduce tiles) a multiple of ``head_dim`` wide
-    (:func:`mk.tasks.qkv_rope.check_qkv_rope_tile`). Every other fusion fits any tile."""
-    if node.kind != "rope_kv" or not node.dims.get("qk_norm"):
+    """Whether the QKV tiles (and, split-K, reduce tiles) of ``choice`` can carry the RoPE
+    ``node`` by the op's own rule (:func:`mk.tasks.qkv_rope.check_qkv_rope_tile`: a q/k norm
+    needs whole heads). Every other fusion fits any tile."""
+    if node.kind != "rope_kv":
         return True
-    d = node.dims["head_dim"]
-    return choice.block_n % d == 0 and (choice.split_k == 1 or reduce_width(host, choice) % d == 0)
+    widths = [choice.block_n] + ([reduce_width(host, choice)] if choice.split_k > 1 else [])
+    try:
+        for width in widths:
+            check_qkv_rope_tile(width, node.dims["head_dim"], bool(node.dims.get("qk_norm")))
+    except ValueError:
+        return False
+    return True
 
 
 def _layer_key(node: OpNode):
