@@ -15,6 +15,12 @@ dependencies are *intervals of task indices* and events are found by a sweep:
   the consumers' interval endpoints, each stretch of producers between two endpoints has
   one consumer set; stretches are matched by a hash of that set (a XOR of random 64-bit
   keys, one per consumer, with the set's size), never by building it.
+* A graph that repeats itself (a model's layers: each the one before with its buffers
+  renamed one to one) is derived from its first :data:`REDUCED_PERIODS` periods and what
+  follows them (:func:`periodic_run`, :func:`reduce_run`). Once the last two kept periods
+  wait alike, every later one waits as the last does, moved by its distance
+  (:func:`expand_run`); where they do not, the whole graph is derived. An 8B step's
+  32 layers cost five.
 
 The cost is about (tasks + intervals + runs touched) × log, not edges.
 """
@@ -332,15 +338,20 @@ def group_events(num_tasks: int, deps: list[list[Interval]], seed: int = 0x6D6B)
             task_signal[t] = ev
     event_counts = [len(s) for s in event_signallers]
     task_waits: list[list[tuple[int, int]]] = []
+    waits_of: dict[tuple, list[tuple[int, int]]] = {}  # the tiles of one op share their intervals
     for intervals in deps:
-        evs: set[int] = set()
-        for a, b in intervals:
-            k = bisect.bisect_left(points, a)
-            while k < len(points) and points[k] < b:
-                evs.add(seg_event[k])
-                k += 1
-        evs.discard(-1)
-        task_waits.append([(ev, event_counts[ev]) for ev in sorted(evs)])
+        key = tuple(intervals)
+        waits = waits_of.get(key)
+        if waits is None:
+            evs: set[int] = set()
+            for a, b in intervals:
+                k = bisect.bisect_left(points, a)
+                while k < len(points) and points[k] < b:
+                    evs.add(seg_event[k])
+                    k += 1
+            evs.discard(-1)
+            waits = waits_of[key] = [(ev, event_counts[ev]) for ev in sorted(evs)]
+        task_waits.append(list(waits))
     return Events(task_signal, event_counts, event_signallers, task_waits)
 
 
@@ -368,3 +379,110 @@ class RangeMax:
         first, last = -(-a // self.BLOCK), b // self.BLOCK
         return max(max(self.values[a:first * self.BLOCK], default=0.0), max(self.blocks[first:last]),
                    max(self.values[last * self.BLOCK:b], default=0.0))
+
+
+#: Periods of a repeating run whose dependencies are derived (:func:`reduce_run`): the
+#: first's may differ from the rest (its waits on what came before the run), the last two
+#: show whether the rest repeat.
+REDUCED_PERIODS = 4
+
+
+def _congruent(tasks, a: int, b: int, length: int) -> bool:
+    """Whether tasks [b, b + length) are tasks [a, a + length) with their buffers renamed
+    one to one: the same ops, arguments and teams, in the same order."""
+    fwd: dict[str, str] = {}
+    back: dict[str, str] = {}
+    for t, u in zip(tasks[a:a + length], tasks[b:b + length]):
+        if (t.op.key != u.op.key or t.args != u.args or t.team_start - t.index != u.team_start - u.index
+                or t.bind.keys() != u.bind.keys()):
+            return False
+        for role, name in t.bind.items():
+            other = u.bind[role]
+            if fwd.setdefault(name, other) != other or back.setdefault(other, name) != name:
+                return False
+    return True
+
+
+def periodic_run(tasks, periods: list[Interval]) -> tuple[int, int, int] | None:
+    """The longest run of consecutive, equally long ``periods`` (task ranges), each the one
+    before with its buffers renamed one to one (:func:`_congruent`), as (first task,
+    period length, periods); None if no run is long enough to be worth reducing."""
+    best, start = None, 0
+    for k in range(1, len(periods) + 1):
+        a, b = periods[k - 1]
+        if (k < len(periods) and periods[k][0] == b and periods[k][1] - periods[k][0] == b - a
+                and _congruent(tasks, a, b, b - a)):
+            continue
+        count = k - start
+        first, end = periods[start]
+        if count >= REDUCED_PERIODS + 2 and end > first and (best is None or count > best[2]):
+            best = (first, end - first, count)
+        start = k
+    return best
+
+
+def reduce_run(tasks, run: tuple[int, int, int]) -> tuple[list, tuple] | None:
+    """The graph with the run cut to its first :data:`REDUCED_PERIODS` periods, and what is
+    after the run renamed from the last period's buffers to the kept last's, with the run;
+    None where that would not keep every conflict (a task after the run binds a buffer of
+    a period cut out, or a team crosses the run's end)."""
+    from dataclasses import replace
+
+    s, length, n = run
+    end, keep = s + n * length, s + REDUCED_PERIODS * length
+    last, kept_last = s + (n - 1) * length, keep - length
+    rename: dict[str, str] = {}
+    for t, u in zip(tasks[last:end], tasks[kept_last:keep]):
+        for role, name in t.bind.items():
+            rename[name] = u.bind[role]
+    cut = {name for t in tasks[keep:last] for name in t.bind.values()}
+    shift = (n - REDUCED_PERIODS) * length
+    after = []
+    for t in tasks[end:]:
+        if t.team_start < end or any(b in cut and b not in rename for b in t.bind.values()):
+            return None
+        after.append(replace(t, index=t.index - shift, team_start=t.team_start - shift,
+                             bind={role: rename.get(b, b) for role, b in t.bind.items()}))
+    return list(tasks[:keep]) + after, run
+
+
+def _shift(intervals: list[Interval], at: int, by: int, below: int) -> list[Interval] | None:
+    """``intervals`` with those at or after ``at`` moved by ``by``; those ending by
+    ``below`` kept; None if any other (the run is not periodic where it matters)."""
+    out = []
+    for a, b in intervals:
+        if a >= at:
+            out.append((a + by, b + by))
+        elif b <= below:
+            out.append((a, b))
+        else:
+            return None
+    return out
+
+
+def expand_run(deps: list[list[Interval]], run: tuple[int, int, int], num_tasks: int
+               ) -> list[list[Interval]] | None:
+    """The dependencies of the whole graph from those of its reduced graph
+    (:func:`reduce_run`): every period after the kept ones waits as the kept last does,
+    moved by its distance; tasks after the run as in the reduced graph, moved to the run's
+    end. None unless the kept last two periods wait alike, moved by one period (on their
+    own run, and on what is before it), and what is after the run waits only on the last
+    period and on what is before the run's second period (the caller derives it all then)."""
+    s, length, n = run
+    R = REDUCED_PERIODS
+    second, kept_last = s + length, s + (R - 1) * length
+    for j in range(length):
+        if _shift(deps[kept_last - length + j], second, length, second) != deps[kept_last + j]:
+            return None
+    out = deps[:s + R * length]
+    for k in range(R, n):
+        by = (k - R + 1) * length
+        for j in range(length):
+            out.append(_shift(deps[kept_last + j], second, by, second))
+    shift = (n - R) * length
+    for d in deps[s + R * length:]:
+        moved = _shift(d, kept_last, shift, second)
+        if moved is None:
+            return None
+        out.append(moved)
+    return out if len(out) == num_tasks else None

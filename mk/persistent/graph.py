@@ -27,7 +27,8 @@ import torch
 from mk.tasks._cache import cache_dir, sources_hash
 from mk.tasks._spec import TL_DTYPES, OpSpec, Region
 
-from .deps import Events, RangeMax, dependency_intervals, drop_implied, group_events
+from .deps import (Events, RangeMax, dependency_intervals, drop_implied, expand_run, group_events, periodic_run,
+                   reduce_run)
 
 #: Descriptor header: opcode, signal event (-1: none), number of waits, task index.
 HEADER_WORDS = 4
@@ -60,6 +61,10 @@ class TaskGraph:
         self.buffers: dict[str, torch.Tensor] = {}
         self.tasks: list[Task] = []
         self._events: tuple | None = None  # events(), until a task is added
+        #: Task ranges [first, end) that may repeat one another with their buffers renamed
+        #: (a model's layers): a hint that lets :meth:`events` derive a long graph from a
+        #: short one (:func:`periodic_run`). Wrong hints cost time, never correctness.
+        self.periods: list[tuple[int, int]] = []
 
     def buffer(self, name: str, tensor: torch.Tensor) -> str:
         """Add (or replace) a named buffer; returns its name."""
@@ -77,32 +82,45 @@ class TaskGraph:
 
     def add(self, op: OpSpec, name: str | None = None, **bindings_and_args) -> int:
         """Append a task: every operand role of ``op`` bound to a buffer name, every arg an int."""
-        bind, args = {}, {}
+        args = {a: bindings_and_args.pop(a) for a in op.args if a in bindings_and_args}
+        return self.add_tiles(op, [args], name, **bindings_and_args)
+
+    def add_tiles(self, op: OpSpec, tiles: list[dict[str, int]], name: str | None = None, **bindings) -> int:
+        """Append one task of ``op`` per entry of ``tiles`` (its args, e.g. :func:`mk.tasks.op_tiles`),
+        all with the same operand ``bindings``; returns the first's index. Consecutive tasks
+        of one team (:attr:`OpSpec.team`) are marked as such."""
+        label = name or op.name
+        bind = {}
         for role in op.operands:
-            if role not in bindings_and_args:
-                raise ValueError(f"task {name or op.name}: operand {role!r} not bound")
-            buf = bindings_and_args.pop(role)
+            if role not in bindings:
+                raise ValueError(f"task {label}: operand {role!r} not bound")
+            buf = bindings.pop(role)
             if buf not in self.buffers:
-                raise ValueError(f"task {name or op.name}: operand {role!r} names unknown buffer {buf!r}")
+                raise ValueError(f"task {label}: operand {role!r} names unknown buffer {buf!r}")
             bind[role] = buf
-        for arg in op.args:
-            if arg not in bindings_and_args:
-                raise ValueError(f"task {name or op.name}: argument {arg!r} missing")
-            value = bindings_and_args.pop(arg)
-            if isinstance(value, bool) or not isinstance(value, int) or not -2**31 <= value < 2**31:
-                raise ValueError(f"task {name or op.name}: argument {arg!r} must be an int32, got {value!r}")
-            args[arg] = value
-        if bindings_and_args:
-            raise ValueError(f"task {name or op.name}: unexpected {sorted(bindings_and_args)}")
-        index = len(self.tasks)
-        team_start = index
+        if bindings:
+            raise ValueError(f"task {label}: unexpected {sorted(bindings)}")
+        first = len(self.tasks)
         prev = self.tasks[-1] if self.tasks else None
-        if (op.team is not None and prev is not None and prev.op == op and prev.bind == bind
-                and op.team(prev.args) == op.team(args)):
-            team_start = prev.team_start
-        self.tasks.append(Task(index, op, bind, args, name or f"{op.name}#{index}", team_start))
+        same_op = prev is not None and (prev.op is op or prev.op == op) and prev.bind == bind
+        for tile in tiles:
+            if len(tile) != len(op.args) or any(a not in tile for a in op.args):
+                missing = [a for a in op.args if a not in tile]
+                raise ValueError(f"task {label}: " + (f"argument {missing[0]!r} missing" if missing else
+                                                      f"unexpected {sorted(set(tile) - set(op.args))}"))
+            args = {a: tile[a] for a in op.args}
+            for arg, value in args.items():
+                if isinstance(value, bool) or not isinstance(value, int) or not -2**31 <= value < 2**31:
+                    raise ValueError(f"task {label}: argument {arg!r} must be an int32, got {value!r}")
+            index = len(self.tasks)
+            team_start = index
+            if op.team is not None and same_op and op.team(prev.args) == op.team(args):
+                team_start = prev.team_start
+            prev = Task(index, op, bind, args, name or f"{op.name}#{index}", team_start)
+            self.tasks.append(prev)
+            same_op = True
         self._events = None
-        return index
+        return first
 
     def dependencies(self) -> list[list[int]]:
         """For each task, the earlier tasks it must wait for (sorted).
@@ -119,9 +137,12 @@ class TaskGraph:
         """A hash of what the graph's dependencies follow from: each task's op (its key holds
         every static parameter), bindings, arguments and team, the buffers' shapes and
         dtypes, and mk's engine and task sources. Buffer contents and addresses are not in it."""
+        return self._structure_key(self.tasks, ())
+
+    def _structure_key(self, tasks: list[Task], run: tuple) -> str:
         h = hashlib.sha256(_engine_source_hash().encode())
-        h.update(repr(sorted((n, tuple(t.shape), str(t.dtype)) for n, t in self.buffers.items())).encode())
-        for t in self.tasks:
+        h.update(repr((run, sorted((n, tuple(t.shape), str(t.dtype)) for n, t in self.buffers.items()))).encode())
+        for t in tasks:
             h.update(repr((t.op.key, sorted(t.bind.items()), sorted(t.args.items()), t.team_start)).encode())
         return h.hexdigest()[:32]
 
@@ -137,7 +158,11 @@ class TaskGraph:
         return self._events
 
     def _derive_events(self) -> tuple[list[list[tuple[int, int]]], Events]:
-        path = cache_dir("deps") / f"{self.structure_key()}.pkl"
+        run = periodic_run(self.tasks, self.periods)
+        reduced = reduce_run(self.tasks, run) if run else None
+        # (A repeating graph's deps follow from its reduced graph and the run.)
+        key = self._structure_key(*reduced) if reduced else self.structure_key()
+        path = cache_dir("deps") / f"{key}.pkl"
         try:
             with open(path, "rb") as f:
                 deps, events = pickle.load(f)
@@ -145,7 +170,11 @@ class TaskGraph:
                 return deps, events
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
             pass  # absent or unreadable: derive again
-        deps = drop_implied(self.dependency_intervals())
+        deps = None
+        if reduced:
+            deps = expand_run(drop_implied(dependency_intervals(reduced[0])), run, len(self.tasks))
+        if deps is None:
+            deps = drop_implied(self.dependency_intervals())
         # Producers with the same set of consumers share one event: every consumer of the
         # event needs all of its producers, so "count reached" means exactly "inputs ready".
         events = group_events(len(self.tasks), deps)
@@ -291,26 +320,32 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
 
     variants: list[tuple[OpSpec, tuple[torch.dtype, ...]]] = []
     variant_of: dict = {}
-    opcodes = []
-    for t in tasks:
-        dtypes = tuple(graph.buffers[t.bind[r]].dtype for r in t.op.operands)
-        key = (t.op.key, dtypes)
-        if key in variant_of and variants[variant_of[key]][0] != t.op:
-            # One key means one generated branch: code that differs outside the
-            # constexprs (an eps baked into the body, say) would silently run the wrong one.
-            raise ValueError(f"task {t.name}: op {t.op.key} differs from another op with the same key; "
-                             f"put every static parameter that changes its code into constexprs")
-        if key not in variant_of:
-            variant_of[key] = len(variants)
-            variants.append((t.op, dtypes))
-        opcodes.append(variant_of[key])
-
     buffer_names = list(graph.buffers)
     slot_of = {n: i for i, n in enumerate(buffer_names)}
     max_waits = max([len(w) for w in task_waits] + [1])
     max_slots = max([len(t.op.operands) for t in tasks] + [1])
     max_args = max([len(t.op.args) for t in tasks] + [1])
     words = HEADER_WORDS + 2 * max_waits + max_slots + max_args
+    # (opcode, buffer slots) of each op object and binding: the tiles of one op share them.
+    group_of: dict[tuple, tuple[int, list[int]]] = {}
+    groups = []
+    for t in tasks:
+        gkey = (id(t.op), *t.bind.values())
+        group = group_of.get(gkey)
+        if group is None:
+            dtypes = tuple(graph.buffers[t.bind[r]].dtype for r in t.op.operands)
+            key = (t.op.key, dtypes)
+            if key in variant_of and variants[variant_of[key]][0] != t.op:
+                # One key means one generated branch: code that differs outside the
+                # constexprs (an eps baked into the body, say) would silently run the wrong one.
+                raise ValueError(f"task {t.name}: op {t.op.key} differs from another op with the same key; "
+                                 f"put every static parameter that changes its code into constexprs")
+            if key not in variant_of:
+                variant_of[key] = len(variants)
+                variants.append((t.op, dtypes))
+            slots = [slot_of[t.bind[r]] for r in t.op.operands]
+            group = group_of[gkey] = (variant_of[key], slots + [0] * (max_slots - len(slots)))
+        groups.append(group)
 
     if queues is None:
         queues = assign_workers(len(tasks), deps, num_workers, schedule, cost)
@@ -318,15 +353,19 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
         schedule = "given"
     order = [i for q in queues for i in q]
     rows = []
+    no_waits = [0, 0] * max_waits
     for i in order:
         t = tasks[i]
-        rec = [opcodes[i], task_signal[i], len(task_waits[i])]
-        rec.append(i)
-        for ev, cnt in task_waits[i]:
-            rec += [ev, cnt]
-        rec += [0, 0] * (max_waits - len(task_waits[i]))
-        rec += [slot_of[t.bind[r]] for r in t.op.operands] + [0] * (max_slots - len(t.op.operands))
-        rec += [t.args[a] for a in t.op.args] + [0] * (max_args - len(t.op.args))
+        opcode, slots = groups[i]
+        waits = task_waits[i]
+        rec = [opcode, task_signal[i], len(waits), i]
+        for ev, cnt in waits:
+            rec += (ev, cnt)
+        rec += no_waits[2 * len(waits):]
+        rec += slots
+        args = t.args
+        rec += [args[a] for a in t.op.args]
+        rec += [0] * (max_args - len(args))
         rows.append(rec)
     desc = torch.tensor(rows or [[0] * words], dtype=torch.int32)
     starts = [0]

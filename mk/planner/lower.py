@@ -177,10 +177,13 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             g.buffer(name, _layer_shared(shared, name, scope, shape, dt, device))
         return name
 
+    periods: dict[str, list[int]] = {}  # scope -> its tasks' [first, end)
+
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
         tiles = op_tiles(spec, rows)
-        for a in tiles:
-            g.add(spec, **bind, **a)
+        first = g.add_tiles(spec, tiles, **bind)
+        if scope:
+            periods.setdefault(scope, [first, first])[1] = len(g.tasks)
         step.tasks_per_op[node_name] = step.tasks_per_op.get(node_name, 0) + len(tiles)
         step.phases.append((node_name, len(tiles)))
 
@@ -247,6 +250,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         else:
             raise ValueError(f"lower_decode_step: op {node.name} of kind {kind} has no task "
                              f"(it must be fused into {node.fuse_into})")
+    # The layers repeat one another: the dependencies of a long step follow from a few layers'.
+    g.periods = [tuple(r) for r in periods.values()]
     return step
 
 

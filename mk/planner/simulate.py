@@ -125,13 +125,22 @@ def simulate(phases: list[tuple[str, PhaseCost]], deps: list[list[tuple[int, int
     worker_of: list[int] = []
     phase_end: list[float] = []
     finish = RangeMax(total)
+    # When each producer set is done: the tiles of one op mostly share theirs, and a
+    # producer's finish never changes once set (producers come first).
+    inputs_at: dict[tuple, float] = {}
     index = 0
     for _, p in phases:
         end = 0.0
         for _ in range(p.tasks):
             intervals = deps[index]
             # Inputs ready, then one wait (none for a task that waits for nothing).
-            ready = max([finish.max(a, b) for a, b in intervals]) + p.wait_s if intervals else None
+            ready = None
+            if intervals:
+                key = tuple(intervals)
+                inputs = inputs_at.get(key)
+                if inputs is None:
+                    inputs = inputs_at[key] = max([finish.max(a, b) for a, b in intervals])
+                ready = inputs + p.wait_s
             if schedule == "list":
                 # Workers free by the time the task is ready all start it then: take the
                 # one free longest; else the one free soonest.

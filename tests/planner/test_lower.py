@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mk.models import AutoModel, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, ReferenceLlama, random_weights
+from mk.persistent.deps import periodic_run
 from mk.persistent.graph import lower
 from mk.persistent.runtime import Megakernel
 from mk.persistent.vm import run_vm
@@ -243,3 +244,27 @@ def test_meta_buffers_hold_the_model_s_weight_bytes_and_lower(dtype_bytes):
     assert len(step.graph.tasks) == sum(step.tasks_per_op.values())
     with pytest.raises(ValueError, match="2 or 4"):
         meta_buffers(decode_graph(replace(shape, dtype_bytes=1), 2, 32), 32)
+
+
+@pytest.mark.parametrize("name,batch", [("llama", 1), ("qwen3-qknorm", 3), ("mistral-window", 2)])
+def test_a_long_step_s_dependencies_follow_from_a_few_layers(name, batch, monkeypatch, tmp_path):
+    # A step of 13 layers derives its dependencies from a few of them (mk.persistent.deps.reduce_run):
+    # they must equal those derived from every task, for the search's plan (layers 1-12 repeat
+    # layer 1; layer 0 writes the sequence lengths) and for one whose layer 4 differs (the
+    # longest run is then layers 5-12).
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))  # derived here, not loaded
+    config = {"llama": CONFIG, **FAMILY}[name]
+    config = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 13})
+    graph = decode_graph(config.to_model_shape(dtype_bytes=4), batch, S)
+    best = search(graph, DeviceSpec.preset("h100"))[0]
+    odd = dict(best.choices, **{"l4.down": replace(best.choices["l4.down"], split_k=2, block_k=32, tma_stages=0)})
+    for plan, layers in ((best, range(1, 13)), (replace(best, choices=odd), range(5, 13))):
+        step = lower_decode_step(plan, graph, meta_buffers(graph, S), eps=1e-5)
+        first = sum(n for op, n in step.phases[:next(i for i, (op, _) in enumerate(step.phases)
+                                                       if op.startswith(f"l{layers[0]}."))])
+        length = sum(n for op, n in step.phases if op.startswith(f"l{layers[0]}."))
+        assert periodic_run(step.graph.tasks, step.graph.periods) == (first, length, len(layers))
+        periodic = step.graph.events()
+        step.graph.periods, step.graph._events = [], None
+        full = step.graph.events()
+        assert periodic[0] == full[0] and periodic[1] == full[1], (name, batch, count)

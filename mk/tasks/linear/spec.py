@@ -184,10 +184,13 @@ class LinearShape:
         """The workspace boxes a split-K reduce of tile ``a`` reads: its tile in every split
         (and with ``norm_sq`` the tile's column of x**2 sums)."""
         r0, r1, n0, n1, _, _ = self.tile(a)
-        regs = [Region(bind["ws"], *self.ws_rows(split, r0, r1), n0, n1) for split in range(self.split_k)]
+        # A tile of all M rows reads one box of the view: every split's rows are adjacent.
+        bands = ([(0, self.split_k * self.M)] if (r0, r1) == (0, self.M) else
+                 [self.ws_rows(split, r0, r1) for split in range(self.split_k)])
+        regs = [Region(bind["ws"], w0, w1, n0, n1) for w0, w1 in bands]
         if norm_sq:
             col = self.N + n0 // self.sq_bn
-            regs += [Region(bind["ws"], *self.ws_rows(split, r0, r1), col, col + 1) for split in range(self.split_k)]
+            regs += [Region(bind["ws"], w0, w1, col, col + 1) for w0, w1 in bands]
         return regs
 
     def _split_sum(self, b, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
