@@ -392,9 +392,15 @@ def _congruent(tasks, a: int, b: int, length: int) -> bool:
     one to one: the same ops, arguments and teams, in the same order."""
     fwd: dict[str, str] = {}
     back: dict[str, str] = {}
+    pair = None  # the last pair of bindings checked (the tiles of one op share theirs)
     for t, u in zip(tasks[a:a + length], tasks[b:b + length]):
-        if (t.op.key != u.op.key or t.args != u.args or t.team_start - t.index != u.team_start - u.index
-                or t.bind.keys() != u.bind.keys()):
+        if ((t.op is not u.op and t.op.key != u.op.key) or t.args != u.args
+                or t.team_start - t.index != u.team_start - u.index):
+            return False
+        if pair is not None and t.bind is pair[0] and u.bind is pair[1]:
+            continue
+        pair = (t.bind, u.bind)
+        if t.bind.keys() != u.bind.keys():
             return False
         for role, name in t.bind.items():
             other = u.bind[role]

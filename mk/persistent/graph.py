@@ -122,6 +122,29 @@ class TaskGraph:
         self._events = None
         return first
 
+    def repeat(self, first: int, end: int, rename: dict[str, str]) -> int:
+        """Append a copy of tasks [first, end): the same ops, arguments and teams, each
+        operand's buffer renamed by ``rename`` (a name not in it kept); returns the first
+        copy's index. What a caller would add again with other buffers, without building
+        and checking each task again."""
+        if not 0 <= first <= end <= len(self.tasks):
+            raise ValueError(f"repeat: tasks [{first}, {end}) are not in the graph's {len(self.tasks)}")
+        unknown = sorted(n for n in set(rename.values()) if n not in self.buffers)
+        if unknown:
+            raise ValueError(f"repeat: renamed to unknown buffers {unknown}")
+        start = len(self.tasks)
+        by = start - first
+        binds: dict[int, dict[str, str]] = {}  # the tasks of one op share their binding
+        for t in self.tasks[first:end]:
+            bind = binds.get(id(t.bind))
+            if bind is None:
+                bind = binds[id(t.bind)] = {role: rename.get(b, b) for role, b in t.bind.items()}
+            index = t.index + by
+            self.tasks.append(Task(index, t.op, bind, t.args, f"{t.op.name}#{index}",
+                                   t.team_start + by if t.team_start >= first else t.team_start))
+        self._events = None
+        return start
+
     def dependencies(self) -> list[list[int]]:
         """For each task, the earlier tasks it must wait for (sorted).
 

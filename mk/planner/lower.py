@@ -42,6 +42,7 @@ cost: docs/PERFORMANCE.md). A decode activation is a few KiB a row.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import groupby
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -187,9 +188,10 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         step.tasks_per_op[node_name] = step.tasks_per_op.get(node_name, 0) + len(tiles)
         step.phases.append((node_name, len(tiles)))
 
-    for node in graph.nodes:
+    def lower_node(node: OpNode) -> None:
+        nonlocal scope
         if node.name in fused_into and node.kind != "argmax":  # (a fused argmax leaves the token append)
-            continue
+            return
         choice = plan.choices.get(node.name)
         if choice is None and node.name not in fused_into:
             raise ValueError(f"lower_decode_step: op {node.name} has no choice in the plan")
@@ -227,12 +229,12 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                    out=activation(node.outputs[0], B, hq * dh))
         elif kind == "argmax":
             if next_token == "logits":
-                continue
+                return
             if argmax_in_lm_head(plan, node.name, next_token):
                 # The LM head folded each row's argmax into argmax.best (_lower_linear).
                 add_op("append_token", make_op("append_token", batch=B, max_seq=S, from_best=True), next_ids="ids",
                        pos="pos", tokens="tokens", best="argmax.best")
-                continue
+                return
             if next_token == "sample":
                 part = make_op("sample_gumbel_partial", rows=B, vocab=d["v"])
                 extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
@@ -250,6 +252,39 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
         else:
             raise ValueError(f"lower_decode_step: op {node.name} of kind {kind} has no task "
                              f"(it must be fused into {node.fuse_into})")
+
+    # A layer that repeats the one before with other names is that layer's tasks copied,
+    # renamed: a step of 32 layers lowers two.
+    prev = None  # the last layer lowered or copied: (scope, its signature, tasks [first, end), phases)
+    for scope_name, group in groupby(graph.nodes, key=lambda n: n.scope):
+        members = list(group)
+        sig = _scope_signature(members, scope_name, plan, fused_into, first_rope, buffers) if scope_name else None
+        first, n_phases = len(g.tasks), len(step.phases)
+        if sig is not None and prev is not None and prev[1][1] == sig[1]:
+            p_scope, (p_names, _), a, b, p_phases = prev
+            outside = dict(zip(p_names, sig[0]))
+            scope = scope_name
+            rename: dict[str, str] = {}
+            for t in g.tasks[a:b]:
+                for name in t.bind.values():
+                    if name not in rename:
+                        rename[name] = (scope + name[len(p_scope):] if name.startswith(p_scope)
+                                        else outside.get(name, name))
+            for name, new in rename.items():
+                if new not in g.buffers:
+                    like = g.buffers[name]
+                    activation(new, *like.shape, dt=like.dtype)
+            g.repeat(a, b, rename)
+            for op_name, n in p_phases:
+                op_name = scope + op_name[len(p_scope):] if op_name.startswith(p_scope) else op_name
+                step.tasks_per_op[op_name] = step.tasks_per_op.get(op_name, 0) + n
+                step.phases.append((op_name, n))
+            periods[scope] = [first, len(g.tasks)]
+        else:
+            for node in members:
+                lower_node(node)
+        prev = (scope_name, sig, first, len(g.tasks), step.phases[n_phases:]) if sig is not None else None
+
     # The layers repeat one another: the dependencies of a long step follow from a few layers'.
     g.periods = [tuple(r) for r in periods.values()]
     return step
@@ -273,6 +308,35 @@ def _layer_shared(shared: dict, name: str, scope: str, shape: tuple, dt: torch.d
     if key not in shared:
         shared[key] = torch.zeros(*shape, dtype=dt, device=device)
     return shared[key]
+
+
+def _scope_signature(nodes: list[OpNode], scope: str, plan: Plan, fused_into: dict, first_rope: str | None,
+                     caller: Mapping) -> tuple[list[str], list] | None:
+    """What the lowering of one scope's ``nodes`` (a layer) follows from, its names made
+    relative: names in the scope by their rest, others by order of first use (and whether
+    the caller provides them). Two layers with equal signatures lower to the same tasks,
+    renamed (the others' names in that order, for the later). None if a layer fuses an op
+    of another scope."""
+    outside: dict[str, int] = {}
+
+    def rel(name: str) -> str:
+        if name.startswith(scope):
+            return "~" + name[len(scope):]
+        k = outside.setdefault(name, len(outside))
+        return f"#{k}{'*' if name in caller else ''}"
+
+    sig = []
+    for node in nodes:
+        choice = plan.choices.get(node.name)
+        host = fused_into.get(node.name)
+        if (host is not None and not host.startswith(scope)) or (
+                choice is not None and any(not f.startswith(scope) for f in choice.fuse)):
+            return None
+        sig.append((rel(node.name), node.kind, tuple(sorted(node.dims.items())), tuple(map(rel, node.inputs)),
+                    tuple(map(rel, node.outputs)), tuple((r, rel(b)) for r, b in node.buffers.items()),
+                    None if choice is None else replace(choice, fuse=tuple(map(rel, choice.fuse))),
+                    None if host is None else rel(host), node.name == first_rope))
+    return list(outside), sig
 
 
 @dataclass

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mk.models import AutoModel, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, ReferenceLlama, random_weights
-from mk.persistent.deps import periodic_run
+import mk.persistent.graph as graph_module
+from mk.persistent.deps import drop_implied, periodic_run
 from mk.persistent.graph import lower
 from mk.persistent.runtime import Megakernel
 from mk.persistent.vm import run_vm
@@ -22,6 +23,7 @@ from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
 from mk.models.blocks import decode_graph
 from mk.models.blocks import WEIGHT
+import mk.planner.lower as lower_module
 from mk.planner.lower import lower_decode_step, meta_buffers
 from mk.planner.search import search
 from tests.conftest import HAS_CUDA, rel_err
@@ -252,7 +254,7 @@ def test_a_long_step_s_dependencies_follow_from_a_few_layers(name, batch, monkey
     # they must equal those derived from every task, for the search's plan (layers 1-12 repeat
     # layer 1; layer 0 writes the sequence lengths) and for one whose layer 4 differs (the
     # longest run is then layers 5-12).
-    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))  # derived here, not loaded
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
     config = {"llama": CONFIG, **FAMILY}[name]
     config = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 13})
     graph = decode_graph(config.to_model_shape(dtype_bytes=4), batch, S)
@@ -264,7 +266,27 @@ def test_a_long_step_s_dependencies_follow_from_a_few_layers(name, batch, monkey
                                                        if op.startswith(f"l{layers[0]}."))])
         length = sum(n for op, n in step.phases if op.startswith(f"l{layers[0]}."))
         assert periodic_run(step.graph.tasks, step.graph.periods) == (first, length, len(layers))
-        periodic = step.graph.events()
+        with monkeypatch.context() as m:  # every layer lowered, none copied from the one before
+            m.setattr(lower_module, "_scope_signature", lambda *a: None)
+            plain = lower_decode_step(plan, graph, meta_buffers(graph, S), eps=1e-5)
+        assert [(t.op.key, t.bind, t.args, t.team_start) for t in step.graph.tasks] == [
+            (t.op.key, t.bind, t.args, t.team_start) for t in plain.graph.tasks]
+        assert (step.phases, step.graph.periods) == (plain.phases, plain.graph.periods)
+        assert _memory(step.graph.buffers) == _memory(plain.graph.buffers)  # the same sharing
+        derived = []  # how many tasks' dependencies were derived: a few layers', not all
+        with monkeypatch.context() as m:
+            m.setenv("MK_CACHE_DIR", str(tmp_path / f"derive{len(layers)}"))  # (the search kept its finalists')
+            m.setattr(graph_module, "drop_implied", lambda deps: derived.append(len(deps)) or drop_implied(deps))
+            periodic = step.graph.events()
+        assert len(derived) == 1 and derived[0] < len(step.graph.tasks) - (len(layers) - 5) * length
         step.graph.periods, step.graph._events = [], None
         full = step.graph.events()
         assert periodic[0] == full[0] and periodic[1] == full[1], (name, batch, count)
+
+
+def _memory(buffers):
+    """Buffers by name, grouped by the tensor they are, with its shape and dtype."""
+    groups = {}
+    for name, t in buffers.items():
+        groups.setdefault(id(t), (tuple(t.shape), t.dtype, []))[2].append(name)
+    return sorted((shape, str(dtype), sorted(names)) for shape, dtype, names in groups.values())
