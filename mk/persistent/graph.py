@@ -14,7 +14,9 @@ the VM both execute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -34,7 +36,7 @@ from .deps import (Events, RangeMax, dependency_intervals, drop_implied, expand_
 HEADER_WORDS = 4
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     index: int
     op: OpSpec
@@ -60,7 +62,8 @@ class TaskGraph:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self.tasks: list[Task] = []
-        self._events: tuple | None = None  # events(), until a task is added
+        self._deps: list | None = None  # direct_dependencies(), until a task is added
+        self._events: tuple | None = None  # events(), likewise
         #: Task ranges [first, end) that may repeat one another with their buffers renamed
         #: (a model's layers): a hint that lets :meth:`events` derive a long graph from a
         #: short one (:func:`periodic_run`). Wrong hints cost time, never correctness.
@@ -119,7 +122,7 @@ class TaskGraph:
             prev = Task(index, op, bind, args, name or f"{op.name}#{index}", team_start)
             self.tasks.append(prev)
             same_op = True
-        self._events = None
+        self._deps = self._events = None
         return first
 
     def repeat(self, first: int, end: int, rename: dict[str, str]) -> int:
@@ -142,7 +145,7 @@ class TaskGraph:
             index = t.index + by
             self.tasks.append(Task(index, t.op, bind, t.args, f"{t.op.name}#{index}",
                                    t.team_start + by if t.team_start >= first else t.team_start))
-        self._events = None
+        self._deps = self._events = None
         return start
 
     def dependencies(self) -> list[list[int]]:
@@ -169,46 +172,73 @@ class TaskGraph:
             h.update(repr((t.op.key, sorted(t.bind.items()), sorted(t.args.items()), t.team_start)).encode())
         return h.hexdigest()[:32]
 
+    def direct_dependencies(self) -> list[list[tuple[int, int]]]:
+        """Each task's producers as sorted [first, end) intervals, those another producer
+        already implies dropped (:func:`~mk.persistent.deps.drop_implied`): what the queue
+        simulation (:mod:`mk.planner.simulate`) and the events follow. Deriving them is most
+        of the time to lower a large graph, so they are kept on the graph and on disk, under
+        the graph's :meth:`structure_key` (a graph that repeats itself: its reduced graph's,
+        with only the reduced graph's dependencies, :func:`~mk.persistent.deps.reduce_run`)."""
+        if self._deps is None or len(self._deps) != len(self.tasks):
+            self._deps = self._derive_deps()
+        return self._deps
+
     def events(self) -> tuple[list[list[tuple[int, int]]], Events]:
-        """The graph's dependencies with implied ones dropped, and its events (producers with
-        the same consumers share one). Deriving them is most of the time to lower a large
-        graph (seconds for an 8B step), so they are kept on disk under the graph's
-        :meth:`structure_key`: a step built before loads them; and kept on the graph, which
-        the queue simulation (:mod:`mk.planner.simulate`) and :func:`lower` both ask."""
-        if self._events is not None and len(self._events[0]) == len(self.tasks):
-            return self._events
-        self._events = self._derive_events()
+        """:meth:`direct_dependencies` and the graph's events: producers with the same set of
+        consumers share one, since every consumer of the event needs all of its producers
+        ("count reached" then means exactly "inputs ready")."""
+        if self._events is None or len(self._events[0]) != len(self.tasks):
+            deps = self.direct_dependencies()
+            self._events = (deps, group_events(len(self.tasks), deps))
         return self._events
 
-    def _derive_events(self) -> tuple[list[list[tuple[int, int]]], Events]:
+    def _derive_deps(self) -> list[list[tuple[int, int]]]:
         run = periodic_run(self.tasks, self.periods)
         reduced = reduce_run(self.tasks, run) if run else None
-        # (A repeating graph's deps follow from its reduced graph and the run.)
         key = self._structure_key(*reduced) if reduced else self.structure_key()
         path = cache_dir("deps") / f"{key}.pkl"
         try:
             with open(path, "rb") as f:
-                deps, events = pickle.load(f)
-            if len(deps) == len(self.tasks):
-                return deps, events
+                kind, stored = pickle.load(f)
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError):
-            pass  # absent or unreadable: derive again
-        deps = None
+            kind, stored = None, None  # absent or unreadable: derive again
+        if kind == "full" and len(stored) == len(self.tasks):
+            return stored
+        if reduced and kind == "reduced" and len(stored) == len(reduced[0]):
+            deps = expand_run(stored, run, len(self.tasks))
+            if deps is not None:
+                return deps
+        kind, deps = None, None
         if reduced:
-            deps = expand_run(drop_implied(dependency_intervals(reduced[0])), run, len(self.tasks))
-        if deps is None:
-            deps = drop_implied(self.dependency_intervals())
-        # Producers with the same set of consumers share one event: every consumer of the
-        # event needs all of its producers, so "count reached" means exactly "inputs ready".
-        events = group_events(len(self.tasks), deps)
+            stored = drop_implied(dependency_intervals(reduced[0]))
+            deps = expand_run(stored, run, len(self.tasks))
+            kind = "reduced"
+        if deps is None:  # (the run's later periods do not wait alike)
+            kind, stored = "full", drop_implied(self.dependency_intervals())
+            deps = stored
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
             with open(tmp, "wb") as f:
-                pickle.dump((deps, events), f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump((kind, stored), f, protocol=pickle.HIGHEST_PROTOCOL)
             tmp.replace(path)
         except OSError:
             pass  # a read-only cache costs time, not correctness
-        return deps, events
+        return deps
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for a stretch of host work that allocates
+    tens of thousands of small objects and frees none in cycles (lowering a step, the plan
+    search): its passes over them took a third to a half of the time (8B step: 0.9 ->
+    0.5 s). Nested uses keep it off until the outermost ends."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @functools.lru_cache(maxsize=1)

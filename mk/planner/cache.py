@@ -9,6 +9,7 @@ the plan's JSON; a file that does not parse is ignored and replaced.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,7 +42,9 @@ def _planner_sources() -> list[Path]:
     return sorted([*(package / "planner").glob("*.py"), *(package / "tasks").rglob("*.py")])
 
 
+@functools.lru_cache(maxsize=1)
 def _planner_source_hash() -> str:
+    # (Once a process: a plan lookup must not read three dozen files.)
     return sources_hash(_planner_sources())
 
 
@@ -50,7 +53,7 @@ def plan_key(graph: OpGraph, device: DeviceSpec, workers: int, beam_width: int, 
 
     from mk import __version__
 
-    blob = json.dumps({"graph": graph.to_json(), "batch": graph.batch, "kv_len": graph.kv_len,
+    blob = json.dumps({"graph": graph.to_json(indent=None), "batch": graph.batch, "kv_len": graph.kv_len,
                        "device": device.to_dict(), "workers": workers, "beam": beam_width,
                        "measured_top_k": measured_top_k,
                        "triton": triton.__version__, "mk": __version__,

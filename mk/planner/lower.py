@@ -48,7 +48,7 @@ from typing import Mapping
 
 import torch
 
-from mk.persistent.graph import Program, TaskGraph, lower
+from mk.persistent.graph import Program, TaskGraph, collector_paused, lower
 from mk.tasks import make_op, op_tiles
 
 from .cost import reduce_width
@@ -368,7 +368,7 @@ class LoweredStep:
                     real = fresh[id(t)] = torch.zeros(t.shape, dtype=t.dtype, device=device)
             g.buffer(name, real)
         g.tasks = meta.tasks
-        g._events = meta._events
+        g._deps, g._events = meta._deps, meta._events
         return replace(self.step, graph=g), replace(self.program, graph=g)
 
 
@@ -390,15 +390,16 @@ class StepCache:
         bound = {*weight_names(graph), *STATE_BUFFERS, *SAMPLING_BUFFERS}
         need = [n for n in buffers if n in bound]
         shapes = tuple(sorted((n, tuple(buffers[n].shape), str(buffers[n].dtype)) for n in need))
-        key = (plan.to_json(), graph.to_json(), shapes, eps, next_token, workers,
+        key = (plan.to_json(), graph.to_json(indent=None), shapes, eps, next_token, workers,
                device.to_json())
         hit = self._steps.get(key)
         if hit is not None:
             self._steps.move_to_end(key)
             return hit
         meta = {n: torch.empty(buffers[n].shape, dtype=buffers[n].dtype, device="meta") for n in need}
-        step = lower_decode_step(plan, graph, meta, eps=eps, next_token=next_token)
-        program = lower(step.graph, num_workers=workers, queues=step_queues(step, graph, device, workers))
+        with collector_paused():
+            step = lower_decode_step(plan, graph, meta, eps=eps, next_token=next_token)
+            program = lower(step.graph, num_workers=workers, queues=step_queues(step, graph, device, workers))
         self._steps[key] = lowered = LoweredStep(step, program)
         while len(self._steps) > self.size:
             self._steps.popitem(last=False)
@@ -411,7 +412,7 @@ def step_queues(step: DecodeStep, graph: OpGraph, device: DeviceSpec, workers: i
     each, simulated over the task graph's own dependencies (:mod:`mk.planner.simulate`)."""
     phases = step_costs(graph, step.plan.choices, device, workers, step.next_token)
     phase_task_costs(phases, step.phases)
-    deps, _ = step.graph.events()
+    deps = step.graph.direct_dependencies()
     return simulate(phases, deps, workers, step.plan.schedule).queues()
 
 
@@ -422,7 +423,7 @@ def lowered_phases(graph: OpGraph, choices: Mapping, next_token: str = "argmax"
     (op name -> OpChoice), lowered on ``meta`` buffers: what the planner simulates a plan on."""
     plan = Plan(graph.name, graph.batch, graph.kv_len, "meta", 0, dict(choices), 0.0, 0)
     step = lower_decode_step(plan, graph, meta_buffers(graph, graph.kv_len), eps=1e-5, next_token=next_token)
-    return step.phases, step.graph.events()[0]
+    return step.phases, step.graph.direct_dependencies()
 
 
 def _streaming(choice, M: int, K: int) -> dict:

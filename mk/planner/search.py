@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mk.persistent.graph import collector_paused
 from mk.tasks.linear import X_GROUP, gemv_stream
 from mk.tasks.qkv_rope import check_qkv_rope_tile
 
@@ -272,6 +273,12 @@ def search(graph: OpGraph, device: DeviceSpec, *, workers: int | None = None, be
     """
     if beam_width < 1 or top_k < 1:
         raise ValueError(f"beam_width and top_k must be >= 1, got {beam_width}, {top_k}")
+    with collector_paused():
+        return _search_plans(graph, device, workers, beam_width, top_k, progress)
+
+
+def _search_plans(graph: OpGraph, device: DeviceSpec, workers: int | None, beam_width: int, top_k: int,
+                  progress: bool) -> list[Plan]:
     template = _layer_template(graph)
     # Every layer has the same ops and shapes: plan one layer (with the ops around the
     # layers) and give every layer its choices. The cost is a sum over ops, so the best

@@ -122,43 +122,50 @@ def simulate(phases: list[tuple[str, PhaseCost]], deps: list[list[tuple[int, int
         raise ValueError(f"simulate: {len(deps)} tasks' dependencies for phases of {total} tasks")
     free = [0.0] * workers
     idle: list[tuple[float, int]] = [(0.0, w) for w in range(workers)]  # list: (free at, worker) heap
-    worker_of: list[int] = []
+    worker_of: list[int] = [0] * total
     phase_end: list[float] = []
     finish = RangeMax(total)
     # When each producer set is done: the tiles of one op mostly share theirs, and a
     # producer's finish never changes once set (producers come first).
     inputs_at: dict[tuple, float] = {}
-    index = 0
+    listed, zigzag = schedule == "list", schedule == "zigzag"
+    pop, push, set_finish = heapq.heappop, heapq.heappush, finish.set
+    first = 0
     for _, p in phases:
         end = 0.0
-        for _ in range(p.tasks):
+        task_s, wait_s, early = p.task_s, p.wait_s, p.task_s - p.early_s
+        for index in range(first, first + p.tasks):
             intervals = deps[index]
-            # Inputs ready, then one wait (none for a task that waits for nothing).
-            ready = None
+            if listed:
+                # Workers free by the time the task is ready all start it then: take the
+                # one free longest; else the one free soonest.
+                at, w = pop(idle)
+            else:
+                lap, w = divmod(index, workers)
+                if zigzag and lap % 2:
+                    w = workers - 1 - w
+                at = free[w]
+            # What does not need the inputs (the ring's prologue) runs from when the worker
+            # reaches the task: PhaseCost.early_s. A task that waits for nothing starts
+            # without a wait.
+            done = at + task_s
             if intervals:
                 key = tuple(intervals)
                 inputs = inputs_at.get(key)
                 if inputs is None:
                     inputs = inputs_at[key] = max([finish.max(a, b) for a, b in intervals])
-                ready = inputs + p.wait_s
-            if schedule == "list":
-                # Workers free by the time the task is ready all start it then: take the
-                # one free longest; else the one free soonest.
-                at, w = heapq.heappop(idle)
+                late = inputs + wait_s + early
+                if late > done:
+                    done = late
+            if listed:
+                push(idle, (done, w))
             else:
-                lap, pos = divmod(index, workers)
-                w = pos if schedule == "round_robin" or lap % 2 == 0 else workers - 1 - pos
-                at = free[w]
-            # What does not need the inputs (the ring's prologue) runs from when the worker
-            # reaches the task: PhaseCost.early_s.
-            done = at + p.task_s if ready is None else max(at + p.task_s, ready + p.task_s - p.early_s)
-            free[w] = done
-            if schedule == "list":
-                heapq.heappush(idle, (done, w))
-            worker_of.append(w)
-            finish.set(index, done)
-            end = max(end, done)
-            index += 1
+                free[w] = done
+            worker_of[index] = w
+            set_finish(index, done)
+            if done > end:
+                end = done
+        first += p.tasks
         phase_end.append(end)
     seconds = launch_s + (max(phase_end) if phase_end else 0.0)
     return Simulation(schedule, workers, seconds, worker_of, [op for op, _ in phases], phase_end)

@@ -279,7 +279,7 @@ def test_a_long_step_s_dependencies_follow_from_a_few_layers(name, batch, monkey
             m.setattr(graph_module, "drop_implied", lambda deps: derived.append(len(deps)) or drop_implied(deps))
             periodic = step.graph.events()
         assert len(derived) == 1 and derived[0] < len(step.graph.tasks) - (len(layers) - 5) * length
-        step.graph.periods, step.graph._events = [], None
+        step.graph.periods, step.graph._deps, step.graph._events = [], None, None
         full = step.graph.events()
         assert periodic[0] == full[0] and periodic[1] == full[1], (name, batch, count)
 
