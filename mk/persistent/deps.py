@@ -45,7 +45,7 @@ class _Run:
     c1)`` tuples (the fields of a :class:`~mk.tasks.Region`).
     """
 
-    __slots__ = ("kind", "first", "starts", "ends", "tasks", "consecutive")
+    __slots__ = ("kind", "first", "starts", "ends", "tasks", "consecutive", "listed")
 
     def __init__(self, box: tuple, task: int) -> None:
         self.kind = "one"
@@ -54,6 +54,7 @@ class _Run:
         self.ends: list[int] = []
         self.tasks = [task]
         self.consecutive = True
+        self.listed = False  # on its buffer's list of cols runs (_Shelf)
 
     def extend(self, box: tuple, task: int) -> bool:
         """Append (box, task) if the run stays searchable; False if it does not. Along a
@@ -139,7 +140,7 @@ class RegionIndex:
     """
 
     def __init__(self) -> None:
-        self._runs: dict[str, list[_Run]] = defaultdict(list)
+        self._runs: dict[str, _Shelf] = {}
         self._open: dict[tuple, list[_Run]] = {}
 
     def add(self, region: Region, task: int) -> None:
@@ -147,8 +148,12 @@ class RegionIndex:
         if r1 <= r0 or c1 <= c0:
             return
         box = (r0, r1, c0, c1)
-        runs = self._runs[buffer]
-        if runs and runs[-1].extend(box, task):
+        shelf = self._runs.get(buffer)
+        if shelf is None:
+            shelf = self._runs[buffer] = _Shelf()
+        last = shelf.last
+        if last is not None and last.extend(box, task):
+            shelf.placed(last)
             return
         # The same box, the next box of this width in its row band, of this height in its column band.
         keys = ((buffer, 0, box), (buffer, 1, r0, r1, c1 - c0), (buffer, 2, c0, c1, r1 - r0))
@@ -156,9 +161,10 @@ class RegionIndex:
         for key in keys:
             for run in opened.get(key, ()):
                 if run.extend(box, task):
+                    shelf.placed(run)
                     return
         run = _Run(box, task)
-        runs.append(run)
+        shelf.add(run)
         for key in keys:
             candidates = opened.setdefault(key, [])
             if len(candidates) == OPEN_RUNS:
@@ -170,10 +176,13 @@ class RegionIndex:
         buffer, r0, r1, c0, c1 = region
         if r1 <= r0 or c1 <= c0:
             return []
+        shelf = self._runs.get(buffer)
+        if shelf is None:
+            return []
         out: list[Interval] = []
-        for run in self._runs.get(buffer, ()):
-            # Across its axis a run keeps its first box's extent: most of a buffer's runs
-            # (every earlier layer's, where layers share the buffer) fail here, without a call.
+        for run in shelf.candidates(r0, r1, c0, c1):
+            # Across its axis a run keeps its first box's extent: most candidates (every
+            # earlier layer's, where layers share the buffer) fail here, without a call.
             f0, f1, g0, g1 = run.first
             kind = run.kind
             if (kind != "rows" and (f1 <= r0 or r1 <= f0)) or (kind != "cols" and (g1 <= c0 or c1 <= g0)):
@@ -182,6 +191,61 @@ class RegionIndex:
             if found:
                 out.extend(found)
         return out
+
+
+class _Shelf:
+    """One buffer's runs, found by the axis they keep fixed: every run but a ``cols`` run
+    keeps its first box's columns, a ``cols`` run its rows. Each kind is kept sorted by
+    where that extent starts, so a query bisects to the runs starting less than the widest
+    (tallest) such extent before its own columns (rows), not every run of the buffer."""
+
+    __slots__ = ("by_cols", "by_rows", "last")
+
+    def __init__(self) -> None:
+        self.by_cols = _Sorted()  # runs that keep their columns
+        self.by_rows = _Sorted()  # cols runs: they keep their rows
+        self.last: _Run | None = None  # the latest run created
+
+    def add(self, run: _Run) -> None:
+        _, _, c0, c1 = run.first
+        self.by_cols.add(c0, c1, run)
+        self.last = run
+
+    def placed(self, run: _Run) -> None:
+        """``run`` took a box: one that became a ``cols`` run is found by its rows from now on."""
+        if run.kind == "cols" and not run.listed:
+            run.listed = True
+            r0, r1, _, _ = run.first
+            self.by_rows.add(r0, r1, run)
+
+    def candidates(self, r0: int, r1: int, c0: int, c1: int) -> list[_Run]:
+        found = [r for r in self.by_cols.overlapping(c0, c1) if r.kind != "cols"]
+        if self.by_rows.runs:
+            found += self.by_rows.overlapping(r0, r1)
+        return found
+
+
+class _Sorted:
+    """Runs by the start of an extent they keep, with the longest such extent."""
+
+    __slots__ = ("starts", "runs", "longest")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.runs: list[_Run] = []
+        self.longest = 0
+
+    def add(self, a: int, b: int, run: _Run) -> None:
+        k = bisect.bisect_right(self.starts, a)
+        self.starts.insert(k, a)
+        self.runs.insert(k, run)
+        if b - a > self.longest:
+            self.longest = b - a
+
+    def overlapping(self, a: int, b: int) -> list[_Run]:
+        """The runs whose extent may meet [a, b) (a superset: the caller checks)."""
+        lo = bisect.bisect_right(self.starts, a - self.longest)
+        return self.runs[lo:bisect.bisect_left(self.starts, b)]
 
 
 def merge_intervals(intervals: list[Interval]) -> list[Interval]:
@@ -334,8 +398,7 @@ def group_events(num_tasks: int, deps: list[list[Interval]], seed: int = 0x6D6B)
             event_signallers.append([])
         seg_event.append(ev)
         event_signallers[ev].extend(range(p, end))
-        for t in range(p, end):
-            task_signal[t] = ev
+        task_signal[p:end] = [ev] * (end - p)
     event_counts = [len(s) for s in event_signallers]
     task_waits: list[list[tuple[int, int]]] = []
     waits_of: dict[tuple, list[tuple[int, int]]] = {}  # the tiles of one op share their intervals

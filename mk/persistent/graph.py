@@ -24,6 +24,7 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
 
 from mk.tasks._cache import cache_dir, sources_hash
@@ -42,12 +43,16 @@ class Task:
     op: OpSpec
     bind: dict[str, str]
     args: dict[str, int]
-    name: str
+    label: str = ""  # the caller's name for it; "" names it after its op and index
     team_start: int = -1  # index of the first task of its team (OpSpec.team); its own index if none
 
     def __post_init__(self) -> None:
         if self.team_start < 0:
             self.team_start = self.index
+
+    @property
+    def name(self) -> str:
+        return self.label or f"{self.op.name}#{self.index}"
 
     def reads(self) -> list[Region]:
         return self.op.reads(self.args, self.bind) if self.op.reads else []
@@ -119,7 +124,7 @@ class TaskGraph:
             team_start = index
             if op.team is not None and same_op and op.team(prev.args) == op.team(args):
                 team_start = prev.team_start
-            prev = Task(index, op, bind, args, name or f"{op.name}#{index}", team_start)
+            prev = Task(index, op, bind, args, name or "", team_start)
             self.tasks.append(prev)
             same_op = True
         self._deps = self._events = None
@@ -143,7 +148,7 @@ class TaskGraph:
             if bind is None:
                 bind = binds[id(t.bind)] = {role: rename.get(b, b) for role, b in t.bind.items()}
             index = t.index + by
-            self.tasks.append(Task(index, t.op, bind, t.args, f"{t.op.name}#{index}",
+            self.tasks.append(Task(index, t.op, bind, t.args, "",
                                    t.team_start + by if t.team_start >= first else t.team_start))
         self._deps = self._events = None
         return start
@@ -420,7 +425,7 @@ def lower(graph: TaskGraph, num_workers: int, schedule: str = "round_robin",
         rec += [args[a] for a in t.op.args]
         rec += [0] * (max_args - len(args))
         rows.append(rec)
-    desc = torch.tensor(rows or [[0] * words], dtype=torch.int32)
+    desc = torch.from_numpy(numpy.array(rows or [[0] * words], dtype=numpy.int32))
     starts = [0]
     for q in queues:
         starts.append(starts[-1] + len(q))
