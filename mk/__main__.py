@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                       "default: the live GPU")
     plan.add_argument("--smem-budget", default=None, help="shared memory per block to plan for, e.g. 99KiB")
     plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the plan of one rank's share")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--no-cache", action="store_true", help="search again even if a cached plan exists")
     cal = sub.add_parser("calibrate", help="measure the planner's cost-model constants on the live GPU")
@@ -125,6 +126,7 @@ def run_plan(args) -> int:
         positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    shape = shape.shard(args.tp)  # (names what does not split over the ranks)
     if not 1 <= args.kv_len <= positions:
         raise ValueError(f"--kv-len must be in [1, {positions}] (the positions of {shape.name}), got {args.kv_len}")
     if args.device:

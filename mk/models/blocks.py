@@ -15,9 +15,10 @@ attention (Mistral: over a sliding window) -> O projection + residual -> RMSNorm
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mk.planner.graph import OpGraph, OpNode, add_cost
+from mk.tasks.all_reduce import all_reduce_cost
 from mk.tasks.argmax import argmax_cost
 from mk.tasks.decode_attention import decode_attention_cost
 from mk.tasks.embedding import embedding_cost
@@ -65,12 +66,16 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    #: ranks the model is split over (tensor parallelism); above 1 the shape is one rank's
+    #: share (:meth:`shard`): its heads, KV heads and intermediate columns, and vocab/tp rows
+    #: of the LM head (``vocab`` stays the model's: the embedding is whole on every rank)
+    tp: int = 1
 
     def __post_init__(self):
         if self.kv_dtype_bytes is None:
             object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
         for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
-                  "kv_dtype_bytes"):
+                  "kv_dtype_bytes", "tp"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModelShape {self.name!r}: {f} must be an int >= 1, got {v!r}")
@@ -83,12 +88,33 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (embedding rows excepted: one row per token)."""
+        """Bytes of weights one decode step reads (embedding rows excepted: one row per token);
+        of one rank's share under tensor parallelism."""
         h, i, d = self.hidden, self.intermediate, self.head_dim
         qkv = (self.heads + 2 * self.kv_heads) * d
         per_layer = (h * qkv + self.heads * d * h + 2 * h * i + i * h + 2 * h + (qkv if self.qkv_bias else 0)
                      + (2 * d if self.qk_norm else 0))
-        return (self.layers * per_layer + h + self.vocab * h) * self.dtype_bytes
+        return (self.layers * per_layer + h + self.vocab // self.tp * h) * self.dtype_bytes
+
+    def shard(self, tp: int) -> "ModelShape":
+        """One rank's share of this model split over ``tp`` ranks (tensor parallelism): the
+        q heads, KV heads and MLP columns split evenly, the LM head's vocabulary rows too.
+        Raises ValueError naming the size that does not divide (fewer KV heads than ranks
+        included: mk does not replicate KV heads)."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+        if self.tp != 1:
+            raise ValueError(f"ModelShape {self.name!r} is already one of {self.tp} ranks' shares")
+        if tp == 1:
+            return self
+        for what, n in (("key/value heads", self.kv_heads), ("attention heads", self.heads),
+                        ("intermediate size", self.intermediate), ("vocabulary", self.vocab)):
+            if n % tp:
+                raise ValueError(f"{self.name}: {n} {what} do not split over tp={tp} ranks"
+                                 + (" (mk splits KV heads, it does not replicate them)"
+                                    if what == "key/value heads" else ""))
+        return replace(self, name=f"{self.name}/tp{tp}", heads=self.heads // tp, kv_heads=self.kv_heads // tp,
+                       intermediate=self.intermediate // tp, tp=tp)
 
     @classmethod
     def preset(cls, name: str) -> "ModelShape":
@@ -111,18 +137,35 @@ MODEL_PRESETS = {
                              head_dim=128, vocab=32768),
     "qwen2.5-7b": ModelShape("qwen2.5-7b", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
                              head_dim=128, vocab=152064, qkv_bias=True),
+    "llama-3-70b": ModelShape("llama-3-70b", hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8,
+                              head_dim=128, vocab=128256),
     "qwen3-8b": ModelShape("qwen3-8b", hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
                            head_dim=128, vocab=151936, qk_norm=True),
 }
 
 
+def tp_keys(layer: int, role: str) -> tuple[str, str]:
+    """Names of the symmetric buffers of one all-reduce of a tensor-parallel step (``role``:
+    ``o`` or ``d``, after the O or the down projection of ``layer``): its partial sums and
+    its flags."""
+    return f"tp.l{layer}.{role}", f"tp.l{layer}.{role}.flags"
+
+
+#: The symmetric buffers of a tensor-parallel step besides the all-reduces': every rank's
+#: workspace base, and the next token's candidates of each rank with their flags.
+TP_PEERS, TP_SHARED, TP_FLAGS = "tp.peers", "tp.argmax", "tp.argmax.flags"
+
+
 def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
     """The unfused ops of one decode step for ``batch`` sequences of ``kv_len`` cached tokens
-    (the new token included), with the buffers each binds (see the module docstring)."""
+    (the new token included), with the buffers each binds (see the module docstring). For
+    one rank's share of a tensor-parallel model (``model.tp > 1``), the O and down
+    projections write partial sums that an all-reduce adds to the residual, and the LM
+    head's vocabulary share ends in the choice over ranks (:mod:`mk.tasks.all_reduce`)."""
     for name, v in (("batch", batch), ("kv_len", kv_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    m, B, db = model, batch, model.dtype_bytes
+    m, B, db, tp = model, batch, model.dtype_bytes, model.tp
     h, i, d, hq, hkv = m.hidden, m.intermediate, m.head_dim, m.heads, m.kv_heads
     g = OpGraph(m.name, batch, kv_len, db)
 
@@ -130,6 +173,20 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
         return g.add(OpNode(name, kind, tuple(inputs), tuple(outputs), dims, cost.bytes_read, cost.bytes_written,
                             cost.flops, layer, fuse_into, {"w": weight_key(name)} if buffers is None else buffers,
                             f"l{layer}." if layer >= 0 else ""))
+
+    def residual(name, L, partial, res, out, proj):
+        """``out = res + partial`` (one rank: the add fused into the projection; tensor
+        parallel: the all-reduce of every rank's partial)."""
+        if tp == 1:
+            op(name, "add", [partial, res], [out], {"rows": B, "n": h}, add_cost(B, h, db), L, fuse_into=proj,
+               buffers={})
+        else:
+            part, flags = tp_keys(L, partial.rsplit(".", 1)[1])
+            op(name, "all_reduce", [partial, res], [out], {"rows": B, "n": h, "world": tp},
+               all_reduce_cost(B, h, tp), L, buffers={"part": part, "flags": flags, "peers": TP_PEERS})
+
+    def partial(L, role):  # a projection's output: the all-reduce's symmetric partial under TP
+        return tp_keys(L, role)[0] if tp > 1 else f"l{L}.{role}"
 
     op("embed", "embedding", ["tokens"], ["x0"], {"rows": B, "hidden": h, "vocab": m.vocab},
        embedding_cost(B, h, db))
@@ -155,22 +212,23 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
             "kv_dtype_bytes": m.kv_dtype_bytes, "window": m.sliding_window},
            decode_attention_cost(B, hq, hkv, d, attended, dtype_bytes=m.kv_dtype_bytes), L,
            buffers={"k_cache": k_cache, "v_cache": v_cache})
-        op(p + "o_proj", "linear", [p + "attn"], [p + "o"], {"M": B, "N": h, "K": hq * d},
+        o = partial(L, "o")
+        op(p + "o_proj", "linear", [p + "attn"], [o], {"M": B, "N": h, "K": hq * d},
            linear_cost(B, h, hq * d, db), L)
-        op(p + "attn_residual", "add", [p + "o", x], [p + "x1"], {"rows": B, "n": h},
-           add_cost(B, h, db), L, fuse_into=p + "o_proj", buffers={})
+        residual(p + "attn_residual", L, o, x, p + "x1", p + "o_proj")
         op(p + "mlp_norm", "rmsnorm", [p + "x1"], [p + "h2"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), L,
            fuse_into=p + "gate_up")
         op(p + "gate_up", "linear", [p + "h2"], [p + "gu"], {"M": B, "N": 2 * i, "K": h},
            linear_cost(B, 2 * i, h, db), L)
         op(p + "silu_mul", "silu_mul", [p + "gu"], [p + "act"], {"rows": B, "i": i}, silu_mul_cost(B, i, db), L,
            fuse_into=p + "gate_up", buffers={})
-        op(p + "down", "linear", [p + "act"], [p + "d"], {"M": B, "N": h, "K": i}, linear_cost(B, h, i, db), L)
-        op(p + "mlp_residual", "add", [p + "d", p + "x1"], [f"x{L + 1}"], {"rows": B, "n": h},
-           add_cost(B, h, db), L, fuse_into=p + "down", buffers={})
+        dn = partial(L, "d")
+        op(p + "down", "linear", [p + "act"], [dn], {"M": B, "N": h, "K": i}, linear_cost(B, h, i, db), L)
+        residual(p + "mlp_residual", L, dn, p + "x1", f"x{L + 1}", p + "down")
         x = f"x{L + 1}"
+    v = m.vocab // tp
     op("final_norm", "rmsnorm", [x], ["hf"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), fuse_into="lm_head")
-    op("lm_head", "linear", ["hf"], ["logits"], {"M": B, "N": m.vocab, "K": h}, linear_cost(B, m.vocab, h, db))
-    op("argmax", "argmax", ["logits"], ["next_token"], {"rows": B, "v": m.vocab}, argmax_cost(B, m.vocab, db),
-       fuse_into="lm_head", buffers={})
+    op("lm_head", "linear", ["hf"], ["logits"], {"M": B, "N": v, "K": h}, linear_cost(B, v, h, db))
+    op("argmax", "argmax", ["logits"], ["next_token"], {"rows": B, "v": v, "world": tp}, argmax_cost(B, v, db),
+       fuse_into="lm_head", buffers={} if tp == 1 else {"shared": TP_SHARED, "flags": TP_FLAGS, "peers": TP_PEERS})
     return g

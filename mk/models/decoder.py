@@ -40,12 +40,12 @@ from mk.tasks.silu_mul import silu_mul
 from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
                              scale_logits_ref)
 
-from mk.models.blocks import cache_keys, weight_key
+from mk.models.blocks import TP_PEERS, cache_keys, weight_key
 from mk.planner.lower import StepCache
 
 from .config import LlamaConfig
 from . import prefill as _prefill
-from .weights import load_weights, random_weights
+from .weights import load_weights, random_weights, shard_weights, tp_slices
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
 #: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
@@ -118,7 +118,7 @@ class DecoderModel:
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
                  max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str | None = None,
                  tokenizer=None, plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
-                 prefill_workspace: int | None = None):
+                 prefill_workspace: int | None = None, tp: int = 1, rank: int = 0):
         if type(config) is not self.config_class:
             raise ValueError(f"{type(self).__name__} runs a {self.config_class.__name__}, got a "
                              f"{type(config).__name__} (mk.models.AutoModel picks the family)")
@@ -135,10 +135,18 @@ class DecoderModel:
         self.prefill_precision = prefill_precision
         self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        self.shape = config.to_model_shape(name, dtype_bytes=self.dtype.itemsize, kv_dtype_bytes=self.kv_dtype.itemsize)
+        # Tensor parallelism: this rank's share of the model (weights cut by tp_slices).
+        self.shape = config.to_model_shape(name, dtype_bytes=self.dtype.itemsize,
+                                           kv_dtype_bytes=self.kv_dtype.itemsize).shard(tp)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+            raise ValueError(f"rank must be an int in [0, tp={tp}), got {rank!r}")
+        self.tp, self.rank = tp, rank
+        if tp > 1 and plan_mode == "measure":
+            raise ValueError("plan_mode='measure' times plans on one GPU; a tensor-parallel model plans by prediction "
+                             "(every rank must run the same plan)")
         self.weights = self._pack(weights)
         c = config
-        cache_shape = (c.num_hidden_layers, max_batch_size, c.num_key_value_heads, max_seq_len, c.head_dim)
+        cache_shape = (c.num_hidden_layers, max_batch_size, self.shape.kv_heads, max_seq_len, c.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self.v_cache = torch.zeros(cache_shape, dtype=self.kv_dtype, device=self.device)
         self._device_spec = device_spec
@@ -161,28 +169,36 @@ class DecoderModel:
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
                         max_seq_len: int = 4096, progress: bool = True, device_spec=None,
                         plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
-                        prefill_workspace: int | None = None) -> "DecoderModel":
+                        prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
         """Load ``folder`` (config.json + model.safetensors, or shards with an index).
 
         Everything is checked (config, files, every tensor's name and shape) before any
         weight reaches the device; errors name the file or tensor. A ``tokenizer.json`` in
         the folder enables text prompts (:attr:`tokenizer`). ``kv_dtype``, ``prefill_precision``
         and ``prefill_workspace``: see :class:`DecoderModel`.
+
+        ``tp``: tensor parallelism over that many GPUs, one process each (``torchrun
+        --nproc-per-node tp``; torch.distributed is set up here if the caller has not).
+        Each rank reads only its share of the weights (sliced reads,
+        :func:`mk.models.weights.tp_slices`) onto its own GPU; a rank that loaded another
+        model or config is refused on every rank.
         """
         from .tokenizer import load_tokenizer
 
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         config = cls.config_class.from_pretrained(folder)
+        rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         if prefill_workspace is not None:  # refused before any weight is read
             _prefill.PrefillBudget.make(_prefill_per_token(config, dtype, prefill_precision), prefill_workspace)
         t0 = time.perf_counter()
-        weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress)
+        weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress and rank == 0,
+                               shard=tp_slices(config, tp, rank) if tp > 1 else None)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
                     tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype,
-                    prefill_precision=prefill_precision, prefill_workspace=prefill_workspace)
+                    prefill_precision=prefill_precision, prefill_workspace=prefill_workspace, tp=tp, rank=rank)
         model.build_stats["load_s"] = time.perf_counter() - t0
         return model
 
@@ -190,16 +206,21 @@ class DecoderModel:
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
                     max_seq_len: int = 4096, device_spec=None, name: str | None = None,
                     plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
-                    prefill_workspace: int | None = None) -> "DecoderModel":
-        """A model of any shape with random weights (deterministic for ``seed``)."""
+                    prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
+        """A model of any shape with random weights (deterministic for ``seed``); ``tp``: as
+        :meth:`from_pretrained` (every rank draws the whole model, then keeps its share)."""
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
+        rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         weights = random_weights(config, seed=seed, device=device, dtype=dtype)
+        if tp > 1:
+            weights = shard_weights(weights, tp_slices(config, tp, rank))
         name = f"random-{config.MODEL_TYPE}" if name is None else name
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
-                   kv_dtype=kv_dtype, prefill_precision=prefill_precision, prefill_workspace=prefill_workspace)
+                   kv_dtype=kv_dtype, prefill_precision=prefill_precision, prefill_workspace=prefill_workspace,
+                   tp=tp, rank=rank)
 
     def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hugging Face tensors -> the megakernel's (fused QKV and its bias, interleaved
@@ -216,7 +237,8 @@ class DecoderModel:
             return interleave_rotary(t, d) if t.dim() == 2 else interleave_rotary(t[:, None], d)[:, 0]
 
         w = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
-        w["lm_head"] = w["embed"] if c.tie_word_embeddings else get("lm_head.weight")
+        # (A tied LM head is the embedding, but one rank's share of it is its own tensor.)
+        w["lm_head"] = get("lm_head.weight") if "lm_head.weight" in hf else w["embed"]
         for L in range(c.num_hidden_layers):
             p, l = f"model.layers.{L}.self_attn.", f"l{L}."
             w[l + "attn_norm"] = get(f"model.layers.{L}.input_layernorm.weight")
@@ -321,6 +343,13 @@ class DecoderModel:
                                   progress=progress)
         else:
             plan, _ = cached_plan(graph, self.device_spec, progress=progress)
+        if self.tp > 1:  # every rank runs rank 0's plan: the ranks' tasks must meet one another
+            import torch.distributed as dist
+            from mk.planner.search import Plan
+
+            text = [plan.to_json() if self.rank == 0 else None]
+            dist.broadcast_object_list(text, src=0)
+            plan = Plan.from_json(text[0])
         return plan, graph
 
     def prepare(self, batch: int, total_len: int, *, temperature: float = 0.0, top_k: int | None = None,
@@ -376,6 +405,7 @@ class DecoderModel:
         for L in range(self.config.num_hidden_layers):
             kn, vn = cache_keys(L)
             bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
+        bufs.update(self.tp_buffers(graph))
 
         def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
             lowered = self._steps.get(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token,
@@ -390,6 +420,24 @@ class DecoderModel:
             kernel.residency()
         t2 = time.perf_counter()
         return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1))
+
+    def tp_buffers(self, graph) -> dict[str, torch.Tensor]:
+        """The buffers a tensor-parallel step of ``graph`` shares with the other ranks
+        (partial sums, flags, the next token's candidates, and ``tp.peers``: every rank's
+        workspace base), zeroed: on CUDA cut from one symmetric-memory workspace
+        (:func:`mk.persistent.symmetric.symmetric_workspace`, a collective call: every rank
+        makes it together); on the CPU plain tensors, for the VM's simulated ranks
+        (:func:`mk.persistent.vm.run_vm_ranks`). None for one rank."""
+        from mk.planner.lower import meta_buffers
+
+        if self.tp == 1:
+            return {}
+        meta = {n: t for n, t in meta_buffers(graph, self.max_seq_len).items() if n.startswith("tp.")}
+        if self.device.type == "cuda":
+            from mk.persistent.symmetric import symmetric_workspace
+
+            return symmetric_workspace(meta, self.device, peers=TP_PEERS)
+        return {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in meta.items()}
 
     def _time_plan(self, plan, graph, batch: int) -> float:
         """Seconds one greedy decode step of ``plan`` takes here (median of a few bursts).
@@ -516,7 +564,7 @@ class DecoderModel:
         A replayed chunk's result is a view of the graphs' shared output memory: valid until
         the next chunk runs (the caller reads it at once)."""
         seg = segments[0]
-        if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1
+        if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1 or self.tp > 1
                 or seg.start != 0 or self._graphs_failed or torch.cuda.is_current_stream_capturing()):
             return self._prefill_layers(ids, segments)
         n = seg.tokens
@@ -561,12 +609,30 @@ class DecoderModel:
         return out[:n]
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of float32 final residuals ``[n, H]``."""
+        """Float32 logits of float32 final residuals ``[n, H]`` (all of the vocabulary: under
+        tensor parallelism every rank's share, gathered)."""
         w, eps = self.weights, self.config.rms_norm_eps
         if self.prefill_precision == "fast":
-            return _mm(rmsnorm(x, w[weight_key("final_norm")], eps, out_dtype=self.dtype), w[weight_key("lm_head")],
-                       torch.float32)
-        return linear(rmsnorm(x, w[weight_key("final_norm")], eps), w[weight_key("lm_head")]).float()
+            logits = _mm(rmsnorm(x, w[weight_key("final_norm")], eps, out_dtype=self.dtype), w[weight_key("lm_head")],
+                         torch.float32)
+        else:
+            logits = linear(rmsnorm(x, w[weight_key("final_norm")], eps), w[weight_key("lm_head")]).float()
+        if self.tp == 1:
+            return logits
+        import torch.distributed as dist
+
+        shares = [torch.empty_like(logits) for _ in range(self.tp)]
+        dist.all_gather(shares, logits.contiguous())
+        return torch.cat(shares, dim=-1)
+
+    def _tp_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Prefill under tensor parallelism: every rank's partial sum of a split projection
+        added up in place (NCCL); itself for one rank."""
+        if self.tp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(partial)
+        return partial
 
     def _prefill_layers(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
         """One chunk's tokens (``ids`` ``[n]``, the :class:`~mk.models.prefill.Segment` s of
@@ -578,8 +644,9 @@ class DecoderModel:
             return w[weight_key(name)]
 
         n = ids.numel()
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        hq, hkv, d = self.shape.heads, self.shape.kv_heads, c.head_dim  # (this rank's heads)
         eps, f32, fast = c.rms_norm_eps, torch.float32, self.prefill_precision == "fast"
+        part = f32 if self.tp > 1 else None  # partial sums over ranks are added in float32
         positions, rows = _prefill.chunk_indices(segments, self.device)
         # The residual stream is float32 in both precisions; ids were checked with the prompts.
         x = embedding(ids, W("embed"), check_values=False).float()
@@ -605,7 +672,7 @@ class DecoderModel:
             attn = _prefill.attention(q[0], kc, vc, segments, self.prefill_precision, window=c.window)
             del q
             if fast:
-                delta = _mm(attn, W(l + "o_proj"))
+                delta = self._tp_sum(_mm(attn, W(l + "o_proj"), part))
                 del attn
                 h, x = self._add_norm(x, delta, W(l + "mlp_norm"))
                 delta = None
@@ -618,14 +685,16 @@ class DecoderModel:
                     act = silu_mul(gu[:, 0::2], gu[:, 1::2], validate=False)
                     del gu
                 del h
-                delta = _mm(act, W(l + "down"))
+                delta = self._tp_sum(_mm(act, W(l + "down"), part))
                 del act
             else:
-                x = linear(attn, W(l + "o_proj"), residual=x, out_dtype=f32)
+                x = (linear(attn, W(l + "o_proj"), residual=x, out_dtype=f32) if self.tp == 1 else
+                     x + self._tp_sum(linear(attn, W(l + "o_proj"), out_dtype=f32)))
                 del attn
                 act = linear(x, W(l + "gate_up"), norm_weight=W(l + "mlp_norm"), norm_eps=eps, silu_mul=True,
                              out_dtype=f32)
-                x = linear(act, W(l + "down"), residual=x, out_dtype=f32)
+                x = (linear(act, W(l + "down"), residual=x, out_dtype=f32) if self.tp == 1 else
+                     x + self._tp_sum(linear(act, W(l + "down"), out_dtype=f32)))
                 del act
         if delta is not None:
             x += delta
@@ -814,6 +883,47 @@ class _HistoryReader:
             event.synchronize()
         self.dec.kernel.check(error)
         return block, tokens
+
+
+def _tp_setup(config: LlamaConfig, tp: int, device) -> tuple[int, object]:
+    """This process's rank of ``tp`` and its device (its own GPU: LOCAL_RANK), setting up
+    torch.distributed (NCCL) where the caller has not; checks that every rank loads the same
+    config with the same tp, and refuses on every rank if not. (0, ``device``) for tp=1."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+    if tp == 1:
+        return 0, device
+    config.to_model_shape().shard(tp)  # refuses what does not split, before any setup
+    import datetime
+    import hashlib
+    import json
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"tp={tp} runs one process per GPU: start it with torchrun --nproc-per-node {tp}")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=TP_SETUP_TIMEOUT_S))
+    if dist.get_world_size() != tp:
+        raise ValueError(f"tp={tp}, but torch.distributed has {dist.get_world_size()} ranks")
+    rank = dist.get_rank()
+    mine = hashlib.sha256(json.dumps([config.to_dict(), tp], sort_keys=True, default=str).encode()).hexdigest()
+    everyone = [None] * tp
+    dist.all_gather_object(everyone, mine)
+    odd = [r for r, h in enumerate(everyone) if h != everyone[0]]
+    if odd:
+        raise ValueError(f"rank(s) {odd} loaded another model or config than rank 0: every rank of a "
+                         f"tensor-parallel model must load the same one")
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    return rank, device
+
+
+#: Seconds torch.distributed's setup and collectives wait for a missing rank.
+TP_SETUP_TIMEOUT_S = 120
 
 
 def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None) -> str:

@@ -57,6 +57,51 @@ def _is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
+#: (tensor name suffix, dim split): what tensor parallelism splits of a layer, and along which
+#: dimension (0: rows, by heads or MLP columns; 1: columns, the O and down projections' inputs).
+_TP_SPLITS = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
+              "self_attn.q_proj.bias": 0, "self_attn.k_proj.bias": 0, "self_attn.v_proj.bias": 0,
+              "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
+              "mlp.down_proj.weight": 1}
+
+
+def tp_slices(config: LlamaConfig, tp: int, rank: int) -> dict[str, tuple[int, int, int]]:
+    """Rank ``rank``'s share of each tensor a checkpoint of ``config`` holds under tensor
+    parallelism over ``tp`` ranks: ``{name: (dim, start, stop)}`` for the split ones (q/k/v
+    rows by heads, gate/up rows and down columns by MLP columns, O columns by heads, the LM
+    head's rows by vocabulary; a tied LM head's rows of the embedding, as ``lm_head.weight``);
+    the others (norms, the embedding) are whole on every rank. Raises ValueError naming the
+    size that does not split (:meth:`mk.models.blocks.ModelShape.shard`)."""
+    shard = config.to_model_shape().shard(tp)  # (refuses what does not split)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise ValueError(f"rank must be an int in [0, tp={tp}), got {rank!r}")
+    d = config.head_dim
+    share = {"q": shard.heads * d, "k": shard.kv_heads * d, "v": shard.kv_heads * d, "o": shard.heads * d,
+             "gate": shard.intermediate, "up": shard.intermediate, "down": shard.intermediate}
+    out = {}
+    for name in expected_shapes(config):
+        for suffix, dim in _TP_SPLITS.items():
+            if name.endswith(suffix):
+                n = share[suffix.split(".")[1].split("_")[0]]
+                out[name] = (dim, rank * n, (rank + 1) * n)
+    v = config.vocab_size // tp
+    out["lm_head.weight"] = (0, rank * v, (rank + 1) * v)
+    return out
+
+
+def shard_weights(weights: dict[str, torch.Tensor], slices: dict[str, tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+    """Whole-model weights cut to one rank's share (:func:`tp_slices`), contiguous; a tied
+    LM head's share comes from the embedding."""
+    out = {}
+    for name, t in weights.items():
+        out[name] = t.narrow(slices[name][0], slices[name][1], slices[name][2] - slices[name][1]).contiguous() \
+            if name in slices else t
+    if "lm_head.weight" in slices and "lm_head.weight" not in weights:
+        dim, a, b = slices["lm_head.weight"]
+        out["lm_head.weight"] = weights["model.embed_tokens.weight"][a:b].contiguous()
+    return out
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -104,7 +149,7 @@ def _read_headers(paths: list[str]) -> dict[str, dict[str, tuple[list[int], str]
 
 def load_weights(
     folder: str | os.PathLike, config: LlamaConfig, *, device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None, progress: bool = True,
+    dtype: torch.dtype | None = None, progress: bool = True, shard: dict[str, tuple[int, int, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a Hugging Face Llama checkpoint's weights (``model.safetensors`` or sharded).
 
@@ -115,6 +160,8 @@ def load_weights(
         device: where the tensors go.
         dtype: the dtype they are converted to; ``None`` keeps the stored dtype.
         progress: show a tqdm bar over the tensors.
+        shard: one tensor-parallel rank's share (:func:`tp_slices`): those tensors are read
+            as slices of the file, never whole.
 
     Returns:
         ``{name: tensor}`` for exactly :func:`expected_shapes`'s names; extra tensors of the
@@ -160,12 +207,25 @@ def load_weights(
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in names:
                     try:
-                        t = f.get_tensor(name)
+                        t = _read(f, name, (shard or {}).get(name))
                     except Exception as e:
                         raise ValueError(f"{path}: reading tensor {name!r} failed: {e}") from None
                     weights[name] = t.to(device=device, dtype=dtype)
                     bar.update(1)
-    return {name: weights[name] for name in expected}
+    out = {name: weights[name] for name in expected}
+    if shard and "lm_head.weight" in shard and "lm_head.weight" not in out:  # tied: the embedding's rows
+        dim, a, b = shard["lm_head.weight"]
+        out["lm_head.weight"] = out["model.embed_tokens.weight"][a:b].contiguous()
+    return out
+
+
+def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """Tensor ``name`` of an open safetensors file, or only its slice ``(dim, start, stop)``."""
+    if part is None:
+        return f.get_tensor(name)
+    dim, a, b = part
+    sl = f.get_slice(name)
+    return (sl[a:b] if dim == 0 else sl[:, a:b]).contiguous()
 
 
 # --------------------------------------------------------------------------- random and save

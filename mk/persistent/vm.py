@@ -52,107 +52,151 @@ def run_vm(program: Program, *, interleave: str = "round_robin", seed: int = 0, 
     :class:`Deadlock` naming the stuck tasks and what they wait for, or :class:`EarlyRead`
     naming the task and region.
     """
+    return run_vm_ranks([program], interleave=interleave, seed=seed, execute=execute, check_reads=check_reads,
+                        defer_signals=defer_signals)[0]
+
+
+def run_vm_ranks(programs: list[Program], *, interleave: str = "round_robin", seed: int = 0, execute: bool = True,
+                 check_reads: bool = True, defer_signals: bool = True) -> list[VMReport]:
+    """:func:`run_vm` of one step on several ranks at once (a tensor-parallel step: one
+    program per rank, the same tasks in the same order, each over its own buffers), their
+    workers interleaved together. A task of an op with peer operands
+    (:attr:`~mk.tasks.OpSpec.peer_operands`) meets its peers: it runs only once the same
+    task's waits are met on every rank (each rank has published its part), as its flags
+    make it wait on the GPU, and reads every rank's copy of those operands. Raises
+    :class:`Deadlock` (naming the rank) when no worker of any rank can run."""
     if interleave not in ("round_robin", "random"):
         raise ValueError(f"interleave must be 'round_robin' or 'random', got {interleave!r}")
-    graph = program.graph
-    tasks = graph.tasks
+    if not programs:
+        raise ValueError("run_vm_ranks: no programs")
+    keys = [[t.op.key for t in p.graph.tasks] for p in programs]
+    if any(k != keys[0] for k in keys[1:]):
+        raise ValueError("run_vm_ranks: the ranks' programs have different tasks; every rank must run the same step")
+    ranks = [_Rank(p, check_reads) for p in programs]
     rng = random.Random(seed)
-    counters = [0] * max(program.num_events, 1)
-    heads = [0] * program.num_workers
-    pending = [0] * program.num_workers
-    signals = 0
-    buffers = graph.buffers
-
-    # Data-flow check, independent of the events: per element of memory (buffers that are
-    # the same tensor, as layers' activations are, count as one), how many tasks (in program
-    # order) write it and read it. A task's read of an element needs every earlier writer
-    # of it done; its write needs every earlier reader done (else it clobbers data they
-    # still need: a step's inputs, such as the token ids, are overwritten by the step).
-    memory = _same_memory(buffers)
-    written_by_someone = {memory[r.buffer] for t in tasks for r in t.writes()}
-    writes_done = {n: torch.zeros(_view2d(buffers[n]).shape, dtype=torch.int32) for n in written_by_someone}
-    reads_done = {n: torch.zeros_like(c) for n, c in writes_done.items()}
-    need_writes: dict = {}  # (task, region index) -> writes each element needs first
-    need_reads: dict = {}
-    if check_reads:
-        writes_so_far = {n: torch.zeros_like(c) for n, c in writes_done.items()}
-        reads_so_far = {n: torch.zeros_like(c) for n, c in writes_done.items()}
-        team: list = []  # (reads, writes) of the current team: counted once it ends, since
-        # its members need nothing of one another (OpSpec.team)
-        for i, t in enumerate(tasks):
-            if t.team_start == i:
-                for reads, writes in team:
-                    for r in reads:
-                        reads_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
-                    for r in writes:
-                        writes_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
-                team = []
-            reads = [r for r in t.reads() if memory[r.buffer] in writes_done]
-            writes = t.writes()
-            for k, r in enumerate(reads):
-                need_writes[i, k] = writes_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1].clone()
-            for k, r in enumerate(writes):
-                need_reads[i, k] = reads_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1].clone()
-            team.append((reads, writes))
-    order: list[int] = []
-    max_conc = 0
-
-    def runnable(w: int) -> bool:
-        q = program.queues[w]
-        if heads[w] >= len(q):
-            return False
-        return all(counters[ev] >= cnt for ev, cnt in program.task_waits[q[heads[w]]])
-
+    slots = [(r, w) for r, rank in enumerate(ranks) for w in range(rank.program.num_workers)]
     turn = 0
-    steps = 0
+
+    def can_run(r: int, w: int) -> bool:
+        rank = ranks[r]
+        i = rank.next_task(w)
+        if i is None or not rank.waits_met(i):
+            return False
+        return not rank.program.graph.tasks[i].op.peer_operands or all(other.waits_met(i) for other in ranks)
+
     while True:
-        live = [w for w in range(program.num_workers) if heads[w] < len(program.queues[w])]
+        live = [(r, w) for r, w in slots if ranks[r].next_task(w) is not None]
         if not live:
             break
-        ready = [w for w in live if runnable(w)]
-        max_conc = max(max_conc, len(ready))
+        ready = [(r, w) for r, w in live if can_run(r, w)]
+        for rank in ranks:
+            rank.max_conc = max(rank.max_conc, sum(1 for r, _ in ready if ranks[r] is rank))
         if not ready:
-            raise Deadlock(_deadlock_message(program, heads, counters, live))
+            message = [f"rank {r}: " + _deadlock_message(rank.program, rank.heads, rank.counters,
+                                                          [w for q, w in live if q == r])
+                       for r, rank in enumerate(ranks) if any(q == r for q, _ in live)]
+            raise Deadlock("\n".join(message) if len(ranks) > 1 else message[0][len("rank 0: "):])
         if interleave == "random":
-            w = rng.choice(ready)
+            r, w = rng.choice(ready)
         else:
             ready_set = set(ready)
-            while turn % program.num_workers not in ready_set:
+            while slots[turn % len(slots)] not in ready_set:
                 turn += 1
-            w = turn % program.num_workers
+            r, w = slots[turn % len(slots)]
             turn += 1
-        i = program.queues[w][heads[w]]
-        task = tasks[i]
-        reads = [r for r in task.reads() if memory[r.buffer] in writes_done]
+        ranks[r].step(w, ranks, execute, check_reads, defer_signals)
+    return [VMReport(steps=rank.steps, order=rank.order, max_concurrency=rank.max_conc, signals=rank.signals)
+            for rank in ranks]
+
+
+class _Rank:
+    """One rank's program as the VM runs it: counters, queue heads, and the data-flow check."""
+
+    def __init__(self, program: Program, check_reads: bool) -> None:
+        self.program = program
+        graph = program.graph
+        tasks = graph.tasks
+        self.counters = [0] * max(program.num_events, 1)
+        self.heads = [0] * program.num_workers
+        self.pending = [0] * program.num_workers
+        self.signals = self.steps = self.max_conc = 0
+        self.order: list[int] = []
+        self.buffers = graph.buffers
+        # Data-flow check, independent of the events: per element of memory (buffers that are
+        # the same tensor, as layers' activations are, count as one), how many tasks (in program
+        # order) write it and read it. A task's read of an element needs every earlier writer
+        # of it done; its write needs every earlier reader done (else it clobbers data they
+        # still need: a step's inputs, such as the token ids, are overwritten by the step).
+        memory = self.memory = _same_memory(self.buffers)
+        written_by_someone = {memory[r.buffer] for t in tasks for r in t.writes()}
+        self.writes_done = {n: torch.zeros(_view2d(self.buffers[n]).shape, dtype=torch.int32)
+                            for n in written_by_someone}
+        self.reads_done = {n: torch.zeros_like(c) for n, c in self.writes_done.items()}
+        self.need_writes: dict = {}  # (task, region index) -> writes each element needs first
+        self.need_reads: dict = {}
+        if check_reads:
+            writes_so_far = {n: torch.zeros_like(c) for n, c in self.writes_done.items()}
+            reads_so_far = {n: torch.zeros_like(c) for n, c in self.writes_done.items()}
+            team: list = []  # (reads, writes) of the current team: counted once it ends, since
+            # its members need nothing of one another (OpSpec.team)
+            for i, t in enumerate(tasks):
+                if t.team_start == i:
+                    for reads, writes in team:
+                        for r in reads:
+                            reads_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
+                        for r in writes:
+                            writes_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
+                    team = []
+                reads = [r for r in t.reads() if memory[r.buffer] in self.writes_done]
+                writes = t.writes()
+                for k, r in enumerate(reads):
+                    self.need_writes[i, k] = writes_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1].clone()
+                for k, r in enumerate(writes):
+                    self.need_reads[i, k] = reads_so_far[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1].clone()
+                team.append((reads, writes))
+
+    def next_task(self, w: int) -> int | None:
+        q = self.program.queues[w]
+        return q[self.heads[w]] if self.heads[w] < len(q) else None
+
+    def waits_met(self, i: int) -> bool:
+        return all(self.counters[ev] >= cnt for ev, cnt in self.program.task_waits[i])
+
+    def step(self, w: int, ranks: list["_Rank"], execute: bool, check_reads: bool, defer_signals: bool) -> None:
+        program, memory = self.program, self.memory
+        i = program.queues[w][self.heads[w]]
+        task = program.graph.tasks[i]
+        reads = [r for r in task.reads() if memory[r.buffer] in self.writes_done]
         if check_reads:
             for k, r in enumerate(reads):
-                if bool((writes_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] < need_writes[i, k]).any()):
+                if bool((self.writes_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] < self.need_writes[i, k]).any()):
                     raise EarlyRead(f"task {i} ({task.name}) on worker {w} reads {r} before its producers "
                                     f"signalled")
             for k, r in enumerate(task.writes()):
-                if bool((reads_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] < need_reads[i, k]).any()):
+                if bool((self.reads_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] < self.need_reads[i, k]).any()):
                     raise EarlyRead(f"task {i} ({task.name}) on worker {w} writes {r} before every earlier "
                                     f"task that reads it has run")
         if execute:
-            roles = {role: buffers[name] for role, name in task.bind.items()}
+            roles = {role: self.buffers[name] for role, name in task.bind.items()}
+            for role in task.op.peer_operands:
+                roles["@" + role] = [other.buffers[task.bind[role]] for other in ranks]
             task.op.run(roles, dict(task.args))
         for r in reads:
-            reads_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
+            self.reads_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
         for r in task.writes():
-            writes_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
+            self.writes_done[memory[r.buffer]][r.r0:r.r1, r.c0:r.c1] += 1
         ev = program.task_signal[i]
-        heads[w] += 1
+        self.heads[w] += 1
         if ev >= 0:
             q = program.queues[w]
-            if defer_signals and heads[w] < len(q) and program.task_signal[q[heads[w]]] == ev:
-                pending[w] += 1  # the megakernel signals a run of same-event tasks once, at its end
+            if defer_signals and self.heads[w] < len(q) and program.task_signal[q[self.heads[w]]] == ev:
+                self.pending[w] += 1  # the megakernel signals a run of same-event tasks once, at its end
             else:
-                counters[ev] += pending[w] + 1
-                pending[w] = 0
-                signals += 1
-        order.append(i)
-        steps += 1
-    return VMReport(steps=steps, order=order, max_concurrency=max_conc, signals=signals)
+                self.counters[ev] += self.pending[w] + 1
+                self.pending[w] = 0
+                self.signals += 1
+        self.order.append(i)
+        self.steps += 1
 
 
 def _same_memory(buffers: dict[str, torch.Tensor]) -> dict[str, str]:

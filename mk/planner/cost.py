@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mk.tasks.all_reduce import all_reduce_block_n
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes, live_splits
@@ -327,7 +328,9 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNod
     if node.kind == "linear":
         blocks, tiles_n = linear_tiles_n(node, choice)
         tasks = blocks * math.ceil(tiles_n / choice.tiles_per_task)  # runs of tiles along N
-        tail = [(d["M"], 0)] if any(f.kind == "argmax" for f in fused) else []
+        # The folded argmax's token append; over ranks, the candidates published, then the choice.
+        argmax = next((f for f in fused if f.kind == "argmax"), None)
+        tail = [] if argmax is None else [(d["M"], 0)] * (2 if argmax.dims.get("world", 1) > 1 else 1)
         if choice.split_k == 1:
             return [(tasks, nbytes)] + tail
         workspace = d["M"] * d["N"] * choice.split_k * 4
@@ -335,6 +338,8 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNod
         return [(tasks * choice.split_k, nbytes - workspace), (reduces, workspace)] + tail
     if node.kind == "attention":
         return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes)]
+    if node.kind == "all_reduce":  # one task a column block, every rank's rows in it
+        return [(math.ceil(d["n"] / all_reduce_block_n(d["n"])), nbytes)]
     if node.kind == "argmax":
         rows = d["rows"]
         return [(rows * math.ceil(d["v"] / argmax_block_v(d["v"])), nbytes), (rows, 0), (rows, 0)]
@@ -474,6 +479,11 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         if i == 0 and decode_dot_tile(node):
             dot_rate = device.xmajor_dot_bandwidth if xmajor_decode_tile(node, choice) else device.dot_worker_bandwidth
             stream = max(stream, task_bytes / dot_rate) if dot_rate else stream
+        if node.kind == "all_reduce":
+            # The peers' partials come over the GPU link after the ranks meet.
+            world = node.dims["world"]
+            remote = task_bytes * (world - 1) / (world + 1)
+            stream = max(stream, remote / (device.link_bandwidth / busy)) + device.link_latency_s
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)

@@ -164,6 +164,11 @@ class DeviceSpec:
     # The 1B LM head in the step (H200): runs of 32-row tiles (128 chunks a
     # task) took 115 µs a task, of 16-row tiles (248 chunks) 121 µs, the same bytes.
     chunk_exposed_s: float = 0.05e-6
+    # Tensor parallelism: what one GPU reads of its peers' memory a second over the GPU
+    # link, and one meeting of the ranks (a flag published, every peer's seen). NVLink 4
+    # (H100/H200 SXM): 450 GB/s each way; the meeting is a few system-scope round trips.
+    link_bandwidth: float = 450e9
+    link_latency_s: float = 3.0e-6
     calibrated: bool = False
 
     def __post_init__(self):

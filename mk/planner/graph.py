@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from mk.tasks._cost import TaskCost
 
 #: Node kinds the builders emit and the planner knows how to tile.
-KINDS = ("embedding", "rmsnorm", "linear", "rope_kv", "attention", "silu_mul", "add", "argmax")
+KINDS = ("embedding", "rmsnorm", "linear", "rope_kv", "attention", "silu_mul", "add", "argmax", "all_reduce")
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,15 @@ def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None
             elif role in ("k_cache", "v_cache"):
                 bufs[name] = torch.empty(B, d["kv_heads"], max_seq, d["head_dim"], dtype=kv_dtype, **meta)
                 continue
+            elif n.kind in ("all_reduce", "argmax"):  # a tensor-parallel step's symmetric buffers
+                if role == "peers":
+                    shape, dt = (d["world"],), torch.int64
+                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column
+                    shape, dt = ((d["rows"], d["n"]), torch.float32) if role == "part" else ((d["n"],), torch.int32)
+                else:  # each row's candidate over the ranks, and its flag
+                    shape, dt = (d["rows"],), torch.int64 if role == "shared" else torch.int32
+                bufs[name] = torch.empty(*shape, dtype=dt, **meta)
+                continue
             elif role == "inv_freq":
                 bufs[name] = torch.empty(d["head_dim"] // 2, **meta)
                 continue
@@ -135,8 +144,10 @@ def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None
 
 
 def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Tensor], *, eps: float,
-                      next_token: str = "argmax") -> DecodeStep:
-    """The task graph of one decode step of ``graph`` under ``plan`` (see module docstring).
+                      next_token: str = "argmax", rank: int = 0) -> DecodeStep:
+    """The task graph of one decode step of ``graph`` under ``plan`` (see module docstring);
+    of rank ``rank``'s share of a tensor-parallel step (its tasks the same on every rank but
+    for that argument of the ops that meet the other ranks, :mod:`mk.tasks.all_reduce`).
 
     Raises ValueError naming the buffer that is missing or of the wrong shape, or the op
     whose choice the runtime cannot run.
@@ -171,7 +182,11 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     shared: dict[tuple, torch.Tensor] = {}  # (role, shape, dtype) -> the one tensor every layer uses
     scope = ""  # the scope of the op being lowered
 
+    bound = set(weight_names(graph))
+
     def activation(name: str, *shape: int, dt: torch.dtype = torch.float32) -> str:
+        if name in bound:  # an output the graph puts in the caller's memory (a symmetric partial)
+            return name
         if name in buffers:
             raise ValueError(f"lower_decode_step: activation {name} would overwrite the caller's buffer of that name")
         if name not in g.buffers:
@@ -182,6 +197,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
 
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
         tiles = op_tiles(spec, rows)
+        if "rank" in spec.args:
+            tiles = [dict(t, rank=rank) for t in tiles]
         first = g.add_tiles(spec, tiles, **bind)
         if scope:
             periods.setdefault(scope, [first, first])[1] = len(g.tasks)
@@ -227,6 +244,22 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                    lse=activation(f"{node.name}.lse", B, hq, splits),
                    arrivals=activation(f"{node.name}.arrivals", B * d["kv_heads"], dt=torch.int32),
                    out=activation(node.outputs[0], B, hq * dh))
+        elif kind == "all_reduce":
+            add_op(node.name, make_op("all_reduce", M=d["rows"], N=d["n"], world=d["world"]),
+                   part=node.buffers["part"], res=node.inputs[1], out=activation(node.outputs[0], d["rows"], d["n"]),
+                   flags=node.buffers["flags"], peers=node.buffers["peers"])
+        elif kind == "argmax" and d.get("world", 1) > 1:
+            # Each rank's vocabulary share: its best candidate published, the best of them taken.
+            if next_token != "argmax" or not argmax_in_lm_head(plan, node.name, next_token):
+                raise ValueError(f"lower_decode_step: a tensor-parallel step chooses its token greedily, with the "
+                                 f"argmax folded into the LM head (next_token={next_token!r}, plan "
+                                 f"{'fuses' if argmax_in_lm_head(plan, node.name, 'argmax') else 'does not fuse'} "
+                                 f"{node.name})")
+            add_op(node.name, make_op("argmax_publish", batch=B, v_local=d["v"]), best="argmax.best",
+                   shared=node.buffers["shared"])
+            add_op("append_token", make_op("argmax_ranks", batch=B, max_seq=S, world=d["world"]),
+                   shared=node.buffers["shared"], flags=node.buffers["flags"], peers=node.buffers["peers"],
+                   next_ids="ids", pos="pos", tokens="tokens")
         elif kind == "argmax":
             if next_token == "logits":
                 return

@@ -8,7 +8,7 @@ package is imported (:func:`make_op` builds one, :func:`op_tiles` lists its task
 """
 
 # (Modules whose launchers are not exported here still register their megakernel ops.)
-from . import append_token, qkv_rope  # noqa: F401
+from . import all_reduce, append_token, qkv_rope  # noqa: F401
 from ._cost import TaskCost
 from ._device import default_device, default_dtype, enable_device_descriptors, interpreting, jit, supported_dtypes
 from ._spec import OpSpec, Region, make_op, op_tiles, register, registered_ops

@@ -96,6 +96,10 @@ class OpSpec:
     #: operand roles holding such counters: zero between launches, zeroed again by
     #: Megakernel.reset() after a failed one.
     sync_operands: tuple[str, ...] = ()
+    #: operand roles read on every rank of a tensor-parallel step, each at its own rank's
+    #: copy of a symmetric buffer (:mod:`mk.tasks.all_reduce`): the task meets its peers
+    #: first. The VM hands a run each rank's tensor of the role under ``"@" + role``.
+    peer_operands: tuple[str, ...] = ()
     #: tiles(rows) -> the descriptor args of every task of one whole op, in the order a
     #: graph should add them (:func:`op_tiles`); ``rows`` for ops whose spec leaves the
     #: row count open (None where the spec fixes it).

@@ -1,0 +1,55 @@
+"""Symmetric memory for a tensor-parallel megakernel: buffers every rank holds at its own
+address, each rank able to load and store its peers' copies (NVLink peer access).
+
+One workspace per step is allocated with :mod:`torch.distributed._symmetric_memory`
+(a collective: every rank calls it, in the same order) and cut into the step's buffers;
+a task finds a peer's copy of a buffer at the same offset from that peer's base, so one
+int64 table of the bases (``peers``) is all the kernel needs besides its own pointers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Alignment of each buffer in the workspace (vector loads, and room for the flags' words).
+ALIGN = 256
+
+
+def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, peers: str,
+                        group=None) -> dict[str, torch.Tensor]:
+    """Zeroed tensors of ``meta``'s shapes and dtypes (by name) in one symmetric workspace
+    on ``device``, and under ``peers`` the int64 table of every rank's workspace base (rank
+    order). A collective over ``group`` (default: the world): every rank must call it with
+    the same ``meta``. Raises RuntimeError when torch.distributed is not initialised."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("symmetric_workspace: torch.distributed is not initialised (run under torchrun)")
+    group = group or dist.group.WORLD
+    offsets, total = {}, 0
+    for name, t in meta.items():
+        if name == peers:
+            continue
+        total = -(-total // ALIGN) * ALIGN
+        offsets[name] = total
+        total += t.numel() * t.element_size()
+    total = max(-(-total // ALIGN) * ALIGN, ALIGN)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # (older releases ask for it first)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    buf.zero_()
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # every rank's zeros before any rank's step writes its peers' flags
+    out = {}
+    for name, off in offsets.items():
+        t = meta[name]
+        out[name] = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    out[peers] = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    _KEEP[out[peers].data_ptr()] = (buf, handle)  # alive while the step's buffers are
+    return out
+
+
+#: Workspaces by their peers table's address: the views keep the memory, the handle the mapping.
+_KEEP: dict[int, tuple] = {}

@@ -1,0 +1,351 @@
+"""Reductions over GPUs inside the megakernel: a tensor-parallel decode step's all-reduce,
+and the next token chosen over every rank's share of the vocabulary.
+
+Tensor parallelism splits a layer's O and down projections by their input columns, so
+each rank (GPU) ends them holding a partial sum of the layer's output. Every rank writes
+its partial into symmetric memory (one buffer on every rank, each copy at its own address,
+all addresses known to all ranks: ``peers`` holds each rank's base of the workspace the
+buffers are cut from), and a tile of the all-reduce, on every rank, adds the same tile of
+every rank's partial to the residual, in rank order, so that every rank's residual stream
+stays bit-identical.
+
+Ranks meet per tile, by flags. After its local wait (this rank's partial tile is written)
+a task sets the tile's flag in its own symmetric memory to the launch's number + 1 with a
+system-scope release (what it observed written becomes visible to the peers first), then
+polls every peer's flag until it shows that number (system-scope acquire), then loads the
+peers' tiles past L1. Every poll is bounded like the megakernel's own waits: a dead or
+stuck peer ends the launch with an error naming the peer, on every rank.
+
+A buffer is never rewritten while a peer still reads it: each layer has its own partial
+buffers and flags, and a step writes them only after its first all-reduce, which needs
+every peer to have started that step, so to have finished the one before.
+
+The LM head's vocabulary is split too: each rank folds its rows' argmax into ``best``
+(:func:`mk.tasks.argmax.argmax_tile_into`); :func:`argmax_publish_tile` moves it, with its
+global index, into symmetric memory, and :func:`argmax_ranks_tile` takes the largest over
+the ranks (the lowest index on ties, as torch.argmax) and appends the token, the same on
+every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+try:  # inline PTX: compiled GPU code only
+    from triton.language.extra.cuda import globaltimer as _globaltimer
+except ImportError:  # pragma: no cover - older layouts
+    _globaltimer = None
+
+from ._cost import TaskCost
+from ._device import check_same_device, check_tensor, jit
+from ._spec import OpSpec, Region, as_2d, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
+from .append_token import append_token_tile
+from .argmax import argmax_unpack, argmax_unpack_ref
+
+#: Widest column block of one all-reduce tile.
+MAX_BLOCK_N = 1024
+
+
+@jit
+def _peer(ptr, peers_ptr, rank, q):
+    """``ptr`` (into this rank's symmetric workspace) at the same offset in rank q's."""
+    base = tl.load(peers_ptr + rank)
+    return (ptr.to(tl.int64) - base + tl.load(peers_ptr + q)).to(ptr.dtype)
+
+
+@jit
+def _load_acquire_sys(ptr, GPU: tl.constexpr):
+    """An int32 flag with acquire semantics at system scope (a peer GPU wrote it)."""
+    if GPU:
+        return tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.load(ptr, volatile=True)
+        tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        return seen
+
+
+@jit
+def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker, task,
+               WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Publish this rank's tile (flag = epoch + 1, system-scope release), then wait, bounded,
+    until every peer's flag at the same offset shows it. Returns ok (0 on timeout, or when
+    a worker of this launch has failed: the error buffer then names the worker, the task,
+    event -2 - q for peer q, and the flag seen and expected)."""
+    need = epoch + 1
+    if ok != 0:
+        tl.debug_barrier()  # the block's own writes first (as a signal)
+        tl.atomic_xchg(flag_ptr, need, sem="release", scope="sys")
+        for q in tl.static_range(WORLD):
+            if ok != 0:
+                peer = _peer(flag_ptr, peers_ptr, rank, q)
+                seen = tl.load(peer, volatile=True)
+                polls = tl.zeros([], dtype=tl.int64)
+                waited = tl.zeros([], dtype=tl.int64)
+                failed = tl.zeros([], dtype=tl.int32)
+                if USE_TIMER:
+                    start = _globaltimer()
+                while (seen < need) & (waited < timeout) & (failed == 0):
+                    seen = tl.load(peer, volatile=True)
+                    if polls % 16 == 15:
+                        failed = tl.load(error_ptr, volatile=True)
+                    polls += 1
+                    if USE_TIMER:
+                        waited = _globaltimer() - start
+                    else:
+                        waited = polls
+                if seen < need:
+                    ok = 0
+                    if (failed == 0) & (tl.atomic_cas(error_ptr, 0, 1) == 0):
+                        tl.store(error_ptr + 1, worker)
+                        tl.store(error_ptr + 2, task)
+                        tl.store(error_ptr + 3, -2 - q)
+                        tl.store(error_ptr + 4, seen)
+                        tl.store(error_ptr + 5, need)
+                else:
+                    _load_acquire_sys(peer, GPU=USE_TIMER)
+    return ok
+
+
+@jit
+def all_reduce_tile(part_ptr, res_ptr, out_ptr, peers_ptr, rank, pid_n, M, N,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr):
+    """out[:, tile] = res[:, tile] + sum over ranks q (in order) of rank q's part[:, tile]
+    (float32 ``[M, N]``, the same offset in each rank's symmetric workspace). Call after
+    :func:`meet_ranks` on the tile's flag."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    if RESIDUAL:
+        acc = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        acc += tl.load(_peer(part_ptr, peers_ptr, rank, q) + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def argmax_publish_tile(best_ptr, shared_ptr, b, rank, V_LOCAL: tl.constexpr):
+    """Row b's best candidate of this rank's vocabulary share (``best``, zeroed for the next
+    step) into ``shared[b]``, its index made global (rank * V_LOCAL + local index)."""
+    packed = tl.atomic_xchg(best_ptr + b, tl.zeros([], tl.int64))
+    # The low 31 bits hold 2**31 - 1 - index (mk.tasks.argmax.argmax_pack); 0 is "none".
+    packed = tl.where(packed != 0, packed - (rank * V_LOCAL).to(tl.int64), packed)
+    tl.store(shared_ptr + b, packed)
+
+
+@jit
+def argmax_ranks_tile(shared_ptr, peers_ptr, next_ids_ptr, pos_ptr, tokens_ptr, b, rank, max_seq,
+                      WORLD: tl.constexpr):
+    """The largest of every rank's ``shared[b]`` (the lowest global index on ties): row b's
+    token, appended to its history (:func:`mk.tasks.append_token.append_token_tile`). Call
+    after :func:`meet_ranks` on row b's flag."""
+    best = tl.zeros([], tl.int64)
+    for q in tl.static_range(WORLD):
+        best = tl.maximum(best, tl.load(_peer(shared_ptr, peers_ptr, rank, q) + b, cache_modifier=".cg"))
+    tok, _ = argmax_unpack(best)
+    append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, max_seq, max_seq, tok=tok)
+
+
+@jit
+def _all_reduce_kernel(part_ptr, res_ptr, out_ptr, flags_ptr, peers_ptr, error_ptr, rank, M, N, epoch, timeout,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr,
+                       USE_TIMER: tl.constexpr):
+    pid_n = tl.program_id(0)
+    ok = meet_ranks(flags_ptr + pid_n, peers_ptr, rank, 1, epoch, timeout, error_ptr, 0, pid_n, WORLD=WORLD,
+                    USE_TIMER=USE_TIMER)
+    if ok != 0:
+        all_reduce_tile(part_ptr, res_ptr, out_ptr, peers_ptr, rank, pid_n, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                        WORLD=WORLD, RESIDUAL=RESIDUAL)
+
+
+def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers: torch.Tensor, rank: int, *,
+               residual: torch.Tensor | None = None, epoch: int = 0, timeout_s: float = 10.0) -> torch.Tensor:
+    """``out = residual + sum over ranks of part`` (each float32 ``[M, N]``), as one launch on
+    every rank at once (:func:`all_reduce_tile`). ``part`` and ``flags`` (int32, one per
+    column block, ``epoch`` on every rank before this call) lie in a symmetric workspace
+    whose base on each rank ``peers`` (int64 ``[world]``, on the device) lists; with one
+    rank that is just this rank's own. Raises RuntimeError naming the peer that did not
+    arrive within ``timeout_s``."""
+    check_tensor("part", part, ndim=2, dtype=(torch.float32,))
+    M, N = part.shape
+    check_tensor("out", out, shape=(M, N), dtype=(torch.float32,))
+    if residual is not None:
+        check_tensor("residual", residual, shape=(M, N), dtype=(torch.float32,))
+    check_tensor("peers", peers, ndim=1, dtype=(torch.int64,))
+    world = peers.shape[0]
+    if not 0 <= rank < world:
+        raise ValueError(f"all_reduce: rank {rank} outside the {world} ranks of peers")
+    block_n = all_reduce_block_n(N)
+    check_tensor("flags", flags, ndim=1, dtype=(torch.int32,))
+    if flags.shape[0] < cdiv(N, block_n):
+        raise ValueError(f"all_reduce: flags holds {flags.shape[0]} words, the {cdiv(N, block_n)} tiles need one each")
+    device = check_same_device(part=part, out=out, flags=flags, peers=peers)
+    gpu = device.type == "cuda"
+    error = torch.zeros(8, dtype=torch.int32, device=device)
+    timeout = int(timeout_s * 1e9) if gpu else 1_000_000
+    _all_reduce_kernel[(cdiv(N, block_n),)](part, part if residual is None else residual, out, flags, peers, error,
+                                            rank, M, N, epoch, timeout, BLOCK_M=max(1, 1 << (M - 1).bit_length()),
+                                            BLOCK_N=block_n, WORLD=world, RESIDUAL=residual is not None,
+                                            USE_TIMER=gpu)
+    if int(error[0]):
+        raise RuntimeError(f"all_reduce: rank {rank} waited {timeout_s} s for rank {-2 - int(error[3])}: "
+                           f"its flag showed {int(error[4])}, expected {int(error[5])}")
+    return out
+
+
+def all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`all_reduce` in torch, in its order: the residual, then every rank's part."""
+    acc = residual.float().clone() if residual is not None else torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        acc += p.float()
+    return acc
+
+
+def all_reduce_block_n(n: int) -> int:
+    """Columns of one all-reduce tile: a power of two, at most MAX_BLOCK_N."""
+    return min(MAX_BLOCK_N, max(16, 1 << (n - 1).bit_length()))
+
+
+def all_reduce_cost(rows: int, n: int, world: int) -> TaskCost:
+    """Bytes and flops of one all-reduce on one rank: every rank's partial read (world - 1
+    of them over the GPU link), the residual read and the sum written."""
+    return TaskCost(rows * n * 4 * (world + 1), rows * n * 4, rows * n * world)
+
+
+# ---------------------------------------------------------------------------------------
+# Megakernel specs (mk.tasks._spec). ``peer_operands``: read on every rank (the VM hands a
+# run each rank's tensor under "@role", rank order).
+# ---------------------------------------------------------------------------------------
+
+_MEET = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+         "ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
+         "USE_TIMER=USE_TIMER)\n")
+
+
+@register("all_reduce")
+def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n: int | None = None,
+                  num_warps: int = 4) -> OpSpec:
+    """One column block of ``out = res + sum over ranks of part`` (float32 ``[M, N]``).
+
+    Operands: part (symmetric), res (with ``residual``), out, flags int32 (symmetric, one
+    word per column block), peers int64 ``[world]``. Args: pid_n, rank."""
+    check_sizes("all_reduce", M=M, N=N, world=world)
+    block_n = check_pow2("all_reduce", "block_n", block_n or all_reduce_block_n(N))
+    tiles = cdiv(N, block_n)
+
+    def cols(a):
+        check_tile("all_reduce", "pid_n", a["pid_n"], tiles)
+        return a["pid_n"] * block_n, min(N, (a["pid_n"] + 1) * block_n)
+
+    def run(b, a):
+        c0, c1 = cols(a)
+        parts = [operand_view("all_reduce", "part", p, M, N)[:, c0:c1] for p in b["@part"]]
+        res = operand_view("all_reduce", "res", b["res"], M, N)[:, c0:c1] if residual else None
+        out = operand_view("all_reduce", "out", b["out"], M, N)
+        out[:, c0:c1] = all_reduce_ref(parts, res).to(out.dtype)
+        as_2d(b["flags"])[0, a["pid_n"]] += 1
+
+    def reads(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind[r], 0, M, c0, c1) for r in ("part",) + (("res",) if residual else ())]
+
+    def writes(a, bind):
+        c0, c1 = cols(a)
+        return [Region(bind["out"], 0, M, c0, c1), Region(bind["flags"], 0, 1, a["pid_n"], a["pid_n"] + 1)]
+
+    body = (_MEET.format(flag="flags + pid_n") +
+            "if ok != 0:\n"
+            "    all_reduce_tile(part, res, out, peers, rank, pid_n, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
+            "WORLD=WORLD, RESIDUAL=RESIDUAL)")
+    operands = ("part",) + (("res",) if residual else ()) + ("out", "flags", "peers")
+    return OpSpec(name="all_reduce", operands=operands, args=("pid_n", "rank"),
+                  body=body if residual else body.replace("(part, res, out", "(part, part, out"),
+                  imports=("from mk.tasks.all_reduce import all_reduce_tile, meet_ranks",),
+                  constexprs={"M": M, "N": N, "BLOCK_M": max(1, 1 << (M - 1).bit_length()), "BLOCK_N": block_n,
+                              "WORLD": world, "RESIDUAL": int(residual)},
+                  num_warps=num_warps, waits_in_body=True, run=run, reads=reads, writes=writes,
+                  peer_operands=("part",),
+                  tiles=lambda _: [{"pid_n": n} for n in range(tiles)])
+
+
+@register("argmax_publish")
+def argmax_publish_op(batch: int, v_local: int) -> OpSpec:
+    """Row b's best candidate of this rank's vocabulary share (operand best int64 ``[batch]``,
+    folded by the LM head) into operand shared int64 ``[batch]`` (symmetric), its index
+    global; best[b] back to 0. Args: b, rank."""
+    check_sizes("argmax_publish", batch=batch, v_local=v_local)
+
+    def row(a):
+        check_tile("argmax_publish", "b", a["b"], batch)
+        return a["b"]
+
+    def run(bufs, a):
+        b = row(a)
+        best = operand_view("argmax_publish", "best", bufs["best"], 1, batch)[0]
+        shared = operand_view("argmax_publish", "shared", bufs["shared"], 1, batch)[0]
+        packed = int(best[b])
+        shared[b] = packed - a["rank"] * v_local if packed else 0
+        best[b] = 0
+
+    def regions(a, bind):
+        b = row(a)
+        return [Region(bind["best"], 0, 1, b, b + 1)]
+
+    def writes(a, bind):
+        b = row(a)
+        return [Region(bind["best"], 0, 1, b, b + 1), Region(bind["shared"], 0, 1, b, b + 1)]
+
+    return OpSpec(name="argmax_publish", operands=("best", "shared"), args=("b", "rank"),
+                  body="argmax_publish_tile(best, shared, b, rank, V_LOCAL=V_LOCAL)",
+                  imports=("from mk.tasks.all_reduce import argmax_publish_tile",),
+                  constexprs={"BATCH": batch, "V_LOCAL": v_local}, num_warps=1, run=run, reads=regions,
+                  writes=writes, sync_operands=("best",), tiles=lambda _: [{"b": b} for b in range(batch)])
+
+
+@register("argmax_ranks")
+def argmax_ranks_op(batch: int, max_seq: int, world: int) -> OpSpec:
+    """Row b's token: the best of every rank's shared[b] (operand shared int64 ``[batch]``,
+    symmetric), written to next_ids[b] and appended at tokens[b, pos[b] + 1]; pos[b]
+    advanced (:mod:`mk.tasks.append_token`). Operands: shared, flags int32 ``[batch]``
+    (symmetric), peers int64 ``[world]``, next_ids, pos, tokens. Args: b, rank."""
+    check_sizes("argmax_ranks", batch=batch, max_seq=max_seq, world=world)
+
+    def row(a):
+        check_tile("argmax_ranks", "b", a["b"], batch)
+        return a["b"]
+
+    def run(bufs, a):
+        b = row(a)
+        best = max(int(operand_view("argmax_ranks", "shared", s, 1, batch)[0, b]) for s in bufs["@shared"])
+        next_ids = operand_view("argmax_ranks", "next_ids", bufs["next_ids"], 1, batch)[0]
+        next_ids[b] = argmax_unpack_ref(best)
+        as_2d(bufs["flags"])[0, b] += 1
+        pos = operand_view("argmax_ranks", "pos", bufs["pos"], 1, batch)[0]
+        tokens = operand_view("argmax_ranks", "tokens", bufs["tokens"], batch, max_seq)
+        p = int(pos[b])
+        if p + 1 < max_seq:
+            tokens[b, p + 1] = next_ids[b]
+            pos[b] = p + 1
+
+    def reads(a, bind):
+        b = row(a)
+        return [Region(bind["shared"], 0, 1, b, b + 1), Region(bind["pos"], 0, 1, b, b + 1)]
+
+    def writes(a, bind):
+        b = row(a)
+        return [Region(bind["flags"], 0, 1, b, b + 1), Region(bind["next_ids"], 0, 1, b, b + 1),
+                Region(bind["pos"], 0, 1, b, b + 1), Region(bind["tokens"], b, b + 1, 0, max_seq)]
+
+    body = (_MEET.format(flag="flags + b") +
+            "if ok != 0:\n"
+            "    argmax_ranks_tile(shared, peers, next_ids, pos, tokens, b, rank, MAX_SEQ, WORLD=WORLD)")
+    return OpSpec(name="argmax_ranks", operands=("shared", "flags", "peers", "next_ids", "pos", "tokens"),
+                  args=("b", "rank"), body=body,
+                  imports=("from mk.tasks.all_reduce import argmax_ranks_tile, meet_ranks",),
+                  constexprs={"BATCH": batch, "MAX_SEQ": max_seq, "WORLD": world}, num_warps=1,
+                  waits_in_body=True, run=run, reads=reads, writes=writes, peer_operands=("shared",),
+                  tiles=lambda _: [{"b": b} for b in range(batch)])

@@ -1,0 +1,108 @@
+"""Tensor parallelism without GPUs: each rank's share of the weights and of the decode step.
+
+The VM runs every rank's lowered step at once, workers of all ranks interleaved at random
+(:func:`mk.persistent.vm.run_vm_ranks`): the all-reduces and the choice of the token over
+the ranks meet their peers as their flags make them on the GPU. The tokens, every rank's
+share of the KV cache and the residual stream must equal the unsharded reference's.
+"""
+
+import pytest
+import torch
+
+from mk.models import LlamaConfig, Qwen2Config, ReferenceLlama, random_weights
+from mk.models.blocks import ModelShape, decode_graph
+from mk.models.llama import Llama
+from mk.models.qwen2 import Qwen2
+from mk.models.weights import load_weights, save_weights, shard_weights, tp_slices
+from mk.persistent.graph import lower
+from mk.persistent.vm import run_vm_ranks
+from mk.planner.device import DeviceSpec
+from mk.planner.lower import lower_decode_step
+from mk.planner.search import search
+from tests.conftest import HAS_CUDA, rel_err
+
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="float32 interpreter semantics")
+
+B, S, POSITIONS = 2, 12, [3, 7]
+SIZES = dict(vocab_size=204, hidden_size=64, intermediate_size=96, num_hidden_layers=3, head_dim=16)
+CASES = {"llama-tp2": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=4, num_key_value_heads=2), 2),
+         "llama-tp4": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=8, num_key_value_heads=4), 4),
+         "qwen2-bias-tp2": (Qwen2, Qwen2Config.tiny(**SIZES, num_attention_heads=6, num_key_value_heads=2), 2)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_rank_s_share_of_a_step_matches_the_reference(name):
+    cls, config, tp = CASES[name]
+    weights = random_weights(config, seed=3)
+    ref = ReferenceLlama(config, weights)
+    cache = ref.new_cache(B, S)
+    history = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(5))
+    for b, n in enumerate(POSITIONS):
+        one = ref.new_cache(1, S)
+        ref.forward(history[b:b + 1, :n], 0, one)
+        cache.k[:, b], cache.v[:, b] = one.k[:, 0], one.v[:, 0]
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    fed = history[torch.arange(B), torch.tensor(POSITIONS)]
+    want = ref.forward(fed[:, None], torch.tensor(POSITIONS), cache)[:, 0].argmax(-1)
+    programs, states, models = [], [], []
+    for rank in range(tp):
+        model = cls(config, shard_weights(weights, tp_slices(config, tp, rank)), device="cpu", dtype=torch.float32,
+                    max_batch_size=B, max_seq_len=S, tp=tp, rank=rank)
+        kv = model.shape.kv_heads
+        model.k_cache.copy_(k0[:, :, rank * kv:(rank + 1) * kv])
+        model.v_cache.copy_(v0[:, :, rank * kv:(rank + 1) * kv])
+        graph = decode_graph(model.shape, B, S)
+        plan = search(graph, DeviceSpec.preset("h100"))[0]
+        i32 = dict(dtype=torch.int32)
+        state = {"ids": fed.to(**i32), "pos": torch.tensor(POSITIONS, **i32), "tokens": history.to(**i32).clone()}
+        bufs = dict(model.weights, **state, **model.tp_buffers(graph))
+        for L in range(config.num_hidden_layers):
+            bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = model.k_cache[L], model.v_cache[L]
+        step = lower_decode_step(plan, graph, bufs, eps=config.rms_norm_eps, rank=rank)
+        programs.append(lower(step.graph, num_workers=3, schedule="list"))
+        states.append(state)
+        models.append(model)
+    run_vm_ranks(programs, interleave="random", seed=tp)
+    last = f"x{config.num_hidden_layers}"
+    for rank, (model, state, program) in enumerate(zip(models, states, programs)):
+        assert state["ids"].tolist() == want.tolist(), (name, rank)
+        assert state["pos"].tolist() == [p + 1 for p in POSITIONS]
+        assert state["tokens"][:, 1:].gather(1, state["pos"][:, None].long() - 1)[:, 0].tolist() == want.tolist()
+        kv = model.shape.kv_heads
+        for b, p in enumerate(POSITIONS):
+            assert rel_err(model.k_cache[:, b, :, :p + 1], cache.k[:, b, rank * kv:(rank + 1) * kv, :p + 1]) < 1e-5
+            assert rel_err(model.v_cache[:, b, :, :p + 1], cache.v[:, b, rank * kv:(rank + 1) * kv, :p + 1]) < 1e-5
+        # Every rank sums the partials in rank order: one residual stream, bit for bit.
+        assert torch.equal(program.graph.buffers[last], programs[0].graph.buffers[last]), (name, rank)
+
+
+def test_a_model_that_does_not_split_is_refused_naming_the_size():
+    shape = ModelShape.preset("llama-3-8b")
+    with pytest.raises(ValueError, match="8 key/value heads do not split over tp=16"):
+        shape.shard(16)
+    with pytest.raises(ValueError, match="90 intermediate size do not split over tp=4"):
+        ModelShape("odd", hidden=64, intermediate=90, layers=1, heads=4, kv_heads=4, head_dim=16, vocab=64).shard(4)
+    assert shape.shard(4).heads == 8 and shape.shard(4).vocab == shape.vocab
+
+
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
+    config = CASES["qwen2-bias-tp2"][1]
+    config = type(config).from_dict({**config.to_dict(), "tie_word_embeddings": True})
+    weights = random_weights(config, seed=1)
+    save_weights(weights, config, tmp_path)
+    for rank in range(2):
+        slices = tp_slices(config, 2, rank)
+        got = load_weights(tmp_path, config, shard=slices, progress=False)
+        want = shard_weights(weights, slices)
+        assert got.keys() == want.keys() and "lm_head.weight" in got  # a tied head's rows of the embedding
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+        assert got["model.layers.0.self_attn.o_proj.weight"].shape == (64, 3 * 16)  # its heads' columns
+
+
+def test_the_plan_command_shows_one_rank_s_share(capsys):
+    from mk.__main__ import main
+
+    assert main(["plan", "--model", "llama-3-8b", "--tp", "2", "--device", "h100"]) == 0
+    text = capsys.readouterr().out
+    assert "llama-3-8b/tp2" in text and "all_reduce" in text
