@@ -417,12 +417,15 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
         return cache[key]
 
     ranked_of: dict = {}
+    # Hosts of an argmax that must fold into them (over tensor-parallel ranks): whole-K tiles only.
+    whole_k = {n.fuse_into for n in graph.nodes if n.kind == "argmax" and n.dims.get("world", 1) > 1}
 
     for node in iterator:
-        rank_key = (shape(node), node.name in idle)
+        rank_key = (shape(node), node.name in idle, node.name in whole_k)
         if rank_key not in ranked_of:
             options = [c for c in candidates(node, device, graph.dtype_bytes, workers)
-                       if cost_of(node, c, ()).smem_bytes <= budget and (xmajor or not xmajor_decode_tile(node, c))]
+                       if cost_of(node, c, ()).smem_bytes <= budget and (xmajor or not xmajor_decode_tile(node, c))
+                       and (node.name not in whole_k or c.split_k == 1)]
             if not options:
                 raise ValueError(f"op {node.name} ({node.kind} {node.dims}): no tile fits the shared-memory "
                                  f"budget of {budget} bytes")
@@ -460,6 +463,9 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             if node.kind in MUST_FUSE and host is not None:
                 continue
             if node.kind == "rope_kv" and host is not None and "bias" in nodes[host].buffers:
+                continue
+            # Over tensor-parallel ranks the token is chosen from each rank's folded argmax.
+            if node.kind == "argmax" and node.dims.get("world", 1) > 1 and host is not None:
                 continue
             takes = tuple(p for p in state.pending if nodes[p].fuse_into == node.name)
             rest = tuple(p for p in state.pending if p not in takes)

@@ -74,6 +74,7 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
     a worker of this launch has failed: the error buffer then names the worker, the task,
     event -2 - q for peer q, and the flag seen and expected)."""
     need = epoch + 1
+    ok = ok + tl.zeros([], dtype=tl.int32)  # (a tensor: the waits below may clear it)
     if ok != 0:
         tl.debug_barrier()  # the block's own writes first (as a signal)
         tl.atomic_xchg(flag_ptr, need, sem="release", scope="sys")
