@@ -46,7 +46,12 @@ def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, 
     for name, off in offsets.items():
         t = meta[name]
         out[name] = buf[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-    out[peers] = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    bases = [int(p) for p in handle.buffer_ptrs]
+    rank = dist.get_rank(group)
+    if bases[rank] != buf.data_ptr():
+        raise RuntimeError(f"symmetric_workspace: rank {rank}'s own base in the peers' table is {bases[rank]:#x}, "
+                           f"its buffer is at {buf.data_ptr():#x}")
+    out[peers] = torch.tensor(bases, dtype=torch.int64, device=device)
     _KEEP[out[peers].data_ptr()] = (buf, handle)  # alive while the step's buffers are
     return out
 

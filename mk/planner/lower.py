@@ -417,21 +417,22 @@ class StepCache:
         self._steps: OrderedDict = OrderedDict()
 
     def get(self, plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Tensor], *, eps: float,
-            next_token: str, device: DeviceSpec, workers: int) -> LoweredStep:
+            next_token: str, device: DeviceSpec, workers: int, rank: int = 0) -> LoweredStep:
         """The step of ``plan`` lowered over ``buffers``' shapes for ``workers`` workers
-        (queues as :func:`step_queues` deals them): from the cache, or lowered now."""
+        (queues as :func:`step_queues` deals them), as rank ``rank`` of a tensor-parallel
+        step runs it: from the cache, or lowered now."""
         bound = {*weight_names(graph), *STATE_BUFFERS, *SAMPLING_BUFFERS}
         need = [n for n in buffers if n in bound]
         shapes = tuple(sorted((n, tuple(buffers[n].shape), str(buffers[n].dtype)) for n in need))
         key = (plan.to_json(), graph.to_json(indent=None), shapes, eps, next_token, workers,
-               device.to_json())
+               device.to_json(), rank)
         hit = self._steps.get(key)
         if hit is not None:
             self._steps.move_to_end(key)
             return hit
         meta = {n: torch.empty(buffers[n].shape, dtype=buffers[n].dtype, device="meta") for n in need}
         with collector_paused():
-            step = lower_decode_step(plan, graph, meta, eps=eps, next_token=next_token)
+            step = lower_decode_step(plan, graph, meta, eps=eps, next_token=next_token, rank=rank)
             program = lower(step.graph, num_workers=workers, queues=step_queues(step, graph, device, workers))
         self._steps[key] = lowered = LoweredStep(step, program)
         while len(self._steps) > self.size:

@@ -227,6 +227,14 @@ _MEET = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_
          "USE_TIMER=USE_TIMER)\n")
 
 
+def _check_rank(op: str, bufs: dict, a: dict, role: str) -> None:
+    """VM: the task's rank argument names the rank it runs on (its own copy of ``role`` is
+    that rank's entry of every rank's copies): a step lowered for another rank would read its
+    peers at the wrong offsets on the GPU."""
+    if not 0 <= a["rank"] < len(bufs["@" + role]) or bufs["@" + role][a["rank"]] is not bufs[role]:
+        raise ValueError(f"{op}: a task with rank={a['rank']} runs on another rank of {len(bufs['@' + role])}")
+
+
 @register("all_reduce")
 def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n: int | None = None,
                   num_warps: int = 4) -> OpSpec:
@@ -244,6 +252,7 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
 
     def run(b, a):
         c0, c1 = cols(a)
+        _check_rank("all_reduce", b, a, "part")
         parts = [operand_view("all_reduce", "part", p, M, N)[:, c0:c1] for p in b["@part"]]
         res = operand_view("all_reduce", "res", b["res"], M, N)[:, c0:c1] if residual else None
         out = operand_view("all_reduce", "out", b["out"], M, N)
@@ -321,6 +330,7 @@ def argmax_ranks_op(batch: int, max_seq: int, world: int) -> OpSpec:
 
     def run(bufs, a):
         b = row(a)
+        _check_rank("argmax_ranks", bufs, a, "shared")
         best = max(int(operand_view("argmax_ranks", "shared", s, 1, batch)[0, b]) for s in bufs["@shared"])
         next_ids = operand_view("argmax_ranks", "next_ids", bufs["next_ids"], 1, batch)[0]
         next_ids[b] = argmax_unpack_ref(best)

@@ -10,15 +10,12 @@ import pytest
 import torch
 
 from mk.models import LlamaConfig, Qwen2Config, ReferenceLlama, random_weights
-from mk.models.blocks import ModelShape, decode_graph
+from mk.models.blocks import ModelShape
 from mk.models.llama import Llama
 from mk.models.qwen2 import Qwen2
 from mk.models.weights import load_weights, save_weights, shard_weights, tp_slices
 from mk.persistent.graph import lower
 from mk.persistent.vm import run_vm_ranks
-from mk.planner.device import DeviceSpec
-from mk.planner.lower import lower_decode_step
-from mk.planner.search import search
 from tests.conftest import HAS_CUDA, rel_err
 
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="float32 interpreter semantics")
@@ -51,16 +48,12 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name):
         kv = model.shape.kv_heads
         model.k_cache.copy_(k0[:, :, rank * kv:(rank + 1) * kv])
         model.v_cache.copy_(v0[:, :, rank * kv:(rank + 1) * kv])
-        graph = decode_graph(model.shape, B, S)
-        plan = search(graph, DeviceSpec.preset("h100"))[0]
-        i32 = dict(dtype=torch.int32)
-        state = {"ids": fed.to(**i32), "pos": torch.tensor(POSITIONS, **i32), "tokens": history.to(**i32).clone()}
-        bufs = dict(model.weights, **state, **model.tp_buffers(graph))
-        for L in range(config.num_hidden_layers):
-            bufs[f"l{L}.k_cache"], bufs[f"l{L}.v_cache"] = model.k_cache[L], model.v_cache[L]
-        step = lower_decode_step(plan, graph, bufs, eps=config.rms_norm_eps, rank=rank)
-        programs.append(lower(step.graph, num_workers=3, schedule="list"))
-        states.append(state)
+        # The step as generate builds it (the model's own plan, lowering and buffers), run by the VM.
+        plan, graph = model.plan(B, S)
+        dec = model._build_decoder(plan, graph, B, "argmax")
+        dec.state["ids"].copy_(fed), dec.state["pos"].copy_(torch.tensor(POSITIONS)), dec.state["tokens"].copy_(history)
+        programs.append(lower(dec.step.graph, num_workers=3, schedule="list"))
+        states.append(dec.state)
         models.append(model)
     run_vm_ranks(programs, interleave="random", seed=tp)
     last = f"x{config.num_hidden_layers}"
