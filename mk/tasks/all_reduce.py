@@ -106,6 +106,7 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                         tl.store(error_ptr + 5, need)
                 else:
                     _load_acquire_sys(peer, GPU=USE_TIMER)
+        tl.debug_barrier()  # every thread past every peer's flag before any reads their data
     return ok
 
 
@@ -124,7 +125,8 @@ def all_reduce_tile(part_ptr, res_ptr, out_ptr, peers_ptr, rank, pid_n, M, N,
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        acc += tl.load(_peer(part_ptr, peers_ptr, rank, q) + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        # (Volatile: a peer's copy is read once a step, never from a cache of an earlier step's.)
+        acc += tl.load(_peer(part_ptr, peers_ptr, rank, q) + offs, mask=mask, other=0.0, volatile=True)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -146,7 +148,7 @@ def argmax_ranks_tile(shared_ptr, peers_ptr, next_ids_ptr, pos_ptr, tokens_ptr, 
     after :func:`meet_ranks` on row b's flag."""
     best = tl.zeros([], tl.int64)
     for q in tl.static_range(WORLD):
-        best = tl.maximum(best, tl.load(_peer(shared_ptr, peers_ptr, rank, q) + b, cache_modifier=".cg"))
+        best = tl.maximum(best, tl.load(_peer(shared_ptr, peers_ptr, rank, q) + b, volatile=True))
     tok, _ = argmax_unpack(best)
     append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, max_seq, max_seq, tok=tok)
 
