@@ -196,11 +196,18 @@ def run_generate(args) -> int:
         print("mk: note: --top-k / --top-p apply to sampling (--temperature > 0); greedy decoding ignores them",
               file=sys.stderr)
     kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
+    # Under torchrun: tensor parallelism over its processes, one GPU each; rank 0 prints.
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp > 1 and not args.model:
+        raise ValueError("tensor parallelism (torchrun) needs a checkpoint: give --model")
+    if tp > 1 and int(os.environ.get("RANK", "0")) != 0:
+        sys.stdout = open(os.devnull, "w")
+        status = Status(open(os.devnull, "w"))
     if args.model:
-        status(f"loading weights from {args.model}")
+        status(f"loading weights from {args.model}" + (f" (this rank's share of {tp})" if tp > 1 else ""))
         model = AutoModel.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total,
                                           kv_dtype=kv_dtype, progress=status.tty,
-                                          prefill_precision=args.prefill_precision)
+                                          prefill_precision=args.prefill_precision, tp=tp)
     else:
         status("building the default model (random weights)")
         model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=total,
@@ -258,7 +265,9 @@ def run_generate(args) -> int:
     print(f"prefill {stats.get('prefill_s', 0.0) * 1e3:.1f} ms; decode {steps} steps in {decode_s:.2f} s: "
           f"{produced / max(decode_s, 1e-9):.1f} tokens/s ({decode_s / max(steps, 1) * 1e3:.2f} ms/step, one "
           f"launch each)", flush=True)
-    if temperature == 0.0 and args.check_steps > 0:
+    if tp > 1 and temperature == 0.0 and args.check_steps > 0:
+        print("check: skipped under tensor parallelism (each rank holds its share of the weights)")
+    elif temperature == 0.0 and args.check_steps > 0:
         got = rows[0][:args.check_steps]   # shorter when row 0 stopped at EOS
         check = len(got)
         status("checking the greedy tokens against the float32 torch reference")
