@@ -11,7 +11,7 @@ layer on one worker all wait for the same event, and only the first pays for it.
 
 import triton.language as tl
 
-from mk.tasks._device import jit
+from mk.tasks._device import jit, load_acquire
 
 try:  # inline PTX: compiled GPU code only
     from triton.language.extra.cuda import globaltimer as _globaltimer
@@ -39,18 +39,6 @@ def sm_id(GPU: tl.constexpr):
         return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     else:
         return tl.zeros([], dtype=tl.int32)
-
-
-@jit
-def _load_acquire(ptr, GPU: tl.constexpr):
-    """Load an int32 counter with acquire semantics at GPU scope."""
-    if GPU:
-        return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        seen = tl.load(ptr, volatile=True)
-        tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        return seen
 
 
 @jit
@@ -103,7 +91,7 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
                 tl.store(error_ptr + 5, need)
         else:
             # Relaxed polls, then one acquire: the producers' writes are visible after it.
-            _load_acquire(counters_ptr + ev, GPU=USE_TIMER)
+            load_acquire(counters_ptr + ev, GPU=USE_TIMER)
             last_ev = ev
             last_need = need
     return ok, last_ev, last_need

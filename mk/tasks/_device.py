@@ -16,6 +16,7 @@ import threading
 from typing import Sequence
 
 import torch
+import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 
@@ -120,6 +121,27 @@ def jit(fn=None, **kwargs):
     if fn is None:
         return functools.partial(jit, **kwargs)
     return Kernel(fn, **kwargs)
+
+
+@jit
+def load_acquire(ptr, GPU: tl.constexpr, SYS: tl.constexpr = False):
+    """Load an int32 counter or flag with acquire semantics, at GPU scope (another block of
+    this GPU wrote it) or with ``SYS`` at system scope (a peer GPU did): what it guarded is
+    visible after it. Under the interpreter, a volatile load and an acquire atomic."""
+    if GPU:
+        if SYS:
+            return tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        seen = tl.load(ptr, volatile=True)
+        if SYS:
+            tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        else:
+            tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        return seen
 
 
 def check_tensor(

@@ -38,9 +38,9 @@ except ImportError:  # pragma: no cover - older layouts
     _globaltimer = None
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_tensor, jit
+from ._device import check_same_device, check_tensor, jit, load_acquire
 from ._spec import OpSpec, Region, as_2d, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
-from .append_token import append_token_tile
+from .append_token import append_one_ref, append_token_tile
 from .argmax import argmax_unpack, argmax_unpack_ref
 
 #: Widest column block of one all-reduce tile.
@@ -52,18 +52,6 @@ def _peer(ptr, peers_ptr, rank, q):
     """``ptr`` (into this rank's symmetric workspace) at the same offset in rank q's."""
     base = tl.load(peers_ptr + rank)
     return (ptr.to(tl.int64) - base + tl.load(peers_ptr + q)).to(ptr.dtype)
-
-
-@jit
-def _load_acquire_sys(ptr, GPU: tl.constexpr):
-    """An int32 flag with acquire semantics at system scope (a peer GPU wrote it)."""
-    if GPU:
-        return tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        seen = tl.load(ptr, volatile=True)
-        tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        return seen
 
 
 @jit
@@ -105,7 +93,7 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                         tl.store(error_ptr + 4, seen)
                         tl.store(error_ptr + 5, need)
                 else:
-                    _load_acquire_sys(peer, GPU=USE_TIMER)
+                    load_acquire(peer, GPU=USE_TIMER, SYS=True)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
     return ok
 
@@ -337,12 +325,8 @@ def argmax_ranks_op(batch: int, max_seq: int, world: int) -> OpSpec:
         next_ids = operand_view("argmax_ranks", "next_ids", bufs["next_ids"], 1, batch)[0]
         next_ids[b] = argmax_unpack_ref(best)
         as_2d(bufs["flags"])[0, b] += 1
-        pos = operand_view("argmax_ranks", "pos", bufs["pos"], 1, batch)[0]
-        tokens = operand_view("argmax_ranks", "tokens", bufs["tokens"], batch, max_seq)
-        p = int(pos[b])
-        if p + 1 < max_seq:
-            tokens[b, p + 1] = next_ids[b]
-            pos[b] = p + 1
+        append_one_ref(next_ids, operand_view("argmax_ranks", "pos", bufs["pos"], 1, batch)[0],
+                       operand_view("argmax_ranks", "tokens", bufs["tokens"], batch, max_seq), b)
 
     def reads(a, bind):
         b = row(a)

@@ -65,10 +65,15 @@ def append_token(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor
 def append_token_ref(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor) -> None:
     """:func:`append_token` in plain torch (in place)."""
     for b in range(tokens.shape[0]):
-        p = int(pos[b])
-        if p + 1 < tokens.shape[1]:
-            tokens[b, p + 1] = next_ids[b]
-            pos[b] = p + 1
+        append_one_ref(next_ids, pos, tokens, b)
+
+
+def append_one_ref(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, b: int) -> None:
+    """Sequence b's step of :func:`append_token_ref` (in place)."""
+    p = int(pos[b])
+    if p + 1 < tokens.shape[1]:
+        tokens[b, p + 1] = next_ids[b]
+        pos[b] = p + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,12 +104,8 @@ def append_token_op(batch: int, max_seq: int, from_best: bool = False) -> OpSpec
             best = operand_view("append_token", "best", bufs["best"], 1, batch)[0]
             next_ids[b] = argmax_unpack_ref(best[b])
             best[b] = 0
-        pos = operand_view("append_token", "pos", bufs["pos"], 1, batch)[0]
-        tokens = operand_view("append_token", "tokens", bufs["tokens"], batch, max_seq)
-        p = int(pos[b])
-        if p + 1 < max_seq:
-            tokens[b, p + 1] = next_ids[b]
-            pos[b] = p + 1
+        append_one_ref(next_ids, operand_view("append_token", "pos", bufs["pos"], 1, batch)[0],
+                       operand_view("append_token", "tokens", bufs["tokens"], batch, max_seq), b)
 
     def reads(a, bind):
         b = seq(a)
