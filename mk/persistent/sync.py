@@ -11,7 +11,7 @@ layer on one worker all wait for the same event, and only the first pays for it.
 
 import triton.language as tl
 
-from mk.tasks._device import jit, load_acquire
+from mk.tasks._device import jit, load_acquire, record_timeout
 
 try:  # inline PTX: compiled GPU code only
     from triton.language.extra.cuda import globaltimer as _globaltimer
@@ -83,12 +83,7 @@ def wait_event(ev, count, active, counters_ptr, error_ptr, epoch, worker, task, 
                 waited = polls
         if seen < need:
             ok = 0
-            if (failed == 0) & (tl.atomic_cas(error_ptr, 0, 1) == 0):
-                tl.store(error_ptr + 1, worker)
-                tl.store(error_ptr + 2, task)
-                tl.store(error_ptr + 3, ev)
-                tl.store(error_ptr + 4, seen)
-                tl.store(error_ptr + 5, need)
+            record_timeout(error_ptr, failed, worker, task, ev, seen, need)
         else:
             # Relaxed polls, then one acquire: the producers' writes are visible after it.
             load_acquire(counters_ptr + ev, GPU=USE_TIMER)

@@ -144,6 +144,19 @@ def load_acquire(ptr, GPU: tl.constexpr, SYS: tl.constexpr = False):
         return seen
 
 
+@jit
+def record_timeout(error_ptr, failed, worker, task, event, seen, expected):
+    """A wait that ran out: the first to fail in a launch (none before it: ``failed`` 0, and
+    it wins the flag) records (worker, task, event, seen, expected) in the error buffer
+    (:data:`mk.persistent.sync.ERROR_WORDS`), which the host turns into an error naming them."""
+    if (failed == 0) & (tl.atomic_cas(error_ptr, 0, 1) == 0):
+        tl.store(error_ptr + 1, worker)
+        tl.store(error_ptr + 2, task)
+        tl.store(error_ptr + 3, event)
+        tl.store(error_ptr + 4, seen)
+        tl.store(error_ptr + 5, expected)
+
+
 def check_tensor(
     name: str,
     t: object,

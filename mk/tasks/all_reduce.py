@@ -38,10 +38,13 @@ except ImportError:  # pragma: no cover - older layouts
     _globaltimer = None
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_tensor, jit, load_acquire
+from ._device import check_same_device, check_tensor, jit, load_acquire, record_timeout
 from ._spec import OpSpec, Region, as_2d, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 from .append_token import append_one_ref, append_token_tile
 from .argmax import argmax_unpack, argmax_unpack_ref
+
+#: Polls a second under the interpreter (whose waits count polls, not time).
+INTERPRETER_POLLS_PER_S = 10_000
 
 #: Widest column block of one all-reduce tile.
 MAX_BLOCK_N = 1024
@@ -86,12 +89,7 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                         waited = polls
                 if seen < need:
                     ok = 0
-                    if (failed == 0) & (tl.atomic_cas(error_ptr, 0, 1) == 0):
-                        tl.store(error_ptr + 1, worker)
-                        tl.store(error_ptr + 2, task)
-                        tl.store(error_ptr + 3, -2 - q)
-                        tl.store(error_ptr + 4, seen)
-                        tl.store(error_ptr + 5, need)
+                    record_timeout(error_ptr, failed, worker, task, -2 - q, seen, need)
                 else:
                     load_acquire(peer, GPU=USE_TIMER, SYS=True)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
@@ -177,7 +175,7 @@ def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers
     device = check_same_device(part=part, out=out, flags=flags, peers=peers)
     gpu = device.type == "cuda"
     error = torch.zeros(8, dtype=torch.int32, device=device)
-    timeout = int(timeout_s * 1e9) if gpu else 1_000_000
+    timeout = int(timeout_s * 1e9) if gpu else max(1, int(timeout_s * INTERPRETER_POLLS_PER_S))
     _all_reduce_kernel[(cdiv(N, block_n),)](part, part if residual is None else residual, out, flags, peers, error,
                                             rank, M, N, epoch, timeout, BLOCK_M=max(1, 1 << (M - 1).bit_length()),
                                             BLOCK_N=block_n, WORLD=world, RESIDUAL=residual is not None,
