@@ -120,3 +120,80 @@ def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives():
     # The next launch: rank 1 never comes.
     with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s for rank 1: its flag showed 1, expected 2"):
         all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
+
+
+def _prefill_rank(rank: int, tp: int, init: str, config_dict: dict, prompts: list, out: dict) -> None:
+    """One process of a CPU tensor-parallel prefill (gloo between the ranks)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        config = LlamaConfig.from_dict(config_dict)
+        for precision in ("exact", "fast"):
+            model = Llama.from_config(config, seed=7, device="cpu", max_batch_size=len(prompts), max_seq_len=16,
+                                      prefill_precision=precision, tp=tp)
+            assert model.rank == rank and model.shape.heads == config.num_attention_heads // tp
+            out[(rank, precision)] = model.logits(prompts)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank, tp, init, config_dict, prompts, queue):
+    out = {}
+    _prefill_rank(rank, tp, init, config_dict, prompts, out)
+    queue.put({k: v.numpy() for k, v in out.items()})
+
+
+def test_prefill_over_ranks_gives_the_whole_model_s_logits(tmp_path):
+    # Two processes, each its share of the weights: the O / down partials summed and the LM
+    # head's shares gathered over gloo give every rank the unsharded model's logits.
+    import torch.multiprocessing as mp
+
+    config = CASES["llama-tp2"][1]
+    prompts = [[5, 17, 101, 3, 9, 44], [8, 2, 60]]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_spawned, args=(r, 2, f"file://{tmp_path}/rendezvous", config.to_dict(), prompts,
+                                                queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        got.update(queue.get(timeout=120))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    ref = ReferenceLlama(config, random_weights(config, seed=7))
+    for b, ids in enumerate(prompts):
+        want = ref.forward(torch.tensor([ids]), 0, ref.new_cache(1, 16))[0]
+        for (rank, precision), logits in got.items():
+            assert rel_err(torch.from_numpy(logits)[b, :len(ids)], want) < 1e-4, (rank, precision, b)
+
+
+def _mismatched(rank, init, config_dict, queue):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        config = LlamaConfig.from_dict({**config_dict, "rms_norm_eps": 1e-5 if rank == 0 else 1e-6})
+        Llama.from_config(config, device="cpu", max_batch_size=1, max_seq_len=8, tp=2)
+        queue.put((rank, "loaded"))
+    except ValueError as e:
+        queue.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_loaded_another_config_is_refused_on_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_mismatched, args=(r, f"file://{tmp_path}/rendezvous",
+                                                   CASES["llama-tp2"][1].to_dict(), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    said = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert all("rank(s) [1] loaded another model or config than rank 0" in said[r] for r in range(2)), said
