@@ -151,9 +151,11 @@ def tp_keys(layer: int, role: str) -> tuple[str, str]:
     return f"tp.l{layer}.{role}", f"tp.l{layer}.{role}.flags"
 
 
-#: The symmetric buffers of a tensor-parallel step besides the all-reduces': every rank's
-#: workspace base, and the next token's candidates of each rank with their flags.
+#: The symmetric buffers of a tensor-parallel step besides the layers' all-reduces': every
+#: rank's workspace base, and the next token's candidates of each rank with their flags.
 TP_PEERS, TP_SHARED, TP_FLAGS = "tp.peers", "tp.argmax", "tp.argmax.flags"
+#: The embedding's partial rows of a tensor-parallel step (each rank's vocabulary share).
+TP_EMBED = "tp.embed"
 
 
 def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
@@ -188,8 +190,14 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
     def partial(L, role):  # a projection's output: the all-reduce's symmetric partial under TP
         return tp_keys(L, role)[0] if tp > 1 else f"l{L}.{role}"
 
-    op("embed", "embedding", ["tokens"], ["x0"], {"rows": B, "hidden": h, "vocab": m.vocab},
-       embedding_cost(B, h, db))
+    v = m.vocab // tp  # (the embedding's and the LM head's rows of one rank)
+    if tp == 1:
+        op("embed", "embedding", ["tokens"], ["x0"], {"rows": B, "hidden": h, "vocab": v}, embedding_cost(B, h, db))
+    else:  # each rank's vocabulary share: its tokens' rows, zeros for the others', summed over the ranks
+        op("embed", "embedding", ["tokens"], [TP_EMBED], {"rows": B, "hidden": h, "vocab": v, "world": tp},
+           embedding_cost(B, h, db))
+        op("embed_reduce", "all_reduce", [TP_EMBED], ["x0"], {"rows": B, "n": h, "world": tp},
+           all_reduce_cost(B, h, tp), buffers={"part": TP_EMBED, "flags": TP_EMBED + ".flags", "peers": TP_PEERS})
     x = "x0"
     attended = min(kv_len, m.sliding_window or kv_len)  # a window's keys are all the step reads
     for L in range(m.layers):
@@ -226,7 +234,6 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
         op(p + "down", "linear", [p + "act"], [dn], {"M": B, "N": h, "K": i}, linear_cost(B, h, i, db), L)
         residual(p + "mlp_residual", L, dn, p + "x1", f"x{L + 1}", p + "down")
         x = f"x{L + 1}"
-    v = m.vocab // tp
     op("final_norm", "rmsnorm", [x], ["hf"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), fuse_into="lm_head")
     op("lm_head", "linear", ["hf"], ["logits"], {"M": B, "N": v, "K": h}, linear_cost(B, v, h, db))
     op("argmax", "argmax", ["logits"], ["next_token"], {"rows": B, "v": v, "world": tp}, argmax_cost(B, v, db),

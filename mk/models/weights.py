@@ -68,9 +68,9 @@ _TP_SPLITS = {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_
 def tp_slices(config: LlamaConfig, tp: int, rank: int) -> dict[str, tuple[int, int, int]]:
     """Rank ``rank``'s share of each tensor a checkpoint of ``config`` holds under tensor
     parallelism over ``tp`` ranks: ``{name: (dim, start, stop)}`` for the split ones (q/k/v
-    rows by heads, gate/up rows and down columns by MLP columns, O columns by heads, the LM
-    head's rows by vocabulary; a tied LM head's rows of the embedding, as ``lm_head.weight``);
-    the others (norms, the embedding) are whole on every rank. Raises ValueError naming the
+    rows by heads, gate/up rows and down columns by MLP columns, O columns by heads, the
+    embedding's and the LM head's rows by vocabulary; a tied LM head's are the embedding's, as
+    ``lm_head.weight``); the others (norms) are whole on every rank. Raises ValueError naming the
     size that does not split (:meth:`mk.models.blocks.ModelShape.shard`)."""
     shard = config.to_model_shape().shard(tp)  # (refuses what does not split)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
@@ -85,7 +85,7 @@ def tp_slices(config: LlamaConfig, tp: int, rank: int) -> dict[str, tuple[int, i
                 n = share[suffix.split(".")[1].split("_")[0]]
                 out[name] = (dim, rank * n, (rank + 1) * n)
     v = config.vocab_size // tp
-    out["lm_head.weight"] = (0, rank * v, (rank + 1) * v)
+    out["model.embed_tokens.weight"] = out["lm_head.weight"] = (0, rank * v, (rank + 1) * v)
     return out
 
 
@@ -214,8 +214,7 @@ def load_weights(
                     bar.update(1)
     out = {name: weights[name] for name in expected}
     if shard and "lm_head.weight" in shard and "lm_head.weight" not in out:  # tied: the embedding's rows
-        dim, a, b = shard["lm_head.weight"]
-        out["lm_head.weight"] = out["model.embed_tokens.weight"][a:b].contiguous()
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]  # (read as the same share)
     return out
 
 

@@ -214,7 +214,8 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             raise ValueError(f"lower_decode_step: op {node.name} has no choice in the plan")
         kind, d, scope = node.kind, node.dims, node.scope
         if kind == "embedding":
-            add_op(node.name, make_op("embedding", rows=B, vocab=d["vocab"], hidden=d["hidden"]),
+            add_op(node.name, make_op("embedding", rows=B, vocab=d["vocab"], hidden=d["hidden"],
+                                      ranks=d.get("world", 1)),
                    ids="ids", table=node.buffers["w"], out=activation(node.outputs[0], B, d["hidden"]))
         elif kind == "rmsnorm":
             add_op(node.name, make_op("rmsnorm", n=d["n"], eps=eps), B, x=node.inputs[0], w=node.buffers["w"],
@@ -244,10 +245,11 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                    lse=activation(f"{node.name}.lse", B, hq, splits),
                    arrivals=activation(f"{node.name}.arrivals", B * d["kv_heads"], dt=torch.int32),
                    out=activation(node.outputs[0], B, hq * dh))
-        elif kind == "all_reduce":
-            add_op(node.name, make_op("all_reduce", M=d["rows"], N=d["n"], world=d["world"]),
-                   part=node.buffers["part"], res=node.inputs[1], out=activation(node.outputs[0], d["rows"], d["n"]),
-                   flags=node.buffers["flags"], peers=node.buffers["peers"])
+        elif kind == "all_reduce":  # (with a residual: the layer's stream it adds to)
+            res = {"res": node.inputs[1]} if len(node.inputs) > 1 else {}
+            add_op(node.name, make_op("all_reduce", M=d["rows"], N=d["n"], world=d["world"], residual=bool(res)),
+                   part=node.buffers["part"], out=activation(node.outputs[0], d["rows"], d["n"]),
+                   flags=node.buffers["flags"], peers=node.buffers["peers"], **res)
         elif kind == "argmax" and d.get("world", 1) > 1:
             # Each rank's vocabulary share: its best candidate published, the best of them taken.
             if next_token != "argmax" or not argmax_in_lm_head(plan, node.name, next_token):

@@ -27,19 +27,28 @@ def embedding_tile(
     ids_ptr, table_ptr, out_ptr,
     row, col_block, H,
     stride_table, stride_out,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, start=0, V_SHARE: tl.constexpr = 0,
 ):
     """out[row, cols] = table[ids[row], cols] for cols in block ``col_block``.
 
     ``row`` and ``col_block`` are int32 scalars. The id is trusted to lie in [0, V):
     the standalone launcher checks that on the host; a persistent kernel feeds ids from
-    its own argmax/sampling tasks.
+    its own argmax/sampling tasks. ``V_SHARE`` > 0: the table is one tensor-parallel rank's
+    share of the vocabulary, rows [start, start + V_SHARE); an id outside it gives zeros
+    (the ranks' rows are summed afterwards).
     """
     cols = col_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     # 64-bit: V * H passes 2**31 elements for large vocabularies (128k x 16k).
     token = tl.load(ids_ptr + row).to(tl.int64)
-    vals = tl.load(table_ptr + token * stride_table + cols, mask=mask)
+    if V_SHARE > 0:
+        token = token - start
+        inside = (token >= 0) & (token < V_SHARE)
+        token = tl.minimum(tl.maximum(token, 0), V_SHARE - 1)  # (a row of the share, read and dropped)
+        vals = tl.load(table_ptr + token * stride_table + cols, mask=mask)
+        vals = tl.where(inside, vals, tl.zeros_like(vals))
+    else:
+        vals = tl.load(table_ptr + token * stride_table + cols, mask=mask)
     tl.store(out_ptr + tl.cast(row, tl.int64) * stride_out + cols, vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -114,9 +123,13 @@ def embedding_cost(rows: int, hidden: int, dtype_bytes: int = 2, id_bytes: int =
 
 
 @register("embedding")
-def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = None,
+def embedding_op(rows: int, vocab: int, hidden: int, *, ranks: int = 1, block_h: int | None = None,
                  num_warps: int | None = None) -> OpSpec:
     """One (row, column block) tile of ``out[row] = table[ids[row]]``.
+
+    ``ranks`` > 1: the table is rank ``rank``'s share of a vocabulary split over that many
+    tensor-parallel ranks (rows [rank * vocab, (rank + 1) * vocab)); ids outside the share
+    give zeros, and the ranks' outputs add up to the embedding (an all-reduce after it).
 
     Operands: ids int32/int64 ``[rows]`` (1-D), table ``[vocab, hidden]``, out
     ``[rows, hidden]``. Args: row, col_block (``cdiv(hidden, BLOCK_H)`` blocks a row, the
@@ -135,10 +148,14 @@ def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = No
     def run(b, a):
         (c0, c1), row = cols(a), a["row"]
         token = int(operand_view("embedding", "ids", b["ids"], 1, rows)[0, row])
-        if not 0 <= token < vocab:
-            raise ValueError(f"embedding: ids[{row}] = {token} is outside the vocabulary [0, {vocab})")
+        if not 0 <= token < vocab * ranks:
+            raise ValueError(f"embedding: ids[{row}] = {token} is outside the vocabulary [0, {vocab * ranks})")
         out = operand_view("embedding", "out", b["out"], rows, hidden)
-        out[row, c0:c1] = operand_view("embedding", "table", b["table"], vocab, hidden)[token, c0:c1].to(out.dtype)
+        token -= a.get("rank", 0) * vocab
+        if 0 <= token < vocab:
+            out[row, c0:c1] = operand_view("embedding", "table", b["table"], vocab, hidden)[token, c0:c1].to(out.dtype)
+        else:  # another rank's share
+            out[row, c0:c1] = 0
 
     def reads(a, bind):
         c0, c1 = cols(a)
@@ -148,9 +165,12 @@ def embedding_op(rows: int, vocab: int, hidden: int, *, block_h: int | None = No
         c0, c1 = cols(a)
         return [Region(bind["out"], a["row"], a["row"] + 1, c0, c1)]
 
-    return OpSpec(name="embedding", operands=("ids", "table", "out"), args=("row", "col_block"),
-                  body="embedding_tile(ids, table, out, row, col_block, H, H, H, BLOCK_H=BLOCK_H)",
+    share = ranks > 1
+    body = "embedding_tile(ids, table, out, row, col_block, H, H, H, BLOCK_H=BLOCK_H"
+    body += ", start=rank * V_SHARE, V_SHARE=V_SHARE)" if share else ")"
+    return OpSpec(name="embedding", operands=("ids", "table", "out"),
+                  args=("row", "col_block") + (("rank",) if share else ()), body=body,
                   imports=("from mk.tasks.embedding import embedding_tile",),
-                  constexprs={"ROWS": rows, "H": hidden, "BLOCK_H": block_h},
+                  constexprs={"ROWS": rows, "H": hidden, "BLOCK_H": block_h, **({"V_SHARE": vocab} if share else {})},
                   num_warps=num_warps or embedding_num_warps(block_h), run=run, reads=reads, writes=writes,
                   tiles=lambda _: [{"row": r, "col_block": cb} for r in range(rows) for cb in range(blocks)])

@@ -197,3 +197,22 @@ def test_a_rank_that_loaded_another_config_is_refused_on_every_rank(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert all("rank(s) [1] loaded another model or config than rank 0" in said[r] for r in range(2)), said
+
+
+def test_an_embedding_share_gives_its_rows_and_zeros_for_the_other_ranks_tokens():
+    # The kernel's own code (the interpreter), rank 1 of 2: ids in [4, 8) are its rows.
+    from mk.persistent.graph import TaskGraph
+    from mk.persistent.runtime import Megakernel
+    from mk.tasks import make_op, op_tiles
+
+    table = torch.randn(4, 48)
+    ids = torch.tensor([1, 5, 7, 4, 0], dtype=torch.int32)
+    g = TaskGraph()
+    for name, t in (("ids", ids), ("table", table), ("out", torch.full((5, 48), 9.0))):
+        g.buffer(name, t)
+    spec = make_op("embedding", rows=5, vocab=4, hidden=48, ranks=2, block_h=32)
+    g.add_tiles(spec, [dict(t, rank=1) for t in op_tiles(spec)], ids="ids", table="table", out="out")
+    Megakernel(lower(g, num_workers=1)).run()
+    want = torch.zeros(5, 48)
+    want[1], want[2], want[3] = table[1], table[3], table[0]
+    assert torch.equal(g.buffers["out"], want)
