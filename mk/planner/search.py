@@ -78,6 +78,7 @@ class Plan:
                     + (f" run={c.tiles_per_task}" if c.tiles_per_task > 1 else "")
                     + (f" reduce_bn={c.reduce_block_n}" if c.reduce_block_n else "")
                     if e.kind == "linear" else f"kv_splits={c.kv_splits}" if e.kind == "attention"
+                    else "the op's column tiles, over the ranks" if e.kind == "all_reduce"
                     else "the runtime's row tiles")
             fused = f" + fused {', '.join(c.fuse)}" if c.fuse else ""
             lines.append(f"  {e.name:<20} {e.kind:<9} {tile:<48} {e.tasks:>6} tasks "
