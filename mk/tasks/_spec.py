@@ -93,8 +93,8 @@ class OpSpec:
     #: never depend on one another, and its regions are the whole team's (each member
     #: declares what any of them may touch: the last to arrive may do the team's work).
     team: Callable[[dict], object] | None = field(default=None, compare=False, repr=False)
-    #: operand roles holding such counters: zero between launches, zeroed again by
-    #: Megakernel.reset() after a failed one.
+    #: operand roles holding such counters: zero between launches (or, for the ranks'
+    #: flags, counting them), zeroed again by Megakernel.reset() after a failed one.
     sync_operands: tuple[str, ...] = ()
     #: operand roles read on every rank of a tensor-parallel step, each at its own rank's
     #: copy of a symmetric buffer (:mod:`mk.tasks.all_reduce`): the task meets its peers

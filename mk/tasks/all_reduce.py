@@ -18,7 +18,9 @@ stuck peer ends the launch with an error naming the peer, on every rank.
 
 A buffer is never rewritten while a peer still reads it: each layer has its own partial
 buffers and flags, and a step writes them only after its first all-reduce, which needs
-every peer to have started that step, so to have finished the one before.
+every peer to have started that step, so to have finished the one before. The flags count
+launches, so a kernel reset after a failed launch (which restarts the count) zeroes them
+(they are the ops' sync operands); every rank's launch failed with it.
 
 The LM head's vocabulary is split too: each rank folds its rows' argmax into ``best``
 (:func:`mk.tasks.argmax.argmax_tile_into`); :func:`argmax_publish_tile` moves it, with its
@@ -266,7 +268,7 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
                   constexprs={"M": M, "N": N, "BLOCK_M": max(1, 1 << (M - 1).bit_length()), "BLOCK_N": block_n,
                               "WORLD": world, "RESIDUAL": int(residual)},
                   num_warps=num_warps, waits_in_body=True, run=run, reads=reads, writes=writes,
-                  peer_operands=("part",),
+                  peer_operands=("part",), sync_operands=("flags",),
                   tiles=lambda _: [{"pid_n": n} for n in range(tiles)])
 
 
@@ -343,4 +345,5 @@ def argmax_ranks_op(batch: int, max_seq: int, world: int) -> OpSpec:
                   imports=("from mk.tasks.all_reduce import argmax_ranks_tile, meet_ranks",),
                   constexprs={"BATCH": batch, "MAX_SEQ": max_seq, "WORLD": world}, num_warps=1,
                   waits_in_body=True, run=run, reads=reads, writes=writes, peer_operands=("shared",),
+                  sync_operands=("flags",),
                   tiles=lambda _: [{"b": b} for b in range(batch)])

@@ -216,3 +216,26 @@ def test_an_embedding_share_gives_its_rows_and_zeros_for_the_other_ranks_tokens(
     want = torch.zeros(5, 48)
     want[1], want[2], want[3] = table[1], table[3], table[0]
     assert torch.equal(g.buffers["out"], want)
+
+
+def test_a_kernel_reset_zeroes_the_ranks_flags_and_a_peer_s_timeout_names_the_rank():
+    # The flags count launches; a reset after a failed launch restarts the count, so it must
+    # zero them too, or the next launch would take a peer's old flag for its arrival.
+    from mk.persistent.graph import TaskGraph
+    from mk.persistent.runtime import Megakernel, MegakernelTimeout
+    from mk.tasks import make_op, op_tiles
+
+    g = TaskGraph()
+    for name, t in (("part", torch.randn(2, 40)), ("res", torch.randn(2, 40)), ("out", torch.zeros(2, 40)),
+                    ("flags", torch.zeros(40, dtype=torch.int32)), ("peers", torch.zeros(1, dtype=torch.int64))):
+        g.buffer(name, t)
+    spec = make_op("all_reduce", M=2, N=40, world=1)
+    g.add_tiles(spec, [dict(t, rank=0) for t in op_tiles(spec)], part="part", res="res", out="out", flags="flags",
+                peers="peers")
+    kernel = Megakernel(lower(g, num_workers=1))
+    kernel.run()
+    assert torch.equal(g.buffers["out"], g.buffers["res"] + g.buffers["part"]) and int(g.buffers["flags"][0]) == 1
+    kernel.reset()
+    assert int(g.buffers["flags"][0]) == 0
+    assert "waited on rank 1 of the tensor-parallel step, saw 3 of 4" in str(MegakernelTimeout(0, 0, "all_reduce#0",
+                                                                                               -3, 3, 4))
