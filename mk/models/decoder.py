@@ -430,7 +430,7 @@ class DecoderModel:
         workspace base), zeroed: on CUDA cut from one symmetric-memory workspace
         (:func:`mk.persistent.symmetric.symmetric_workspace`, a collective call: every rank
         makes it together); on the CPU plain tensors, for the VM's simulated ranks
-        (:func:`mk.persistent.vm.run_vm_ranks`). None for one rank."""
+        (:func:`mk.persistent.vm.run_vm_ranks`). Empty for one rank."""
         from mk.planner.lower import meta_buffers
 
         if self.tp == 1:
@@ -652,14 +652,10 @@ class DecoderModel:
         part = f32 if self.tp > 1 else None  # partial sums over ranks are added in float32
         positions, rows = _prefill.chunk_indices(segments, self.device)
         # The residual stream is float32 in both precisions; ids were checked with the prompts.
-        if self.tp == 1:
-            x = embedding(ids, W("embed"), check_values=False).float()
-        else:  # this rank's vocabulary share: its tokens' rows, zeros for the others', summed over ranks
-            v = W("embed").shape[0]
-            local = ids - self.rank * v
-            mine = (local >= 0) & (local < v)
-            x = embedding(local.clamp(0, v - 1), W("embed"), check_values=False).float() * mine[:, None]
-            x = self._tp_sum(x)
+        # (Under tensor parallelism this rank's vocabulary share: its tokens' rows, zeros for
+        # the others', summed over the ranks.)
+        share = dict(vocab_start=self.rank * W("embed").shape[0]) if self.tp > 1 else {}
+        x = self._tp_sum(embedding(ids, W("embed"), check_values=False, **share).float())
         delta = None  # fast: the last projection's output, added into x by the next norm
         for L in range(c.num_hidden_layers):
             kc, vc = self.k_cache[L], self.v_cache[L]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mk.tasks._spec import Region
 
@@ -495,8 +495,6 @@ def reduce_run(tasks, run: tuple[int, int, int]) -> tuple[list, tuple] | None:
     after the run renamed from the last period's buffers to the kept last's, with the run;
     None where that would not keep every conflict (a task after the run binds a buffer of
     a period cut out, or a team crosses the run's end)."""
-    from dataclasses import replace
-
     s, length, n = run
     end, keep = s + n * length, s + REDUCED_PERIODS * length
     last, kept_last = s + (n - 1) * length, keep - length

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mk.tasks.all_reduce import all_reduce_block_n
+from mk.tasks.all_reduce import all_reduce_block_n, all_reduce_link_share
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes, live_splits
@@ -481,8 +481,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             stream = max(stream, task_bytes / dot_rate) if dot_rate else stream
         if node.kind == "all_reduce":
             # The peers' partials come over the GPU link after the ranks meet.
-            world = node.dims["world"]
-            remote = task_bytes * (world - 1) / (world + 1)
+            remote = task_bytes * all_reduce_link_share(node.dims["world"])
             stream = max(stream, remote / (device.link_bandwidth / busy)) + device.link_latency_s
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:

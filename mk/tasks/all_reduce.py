@@ -207,6 +207,12 @@ def all_reduce_cost(rows: int, n: int, world: int) -> TaskCost:
     return TaskCost(rows * n * 4 * (world + 1), rows * n * 4, rows * n * world)
 
 
+def all_reduce_link_share(world: int) -> float:
+    """The part of :func:`all_reduce_cost`'s bytes read that crosses the GPU link (the peers'
+    partials)."""
+    return (world - 1) / (world + 1)
+
+
 # ---------------------------------------------------------------------------------------
 # Megakernel specs (mk.tasks._spec). ``peer_operands``: read on every rank (the VM hands a
 # run each rank's tensor under "@role", rank order).

@@ -55,11 +55,11 @@ def embedding_tile(
 @jit
 def embedding_kernel(
     ids_ptr, table_ptr, out_ptr, H,
-    stride_table, stride_out,
-    BLOCK_H: tl.constexpr,
+    stride_table, stride_out, start,
+    BLOCK_H: tl.constexpr, V_SHARE: tl.constexpr,
 ):
     embedding_tile(ids_ptr, table_ptr, out_ptr, tl.program_id(0), tl.program_id(1), H,
-                   stride_table, stride_out, BLOCK_H=BLOCK_H)
+                   stride_table, stride_out, BLOCK_H=BLOCK_H, start=start, V_SHARE=V_SHARE)
 
 
 def embedding_block_h(h: int) -> int:
@@ -72,7 +72,8 @@ def embedding_num_warps(block_h: int) -> int:
     return max(1, min(8, block_h // 256))
 
 
-def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: bool = True) -> torch.Tensor:
+def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: bool = True,
+              vocab_start: int | None = None) -> torch.Tensor:
     """Rows of ``table`` picked by ``token_ids``.
 
     Args:
@@ -82,6 +83,9 @@ def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: boo
         table: ``[V, H]``, unit stride in the last dim (rows may be strided).
         check_values: False skips the id range check (no wait for the device), for a
             caller that checked the ids itself; an id outside ``[0, V)`` is then undefined.
+        vocab_start: the table is one tensor-parallel rank's share of the vocabulary, rows
+            ``[vocab_start, vocab_start + V)``: an id outside it gives a row of zeros (the
+            ranks' outputs add up to the embedding); the check is then only ``id >= 0``.
 
     Returns:
         ``[*token_ids.shape, H]`` contiguous, dtype of table.
@@ -93,15 +97,15 @@ def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: boo
     ids = token_ids.reshape(-1)
     if check_values and ids.numel() and not is_capturing(ids):  # a value check would break graph capture
         lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab:
+        if lo < 0 or (vocab_start is None and hi >= vocab):
             bad = lo if lo < 0 else hi
             raise ValueError(f"token_ids holds {bad}, outside the table's vocabulary [0, {vocab})")
     out = torch.empty((ids.numel(), hidden), dtype=table.dtype, device=table.device)
     if ids.numel() and hidden:
         block_h = embedding_block_h(hidden)
         embedding_kernel[(ids.numel(), triton.cdiv(hidden, block_h))](
-            ids, table, out, hidden, table.stride(0), out.stride(0),
-            BLOCK_H=block_h, num_warps=embedding_num_warps(block_h),
+            ids, table, out, hidden, table.stride(0), out.stride(0), vocab_start or 0,
+            BLOCK_H=block_h, V_SHARE=0 if vocab_start is None else vocab, num_warps=embedding_num_warps(block_h),
         )
     return out.reshape(*token_ids.shape, hidden)
 

@@ -239,3 +239,15 @@ def test_a_kernel_reset_zeroes_the_ranks_flags_and_a_peer_s_timeout_names_the_ra
     assert int(g.buffers["flags"][0]) == 0
     assert "waited on rank 1 of the tensor-parallel step, saw 3 of 4" in str(MegakernelTimeout(0, 0, "all_reduce#0",
                                                                                                -3, 3, 4))
+
+
+def test_the_standalone_embedding_takes_a_vocabulary_share():
+    from mk.tasks import embedding
+
+    table = torch.randn(4, 48)
+    ids = torch.tensor([1, 5, 7, 4, 0], dtype=torch.int32)
+    want = torch.zeros(5, 48)
+    want[1], want[2], want[3] = table[1], table[3], table[0]
+    assert torch.equal(embedding(ids, table, vocab_start=4), want)
+    with pytest.raises(ValueError, match="holds -1"):
+        embedding(torch.tensor([-1, 2]), table, vocab_start=4)
