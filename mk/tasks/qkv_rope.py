@@ -225,23 +225,28 @@ def qkv_rope_operands(pos_ptr, inv_freq_ptr, pid_m, pid_n, M,
 def qkv_rope_kv_run_epilogue(acc, pid_m, pid_n, args, FLAGS: tl.constexpr):
     """:func:`qkv_rope_kv_epilogue` as :func:`mk.tasks.linear.linear_run`'s epilogue, so a run
     of QKV tiles rotates and stores each tile as it completes. ``args``: (pos_ptr,
-    inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq, pre), ``pre`` the
-    tile's :func:`qkv_rope_operands` loaded ahead (a run of one tile) or None, optionally
-    followed by (bias_ptr, q_norm_w_ptr, k_norm_w_ptr, qk_eps), each pointer None when off
-    (Qwen2's bias, Qwen3's q / k norm: :func:`qkv_rope_kv_epilogue`); FLAGS: (HQ, HKV,
-    HEAD_DIM, WRITE_SEQLENS)."""
+    inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, M, max_seq, pre, bias_ptr,
+    q_norm_w_ptr, k_norm_w_ptr, qk_eps); FLAGS: (HQ, HKV, HEAD_DIM, WRITE_SEQLENS, HAS_PRE,
+    HAS_BIAS, HAS_QK_NORM). ``pre`` is the tile's :func:`qkv_rope_operands` loaded ahead (a
+    run of one tile); the bias is Qwen2's, the q / k norm Qwen3's
+    (:func:`qkv_rope_kv_epilogue`). An entry whose flag is off holds any placeholder: a tuple
+    holding None does not compile on every Triton."""
+    pre = None
     bias_ptr = None
     q_norm_w_ptr = None
     k_norm_w_ptr = None
     qk_eps = 0.0
-    if len(args) > 9:  # the families' options (a Llama's spec passes the first nine only)
+    if FLAGS[4]:
+        pre = args[8]
+    if FLAGS[5]:
         bias_ptr = args[9]
+    if FLAGS[6]:
         q_norm_w_ptr = args[10]
         k_norm_w_ptr = args[11]
         qk_eps = args[12]
     qkv_rope_kv_epilogue(acc, args[0], args[1], args[2], args[3], args[4], args[5], pid_m, pid_n, args[6], args[7],
                          HQ=FLAGS[0], HKV=FLAGS[1], HEAD_DIM=FLAGS[2], WRITE_SEQLENS=FLAGS[3], BLOCK_M=acc.shape[0],
-                         BLOCK_N=acc.shape[1], pre=args[8], bias_ptr=bias_ptr, q_norm_w_ptr=q_norm_w_ptr,
+                         BLOCK_N=acc.shape[1], pre=pre, bias_ptr=bias_ptr, q_norm_w_ptr=q_norm_w_ptr,
                          k_norm_w_ptr=k_norm_w_ptr, qk_eps=qk_eps)
 
 
@@ -440,11 +445,14 @@ class _QkvRope:
         return out + (", q_norm_w_ptr=q_norm, k_norm_w_ptr=k_norm, qk_eps=QK_EPS" if self.qk_norm else "")
 
     def run_args(self) -> str:
-        """The options as :func:`qkv_rope_kv_run_epilogue`'s trailing args (none when off)."""
-        if not (self.bias or self.qk_norm):
-            return ""
-        norms = "q_norm, k_norm, QK_EPS" if self.qk_norm else "None, None, 0.0"
-        return f", {'bias' if self.bias else 'None'}, {norms}"
+        """The options as :func:`qkv_rope_kv_run_epilogue`'s trailing args (``pos`` holds the
+        place of each that is off)."""
+        norms = "q_norm, k_norm, QK_EPS" if self.qk_norm else "pos, pos, 0.0"
+        return f", {'bias' if self.bias else 'pos'}, {norms}"
+
+    def run_flags(self, pre: bool) -> str:
+        """:func:`qkv_rope_kv_run_epilogue`'s FLAGS."""
+        return f"HQ, HKV, HEAD_DIM, SEQLENS, {int(pre)}, {int(self.bias)}, {int(self.qk_norm)}"
 
     def constexprs(self) -> dict:
         return {"QKV_BIAS": int(self.bias), "QK_NORM": int(self.qk_norm),
@@ -583,8 +591,8 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         rope_pre = _ROPE_PRE if s.run == 1 else ""
         body = s.run_body(norm, "0, K", "qkv_rope_kv_run_epilogue",
                           f"pos, inv_freq, q, k_cache, v_cache, {'seqlens' if write_seqlens else 'pos'}, M, S_MAX, "
-                          f"{'rope_pre' if rope_pre else 'None'}{rope.run_args()}",
-                          "HQ, HKV, HEAD_DIM, SEQLENS", wait=s.waits_in_body(tma))
+                          f"{'rope_pre' if rope_pre else 'pos'}{rope.run_args()}",
+                          rope.run_flags(bool(rope_pre)), wait=s.waits_in_body(tma))
     constexprs = {**s.constexprs(), "HQ": hq, "HKV": hkv, "HEAD_DIM": d, "S_MAX": max_seq, "HAS_NORM": int(norm),
                   "SEQLENS": int(write_seqlens), **s.stream_constexprs(tma), "PRELOAD": int(preload),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}

@@ -238,6 +238,19 @@ def test_qkv_rope_kv_op(block_n, block_m, run, _seed):
                           "seqlens": torch.zeros(batch, dtype=torch.int32)}, check, _seed)
 
 
+@pytest.mark.parametrize("run", [1, 3])
+@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, False), (False, True)])
+def test_qkv_rope_run_epilogue_args_hold_no_none(run, bias, qk_norm):
+    # Triton 3.6 (the GPUs') does not compile a tuple holding None, which the CPU's newer
+    # Triton accepts: the run epilogue's args mark what is off by a flag, not by None.
+    op = make_op("qkv_rope_kv", batch=1, num_q_heads=4, num_kv_heads=2, head_dim=16, K=64, max_seq=9, block_n=32,
+                 block_k=16, tma_stages=2, tiles_per_task=run, bias=bias, qk_norm=qk_norm,
+                 dtype=torch.bfloat16)
+    call = op.body[op.body.index("epilogue_args=("):]
+    args = call[:call.index("), ") + 1]
+    assert "qkv_rope_kv_run_epilogue" in op.body and "None" not in args, args
+
+
 def test_rope_kv_position_past_the_cache_writes_no_row(_seed):
     # The guard of a fused kernel: a bad position rotates q, writes no cache row, and the
     # lengths it publishes are clipped to the cache (so attention cannot read past it).
