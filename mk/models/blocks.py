@@ -68,7 +68,7 @@ class ModelShape:
     sliding_window: int | None = None
     #: ranks the model is split over (tensor parallelism); above 1 the shape is one rank's
     #: share (:meth:`shard`): its heads, KV heads and intermediate columns, and vocab/tp rows
-    #: of the LM head (``vocab`` stays the model's: the embedding is whole on every rank)
+    #: of the embedding and the LM head (``vocab`` stays the model's)
     tp: int = 1
 
     def __post_init__(self):

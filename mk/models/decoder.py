@@ -45,7 +45,7 @@ from mk.planner.lower import StepCache
 
 from .config import LlamaConfig
 from . import prefill as _prefill
-from .weights import load_weights, random_weights, shard_weights, tp_slices
+from .weights import load_weights, random_weights, tp_slices
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
 #: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
@@ -208,14 +208,13 @@ class DecoderModel:
                     plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
                     prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
         """A model of any shape with random weights (deterministic for ``seed``); ``tp``: as
-        :meth:`from_pretrained` (every rank draws the whole model, then keeps its share)."""
+        :meth:`from_pretrained` (every rank draws the same model, keeping only its share)."""
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
-        weights = random_weights(config, seed=seed, device=device, dtype=dtype)
-        if tp > 1:
-            weights = shard_weights(weights, tp_slices(config, tp, rank))
+        weights = random_weights(config, seed=seed, device=device, dtype=dtype,
+                                 shard=tp_slices(config, tp, rank) if tp > 1 else None)
         name = f"random-{config.MODEL_TYPE}" if name is None else name
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,

@@ -232,20 +232,28 @@ def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
 
 def random_weights(
     config: LlamaConfig, *, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    shard: dict[str, tuple[int, int, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights for ``config``, the same for the same seed on every machine.
 
     Drawn on the CPU (so a seed means the same numbers everywhere), then moved. Matrices are
     normal with std 0.02 as Hugging Face initializes them; norm weights are
     ``1 + 0.1 * normal`` rather than ones, so a test catches a norm weight applied wrong,
-    and biases ``0.1 * normal`` rather than zeros, likewise.
+    and biases ``0.1 * normal`` rather than zeros, likewise. ``shard``: one rank's slices
+    (:func:`tp_slices`); each tensor is cut as it is drawn, so the whole model is never
+    held, and the result equals :func:`shard_weights` of the whole model's.
     """
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
         w = 1.0 + 0.1 * w if _is_norm(name) else 0.1 * w if name.endswith(".bias") else 0.02 * w
-        weights[name] = w.to(device=device, dtype=dtype)
+        if shard is not None and name in shard:
+            dim, a, b = shard[name]
+            w = w.narrow(dim, a, b - a)
+        weights[name] = w.to(device=device, dtype=dtype).contiguous()
+    if shard is not None and "lm_head.weight" in shard and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # a tied head's share
     return weights
 
 

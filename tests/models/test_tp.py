@@ -91,6 +91,10 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
         for n in want:
             assert torch.equal(got[n], want[n]), n
         assert got["model.layers.0.self_attn.o_proj.weight"].shape == (64, 3 * 16)  # its heads' columns
+        drawn = random_weights(config, seed=1, shard=slices)  # what from_config(tp=2) draws
+        assert drawn.keys() == want.keys()
+        for n in want:
+            assert torch.equal(drawn[n], want[n]), n
 
 
 def test_the_plan_command_shows_one_rank_s_share(capsys):
