@@ -4,6 +4,12 @@ style), for eager replay from a CUDA graph and for torch.compile(mode="reduce-ov
 Weights come from an :class:`mk.models.Llama` (its packed tensors, shared, not copied). The
 caches are module buffers, updated in place with ``index_copy_`` at one position shared by
 the batch, as gpt-fast does, so that torch.compile's CUDA graphs accept the mutation.
+
+Under tensor parallelism (a model built with ``tp=N``, one process per GPU) the peer is
+gpt-fast's TP: each rank runs its share of the heads and MLP columns and of the vocabulary
+(the same shares as mk's), and functional all-reduces (which torch.compile traces and its
+CUDA graphs replay) sum the O and down projections and the embedding; the LM head's shares
+are gathered.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ class TorchLlamaStep(torch.nn.Module):
         super().__init__()
         c = model.config
         self.c, self.B, self.S = c, batch, model.max_seq_len
-        shape = (batch, c.num_key_value_heads, self.S, c.head_dim)
+        self.tp, self.hq, self.hkv = model.tp, model.shape.heads, model.shape.kv_heads  # (this rank's heads)
+        self.vocab_start = model.rank * model.weights["w.embed"].shape[0]
+        shape = (batch, self.hkv, self.S, c.head_dim)
         for L in range(c.num_hidden_layers):
             self.register_buffer(f"k{L}", torch.zeros(shape, dtype=model.dtype, device=model.device))
             self.register_buffer(f"v{L}", torch.zeros(shape, dtype=model.dtype, device=model.device))
@@ -32,11 +40,34 @@ class TorchLlamaStep(torch.nn.Module):
         self.register_buffer("final_norm", w["w.final_norm"])
         self.register_buffer("lm_head", w["w.lm_head"])
         for L in range(c.num_hidden_layers):
-            for name in ("attn_norm", "qkv", "o_proj", "mlp_norm", "down"):
+            # (gate/up rows are interleaved for mk's epilogue: the peer splits its output.)
+            for name in ("attn_norm", "qkv", "o_proj", "mlp_norm", "gate_up", "down"):
                 self.register_buffer(f"l{L}_{name}", w[f"w.l{L}.{name}"])
-            # gate/up are stored interleaved for mk's epilogue; the peer takes them apart once.
-            gu = w[f"w.l{L}.gate_up"]
-            self.register_buffer(f"l{L}_gate_up", torch.cat([gu[0::2], gu[1::2]]))
+
+    def _sum(self, x):
+        """The ranks' partial sums added (an identity on one GPU)."""
+        if self.tp == 1:
+            return x
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    def _embed(self, ids):
+        if self.tp == 1:
+            return self.embed[ids]
+        local = ids - self.vocab_start  # this rank's rows; zeros for the others' tokens
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        return self._sum(self.embed[local.clamp(0, self.embed.shape[0] - 1)] * mine[..., None].to(self.embed.dtype))
+
+    def _logits(self, h):
+        logits = (h @ self.lm_head.T).float()
+        if self.tp == 1:
+            return logits
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_gather_tensor(logits, 1, dist.group.WORLD)
 
     def _norm(self, x, w):
         xf = x.float()
@@ -65,8 +96,8 @@ class TorchLlamaStep(torch.nn.Module):
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, fresh: bool) -> torch.Tensor:
         c = self.c
         B, T = ids.shape
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = self.embed[ids]
+        hq, hkv, d = self.hq, self.hkv, c.head_dim
+        x = self._embed(ids)
         mask = None if fresh else torch.arange(self.S, device=ids.device)[None, :] <= pos[:, None]  # [T, S]
         for L in range(c.num_hidden_layers):
             g = lambda name: getattr(self, f"l{L}_{name}")  # noqa: E731
@@ -80,10 +111,10 @@ class TorchLlamaStep(torch.nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             else:
                 o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask[None, None], enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T
-            gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ g("down").T
-        return (self._norm(x[:, -1], self.final_norm) @ self.lm_head.T).float()
+            x = x + self._sum(o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T)
+            gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).unflatten(-1, (-1, 2)).unbind(-1)
+            x = x + self._sum((F.silu(gate) * up) @ g("down").T)
+        return self._logits(self._norm(x[:, -1], self.final_norm))
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.forward(ids[:, None], pos).argmax(-1)

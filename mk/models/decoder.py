@@ -76,6 +76,8 @@ class _Decoder:
     host: list = field(default_factory=list)
     #: Seconds its build took (plan_s, lower_s, compile_s), until a request reports them.
     build: dict = field(default_factory=dict)
+    #: The buffers it shares with the other ranks (tensor parallelism; :meth:`DecoderModel.tp_buffers`).
+    shared: dict = field(default_factory=dict)
 
     def unreported_build(self) -> dict:
         """The build's seconds the first time a request asks, zeros after."""
@@ -381,14 +383,29 @@ class DecoderModel:
             # stays within weights + KV cache + 64 MiB); a length planned again is bound to new
             # tensors from the lowered steps (_steps), the plan and kernel caches: nothing is
             # lowered again.
-            for other in [k for k in self._decoders if k[:2] == key[:2]]:
-                del self._decoders[other]
+            self._drop_decoders([k for k in self._decoders if k[:2] == key[:2]])
             t0 = time.perf_counter()
             plan, graph = self.plan(batch, key[2], progress=progress)
             plan_s = time.perf_counter() - t0
             dec = self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
             dec.build["plan_s"] = plan_s
         return self._decoders[key]
+
+    def _drop_decoders(self, keys: list) -> None:
+        """Forget the steps of ``keys``. Under tensor parallelism their symmetric workspaces
+        go too, once every rank is past their launches: every rank drops the same steps at
+        the same call, as it builds the same ones."""
+        dropped = [self._decoders.pop(k) for k in keys]
+        if not dropped or self.tp == 1 or self.device.type != "cuda":
+            return
+        import torch.distributed as dist
+
+        from mk.persistent.symmetric import release_workspace
+
+        torch.cuda.synchronize(self.device)
+        dist.barrier()
+        for dec in dropped:
+            release_workspace(dec.shared, peers=TP_PEERS)
 
     def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
         """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh
@@ -407,7 +424,8 @@ class DecoderModel:
         for L in range(self.config.num_hidden_layers):
             kn, vn = cache_keys(L)
             bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
-        bufs.update(self.tp_buffers(graph))
+        shared = self.tp_buffers(graph)
+        bufs.update(shared)
 
         def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
             lowered = self._steps.get(plan, graph, bufs, eps=self.config.rms_norm_eps, next_token=next_token,
@@ -421,7 +439,7 @@ class DecoderModel:
             step, kernel = compile_for(kernel.residency().max_workers)
             kernel.residency()
         t2 = time.perf_counter()
-        return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1))
+        return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1), shared=shared)
 
     def tp_buffers(self, graph) -> dict[str, torch.Tensor]:
         """The buffers a tensor-parallel step of ``graph`` shares with the other ranks
@@ -899,19 +917,14 @@ def _tp_setup(config: LlamaConfig, tp: int, device) -> tuple[int, object]:
     if tp == 1:
         return 0, device
     config.to_model_shape().shard(tp)  # refuses what does not split, before any setup
-    import datetime
     import hashlib
     import json
 
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:
-            raise ValueError(f"tp={tp} runs one process per GPU: start it with torchrun --nproc-per-node {tp}")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=TP_SETUP_TIMEOUT_S))
+    from mk.persistent.symmetric import join_ranks
+
+    join_ranks(f"tp={tp}", tp)
     if dist.get_world_size() != tp:
         raise ValueError(f"tp={tp}, but torch.distributed has {dist.get_world_size()} ranks")
     rank = dist.get_rank()
@@ -925,10 +938,6 @@ def _tp_setup(config: LlamaConfig, tp: int, device) -> tuple[int, object]:
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     return rank, device
-
-
-#: Seconds torch.distributed's setup and collectives wait for a missing rank.
-TP_SETUP_TIMEOUT_S = 120
 
 
 def _next_token_rule(temperature: float, top_k: int | None, top_p: float | None) -> str:

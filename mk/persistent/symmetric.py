@@ -9,10 +9,34 @@ int64 table of the bases (``peers``) is all the kernel needs besides its own poi
 
 from __future__ import annotations
 
+import datetime
+import os
+
 import torch
 
 #: Alignment of each buffer in the workspace (vector loads, and room for the flags' words).
 ALIGN = 256
+
+#: Seconds torch.distributed's setup and collectives wait for a missing rank.
+SETUP_TIMEOUT_S = 120
+
+
+def join_ranks(what: str = "this", ranks: int | None = None) -> tuple[int, int]:
+    """(rank, world size) of torch.distributed, setting it up from torchrun's environment
+    (NCCL on this process's GPU, LOCAL_RANK; gloo without GPUs) where the caller has not,
+    with collectives bounded by :data:`SETUP_TIMEOUT_S`. Raises ValueError naming torchrun
+    when the process was not started by it (``what``: what needs the ``ranks`` ranks)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"{what} runs one process per GPU: start it with torchrun --nproc-per-node "
+                             f"{ranks or 'N'}")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, peers: str,
@@ -52,9 +76,18 @@ def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, 
         raise RuntimeError(f"symmetric_workspace: rank {rank}'s own base in the peers' table is {bases[rank]:#x}, "
                            f"its buffer is at {buf.data_ptr():#x}")
     out[peers] = torch.tensor(bases, dtype=torch.int64, device=device)
-    _KEEP[out[peers].data_ptr()] = (buf, handle)  # alive while the step's buffers are
+    _KEEP[out[peers].data_ptr()] = (buf, handle)
     return out
 
 
-#: Workspaces by their peers table's address: the views keep the memory, the handle the mapping.
+def release_workspace(buffers: dict[str, torch.Tensor], *, peers: str) -> None:
+    """Let :func:`symmetric_workspace`'s workspace go (its memory is freed once no view of
+    it is left). Call on every rank at once, once every rank has synchronised its device
+    and no launch that reads it is left anywhere (a barrier): a peer may read this rank's
+    copy until its own launch ends. A workspace released before is left alone."""
+    _KEEP.pop(buffers[peers].data_ptr(), None)
+
+
+#: Live workspaces by their peers table's address: the buffer keeps the memory, the handle
+#: the peers' mappings, until :func:`release_workspace`.
 _KEEP: dict[int, tuple] = {}

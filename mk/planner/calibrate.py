@@ -9,6 +9,11 @@ megakernel replayed from a CUDA graph so that no host time is counted:
 * ``launch_overhead_s``: megakernels of tiny GEMV tasks (a few KiB of weights), every
   worker running 1 or :data:`SPREAD_TASKS` independent tasks: the one-task launch less one
   (bare) task is the launch, ramp-up and tail.
+* ``link_latency_s`` and ``link_bandwidth`` (under torchrun, several GPUs): one meeting of
+  the ranks, from :data:`LINK_MEETINGS` of them back to back in one launch
+  (:func:`mk.tasks.all_reduce.rank_meetings`), and the bytes a GPU reads of its peers'
+  memory a second, from the megakernel's all-reduce over :data:`LINK_BYTES` of partial sums
+  (:func:`measure_link`).
 * ``task_overhead_s``, ``wait_overhead_s``, ``tma_worker_bandwidth``, ``worker_bandwidth``:
   chains of square GEMV layers (:data:`CHAINS`), each layer's tiles reading the whole
   output of the layer before (so a layer is one dependency phase, as an op of a decode
@@ -43,6 +48,11 @@ MM_N = 8192
 #: Bytes of weights a chain streams per launch, at least: well past any L2, so that every
 #: replay reads them from DRAM.
 CHAIN_BYTES = 256 * 2**20
+#: The GPU link: meetings of the ranks timed back to back, and the bytes of the partial sums
+#: of the all-reduce whose peer reads give the link's bandwidth (enough that the launch and
+#: the ranks' start skew are a few percent of it).
+LINK_MEETINGS = 2000
+LINK_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -286,9 +296,69 @@ def _require_gpu() -> None:
         raise RuntimeError("calibrate measures the GPU: it needs a CUDA GPU")
 
 
+def _ranks() -> int:
+    """Ranks of torch.distributed's world (1 when it is not set up)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def steps() -> int:
-    """How many micro-benchmarks :func:`measure` runs (for a progress bar)."""
-    return 4 + len(CHAINS)
+    """How many micro-benchmarks :func:`calibrate` runs (for a progress bar)."""
+    return 4 + len(CHAINS) + (_ranks() > 1)
+
+
+def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dict[str, float]:
+    """``link_latency_s`` and ``link_bandwidth`` of the GPU link between torch.distributed's
+    ranks (a collective: every rank calls it at once, each on its own GPU). The latency is
+    one meeting of the ranks (the best of two launches of ``meetings``); the bandwidth is a
+    GPU's reads of its peers' partial sums over the time of an all-reduce of ``nbytes`` of
+    them (the best of three), as the planner prices the all-reduce's hop."""
+    import torch.distributed as dist
+
+    from mk.persistent.symmetric import release_workspace, symmetric_workspace
+    from mk.tasks.all_reduce import all_reduce, all_reduce_block_n, check_meetings, rank_meetings
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise RuntimeError("measure_link needs several ranks: run it under torchrun --nproc-per-node N")
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = 8
+    cols = max(nbytes // (4 * rows), 1)
+    meta = {"part": torch.empty(rows, cols, device="meta"),
+            "flags": torch.empty(-(-cols // all_reduce_block_n(cols)), dtype=torch.int32, device="meta"),
+            "meet": torch.empty(1, dtype=torch.int32, device="meta"),
+            "peers": torch.empty(world, dtype=torch.int64, device="meta")}
+    ws = symmetric_workspace(meta, device, peers="peers")
+    try:
+        ws["part"].normal_()
+        out = torch.empty_like(ws["part"])
+
+        def timed(fn) -> float:
+            torch.cuda.synchronize()
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3, result
+
+        latency = float("inf")
+        for _ in range(2):
+            seconds, error = timed(lambda: rank_meetings(ws["meet"], ws["peers"], rank, meetings))
+            check_meetings(error, rank)
+            latency = min(latency, seconds / meetings)
+            dist.barrier()  # every rank past its last meeting before the flag restarts
+            ws["meet"].zero_()
+        seconds = min(timed(lambda: all_reduce(ws["part"], out, ws["flags"], ws["peers"], rank, epoch=e))[0]
+                      for e in range(3))
+        remote = (world - 1) * ws["part"].numel() * ws["part"].element_size()
+        return {"link_latency_s": latency, "link_bandwidth": remote / seconds}
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+        release_workspace(ws, peers="peers")
 
 
 def measure(workers: int | None = None, progress: Callable[[str], None] | None = None) -> Timings:
@@ -328,21 +398,34 @@ def calibrate(workers: int | None = None, progress: Callable[[str], None] | None
     :func:`~mk.planner.device.save_calibration` does that)."""
     timings = measure(workers, progress)
     base = DeviceSpec.from_gpu(load_calibration=False)
-    spec = base.with_calibration(fit_constants(timings, base))
+    constants = fit_constants(timings, base)
+    if _ranks() > 1:
+        if progress is not None:
+            progress("GPU link")
+        constants.update(measure_link())
+    spec = base.with_calibration(constants)
     return spec, timings
 
 
 def run_calibrate(save: bool = True) -> int:
-    """``python -m mk calibrate``: measure, print the constants, save them for the planner."""
+    """``python -m mk calibrate``: measure, print the constants, save them for the planner.
+    Under ``torchrun --nproc-per-node N`` every rank measures its own GPU and the ranks the
+    link between them; rank 0 prints and saves."""
     import json
+    import os
     import sys
 
     from tqdm.auto import tqdm
 
-    from .device import CALIBRATED_FIELDS, save_calibration
+    from .device import CALIBRATED_FIELDS, LINK_FIELDS, save_calibration
 
     _require_gpu()  # before the progress bar, so that the refusal is one clean line
-    bar = tqdm(total=steps(), desc="calibrate", file=sys.stderr)
+    rank = 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from mk.persistent.symmetric import join_ranks
+
+        rank, _ = join_ranks("calibrate")
+    bar = tqdm(total=steps(), desc="calibrate", file=sys.stderr, disable=rank != 0)
 
     def step(what: str) -> None:
         bar.set_postfix_str(what)
@@ -350,9 +433,12 @@ def run_calibrate(save: bool = True) -> int:
 
     spec, timings = calibrate(progress=step)
     bar.close()
-    constants = {f: getattr(spec, f) for f in CALIBRATED_FIELDS}
+    if rank != 0:
+        return 0
+    link = _ranks() > 1
+    constants = {f: getattr(spec, f) for f in CALIBRATED_FIELDS + (LINK_FIELDS if link else ())}
     print(json.dumps({"device": spec.name, "constants": constants, "timings": timings.to_dict(),
                       "chains": chain_residuals(timings, spec)}, indent=2))
     if save:
-        print(f"saved to {save_calibration(spec)}")
+        print(f"saved to {save_calibration(spec, link=link)}")
     return 0

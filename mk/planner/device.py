@@ -38,6 +38,8 @@ GiB = 1024 * MiB
 #: Cost-model constants that calibration measures; everything else is a hardware fact.
 CALIBRATED_FIELDS = ("dram_bandwidth", "bf16_flops", "tma_worker_bandwidth", "worker_bandwidth",
                      "task_overhead_s", "wait_overhead_s", "launch_overhead_s")
+#: The GPU link's constants, which calibration measures under torchrun (several ranks).
+LINK_FIELDS = ("link_bandwidth", "link_latency_s")
 
 # Shared memory the driver reserves per block on sm_80 and later
 # (cudaDevAttrReservedSharedMemoryPerBlock). It is not in the opt-in per-block limit nor
@@ -59,9 +61,9 @@ _MAX_BLOCKS_PER_SM = {(7, 0): 32, (7, 5): 16, (8, 0): 32, (8, 6): 16, (8, 7): 16
 _INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_threads_per_sm",
                "max_blocks_per_sm", "l2_bytes", "max_threads_per_block", "reserved_smem_per_block",
                "l1_reserve_per_sm")
-_RATE_FIELDS = ("dram_bandwidth", "bf16_flops")
+_RATE_FIELDS = ("dram_bandwidth", "bf16_flops", "link_bandwidth")
 _OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s", "chunk_overhead_s",
-                    "chunk_exposed_s")
+                    "chunk_exposed_s", "link_latency_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
 _WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth", "dot_worker_bandwidth", "xmajor_dot_bandwidth")
 _FRACTION_FIELDS = ("xmajor_kernel_slowdown",)
@@ -330,18 +332,18 @@ class DeviceSpec:
     # ---- derived copies ------------------------------------------------------------
 
     def with_calibration(self, constants: Mapping[str, Any]) -> DeviceSpec:
-        """A copy with measured cost-model constants (any subset of :data:`CALIBRATED_FIELDS`)
-        and ``calibrated=True``. A ``"name"`` key, if present, must name this device."""
+        """A copy with measured cost-model constants (any subset of :data:`CALIBRATED_FIELDS`
+        and :data:`LINK_FIELDS`) and ``calibrated=True``. A ``"name"`` key, if present, must name this device."""
         if not isinstance(constants, Mapping):
             raise TypeError(f"with_calibration needs a mapping, got {type(constants).__name__}")
         kw = dict(constants)
         other = kw.pop("name", self.name)
         if _slug(other) != _slug(self.name):
             raise ValueError(f"calibration is for device {other!r}, not {self.name!r}")
-        unknown = sorted(set(kw) - set(CALIBRATED_FIELDS))
+        unknown = sorted(set(kw) - set(CALIBRATED_FIELDS) - set(LINK_FIELDS))
         if unknown:
             raise ValueError(f"with_calibration: unknown constants {unknown}; "
-                             f"calibration sets {list(CALIBRATED_FIELDS)}")
+                             f"calibration sets {list(CALIBRATED_FIELDS + LINK_FIELDS)}")
         return dataclasses.replace(self, **kw, calibrated=True)
 
     def with_smem_budget(self, budget: int | str) -> DeviceSpec:
@@ -539,14 +541,15 @@ def load_calibration_file(name: str) -> dict[str, Any] | None:
     return data
 
 
-def save_calibration(spec: DeviceSpec) -> Path:
+def save_calibration(spec: DeviceSpec, *, link: bool = False) -> Path:
     """Write ``spec``'s cost-model constants to :func:`calibration_path`; returns the path.
+    ``link``: its GPU link's too (measured over several ranks).
 
     ``DeviceSpec.from_gpu()`` loads them back on the same device.
     """
     path = calibration_path(spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"name": spec.name, **{f: getattr(spec, f) for f in CALIBRATED_FIELDS}}
+    data = {"name": spec.name, **{f: getattr(spec, f) for f in CALIBRATED_FIELDS + (LINK_FIELDS if link else ())}}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file

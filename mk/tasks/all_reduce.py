@@ -188,6 +188,40 @@ def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers
     return out
 
 
+@jit
+def _meetings_kernel(flag_ptr, peers_ptr, error_ptr, rank, meetings, timeout, WORLD: tl.constexpr,
+                     USE_TIMER: tl.constexpr):
+    ok = tl.full([], 1, tl.int32)
+    for i in range(meetings):
+        ok = meet_ranks(flag_ptr, peers_ptr, rank, ok, i, timeout, error_ptr, 0, i, WORLD=WORLD, USE_TIMER=USE_TIMER)
+
+
+def rank_meetings(flag: torch.Tensor, peers: torch.Tensor, rank: int, meetings: int, *,
+                  timeout_s: float = 10.0) -> torch.Tensor:
+    """Launch ``meetings`` meetings of the ranks one after another (:func:`meet_ranks` on
+    ``flag``, an int32 word of a symmetric workspace that holds 0 on every rank before), one
+    program on every rank at once: what one hop between GPUs costs, for calibration
+    (:func:`mk.planner.calibrate.measure_link`). Returns the launch's error buffer without
+    waiting for it (timing wraps the launch alone); :func:`check_meetings` reads it."""
+    check_tensor("flag", flag, ndim=1, dtype=(torch.int32,))
+    check_tensor("peers", peers, ndim=1, dtype=(torch.int64,))
+    if not 0 <= rank < peers.shape[0]:
+        raise ValueError(f"rank_meetings: rank {rank} outside the {peers.shape[0]} ranks of peers")
+    device = check_same_device(flag=flag, peers=peers)
+    gpu = device.type == "cuda"
+    error = torch.zeros(8, dtype=torch.int32, device=device)
+    timeout = int(timeout_s * 1e9) if gpu else max(1, int(timeout_s * INTERPRETER_POLLS_PER_S))
+    _meetings_kernel[(1,)](flag, peers, error, rank, meetings, timeout, WORLD=peers.shape[0], USE_TIMER=gpu)
+    return error
+
+
+def check_meetings(error: torch.Tensor, rank: int) -> None:
+    """Raise RuntimeError naming the peer that missed a meeting of :func:`rank_meetings`."""
+    if int(error[0]):
+        raise RuntimeError(f"rank_meetings: rank {rank} missed meeting {int(error[2])}: rank {-2 - int(error[3])}'s "
+                           f"flag showed {int(error[4])}, expected {int(error[5])}")
+
+
 def all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`all_reduce` in torch, in its order: the residual, then every rank's part."""
     acc = residual.float().clone() if residual is not None else torch.zeros_like(parts[0], dtype=torch.float32)

@@ -126,6 +126,22 @@ def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives():
         all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
 
 
+def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
+    from mk.tasks.all_reduce import check_meetings, rank_meetings
+
+    # Two ranks' flag words on the CPU: rank 1 has held 5 meetings, so rank 0's 5 pass.
+    flags = [torch.zeros(16, dtype=torch.int32) for _ in range(2)]
+    peers = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    flags[1][0] = 5
+    check_meetings(rank_meetings(flags[0][:1], peers, 0, 5), 0)
+    assert int(flags[0][0]) == 5
+    # Rank 1 stopped after 3: rank 0's fourth meeting runs out, naming it.
+    flags[0][0], flags[1][0] = 0, 3
+    error = rank_meetings(flags[0][:1], peers, 0, 5, timeout_s=0.01)
+    with pytest.raises(RuntimeError, match="rank 0 missed meeting 3: rank 1's flag showed 3, expected 4"):
+        check_meetings(error, 0)
+
+
 def _prefill_rank(rank: int, tp: int, init: str, config_dict: dict, prompts: list, out: dict) -> None:
     """One process of a CPU tensor-parallel prefill (gloo between the ranks)."""
     import torch.distributed as dist

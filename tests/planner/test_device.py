@@ -267,6 +267,12 @@ def test_calibration_save_load_round_trip(tmp_path, monkeypatch):
     stored = load_calibration_file(base.name)
     assert stored == {"name": base.name, **measured}
     assert base.with_calibration(stored) == cal
+    # Calibrated over several GPUs, the link's constants are kept too.
+    linked = cal.with_calibration({"link_bandwidth": 3.6e11, "link_latency_s": 1.8e-6})
+    save_calibration(linked, link=True)
+    stored = load_calibration_file(base.name)
+    assert stored == {"name": base.name, **measured, "link_bandwidth": 3.6e11, "link_latency_s": 1.8e-6}
+    assert base.with_calibration(stored) == linked
 
 
 def test_with_calibration_partial_and_errors():
