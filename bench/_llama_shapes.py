@@ -18,6 +18,14 @@ SHAPES = {
 }
 
 
+#: Shapes too large for one GPU: the tensor-parallel benchmarks' (bench/test_tp.py).
+TP_SHAPES = {
+    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                rope_theta=500000.0, max_position_embeddings=8192, eos_token_id=None),
+}
+
+
 #: Positions of the benchmark models (their KV cache).
 MAX_SEQ = 1024
 
@@ -32,13 +40,20 @@ def shape_model(key: str, max_seq_len: int = MAX_SEQ, max_batch_size: int = 8):
                  max_seq_len=max_seq_len, name=f"llama-{key}")
 
 
-def random_model(cfg, seed=0):
-    """Random bf16 weights drawn on the GPU (std 0.02, norms 1 + 0.1 N), HF names."""
+def random_model(cfg, seed=0, shard=None):
+    """Random bf16 weights drawn on the GPU (std 0.02, norms 1 + 0.1 N), HF names. ``shard``:
+    one rank's slices (mk.models.weights.tp_slices), each tensor cut as it is drawn (every
+    rank draws the same model and keeps its share)."""
     from mk.models.weights import expected_shapes
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = {}
     for name, shape in expected_shapes(cfg).items():
         t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
-        w[name] = ((1 + 0.1 * t) if name.endswith("norm.weight") else 0.02 * t).to(torch.bfloat16)
+        if shard is not None and name in shard:
+            dim, a, b = shard[name]
+            t = t.narrow(dim, a, b - a)
+        w[name] = ((1 + 0.1 * t) if name.endswith("norm.weight") else 0.02 * t).to(torch.bfloat16).contiguous()
         del t
+    if shard is not None and "lm_head.weight" in shard and "lm_head.weight" not in w:
+        w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()  # a tied head's share
     return w

@@ -33,7 +33,6 @@ from mk.tasks.append_token import append_token
 from mk.tasks.argmax import argmax
 from mk.tasks.embedding import embedding
 from mk.tasks.linear import interleave_gate_up, linear, tma_gemm_serves
-from mk.tasks.prefill_attention import prefill_attention
 from mk.tasks.rmsnorm import rmsnorm
 from mk.tasks.rope import deinterleave_rotary, interleave_rotary, rope_inv_freq, rope_kv
 from mk.tasks.silu_mul import silu_mul

@@ -1,0 +1,115 @@
+"""Tensor-parallel decode on the GPUs of one machine (2 or 4): what users get, against one
+GPU and against a gpt-fast-style TP peer, all in the same run.
+
+Every figure comes from fresh processes (``bench/_tp_run.py``, under torchrun for TP): the
+8B shape on every GPU (TP) and on one, batch 1 and 8, through ``generate`` (tokens/s, time
+to first token, memory beyond weights + KV cache), the step launched back to back (the
+kernel's time against the per-GPU floor: one GPU's share of the weights over the copy
+bandwidth), the peer (torch.compile(mode="reduce-overhead") with functional all-reduces,
+the same shares), the GPU link calibrated, and the numerics (greedy tokens on a float32
+cache, the prefill's logits); the 70B shape where it fits; and a 1B checkpoint from
+``from_pretrained(tp=N)`` to the first token, with cold and warm caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _llama_shapes import SHAPES, TP_SHAPES, random_model
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "_tp_run.py"
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+#: Ranks of the tensor-parallel runs: every GPU of the machine, up to 4.
+RANKS = min(GPUS, 4)
+PROMPT, NEW = 64, 256
+
+pytestmark = pytest.mark.skipif(GPUS < 2, reason="tensor parallelism needs at least 2 GPUs")
+
+
+def _run(spec: dict, ranks: int, out: Path, env: dict | None = None, timeout: int = 900) -> dict:
+    """``bench/_tp_run.py`` over ``ranks`` processes (one GPU each); rank 0's figures."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+                if ranks > 1 else [sys.executable])
+    run = subprocess.run(launcher + [str(WORKER), json.dumps({"prompt": PROMPT, "new": NEW, **spec}), str(out)],
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-6000:])
+    return json.loads(out.read_text())
+
+
+def _rows(result: dict) -> dict[int, dict]:
+    return {int(b): row for b, row in result["batches"].items()}
+
+
+def test_tp_decode_8b(record, tmp_path):
+    """8B shape: TP over every GPU against one GPU and the peer; TP's greedy tokens equal one
+    GPU's for 32 steps on a float32 cache, and its prefill logits agree to bf16 tolerance."""
+    spec = dict(shape="8b", batches=[1, 8], peer_batches=[1, 8], check=True)
+    tp = _run({**spec, "link": True}, RANKS, tmp_path / "tp.json")
+    one = _run(spec, 1, tmp_path / "one.json")
+    same = sum(a == b for a, b in zip(tp["check_tokens"], one["check_tokens"]))
+    a, b = torch.load(tmp_path / "tp.json.logits.pt"), torch.load(tmp_path / "one.json.logits.pt")
+    logits_rel = float((a - b).abs().max() / b.abs().max())
+    record("tp", op="link", ranks=RANKS, link_latency_s=tp["link_latency_s"], link_bandwidth=tp["link_bandwidth"])
+    record("tp", op="numerics", model="8b", ranks=RANKS, tokens_equal_of_32=same, logits_max_rel_diff=logits_rel,
+           logits_argmax_equal=bool(a.argmax() == b.argmax()))
+    for batch, row in _rows(tp).items():
+        base = _rows(one)[batch]
+        record("tp", op="decode", model="8b", ranks=RANKS, batch=batch, **row, floor_ms=tp["floor_ms"],
+               kernel_of_floor=tp["floor_ms"] / row["kernel_ms_per_step"],
+               vs_torch_compile=row["torch_compile_ms"] / row["kernel_ms_per_step"],
+               one_gpu_tokens_per_s=base["tokens_per_s"], one_gpu_kernel_ms=base["kernel_ms_per_step"],
+               one_gpu_time_to_first_token_ms=base["time_to_first_token_ms"],
+               one_gpu_torch_compile_ms=base["torch_compile_ms"],
+               vs_one_gpu=row["tokens_per_s"] / base["tokens_per_s"], copy_Bps=tp["copy_Bps"])
+    assert same == 32, (tp["check_tokens"], one["check_tokens"])
+    assert logits_rel < 2e-2
+
+
+@pytest.mark.parametrize("key", list(TP_SHAPES))
+def test_tp_decode_large(record, tmp_path, key):
+    """A model too large for one GPU (70B), batch 1 and 8, against the peer at batch 1."""
+    from mk.models import LlamaConfig
+
+    share = LlamaConfig(**TP_SHAPES[key]).to_model_shape().shard(RANKS).weight_bytes
+    free = min(torch.cuda.mem_get_info(i)[0] for i in range(RANKS))
+    if share + 12 * 2**30 > free:
+        pytest.skip(f"{key} over {RANKS} GPUs needs {share / 2**30:.0f} GiB of weights a GPU; "
+                    f"{free / 2**30:.0f} GiB are free")
+    tp = _run(dict(shape=key, batches=[1, 8], peer_batches=[1]), RANKS, tmp_path / "tp.json")
+    rows = _rows(tp)
+    for batch, row in rows.items():
+        record("tp", op="decode", model=key, ranks=RANKS, batch=batch, **row, floor_ms=tp["floor_ms"],
+               kernel_of_floor=tp["floor_ms"] / row["kernel_ms_per_step"],
+               generate_of_floor=tp["floor_ms"] / row["generate_ms_per_token"],
+               vs_torch_compile=(row["torch_compile_ms"] / row["generate_ms_per_token"]
+                                 if "torch_compile_ms" in row else None),
+               b8_over_b1=row["generate_ms_per_token"] / rows[1]["generate_ms_per_token"], copy_Bps=tp["copy_Bps"])
+
+
+def test_tp_time_to_first_token(record, tmp_path_factory):
+    """From ``from_pretrained(folder, tp=N)`` to the first token (1B checkpoint on local
+    disk), in fresh processes: cold caches (plan, kernel, Triton), then warm."""
+    from mk.models import LlamaConfig
+    from mk.models.weights import save_weights
+
+    folder = tmp_path_factory.mktemp("ckpt-1b")
+    cfg = LlamaConfig(**SHAPES["1b"])
+    weights = random_model(cfg)
+    save_weights(weights, cfg, folder, shard_bytes=4 * 2**30)
+    del weights
+    torch.cuda.empty_cache()
+    caches = tmp_path_factory.mktemp("caches")
+    env = {"MK_CACHE_DIR": str(caches / "mk"), "TRITON_CACHE_DIR": str(caches / "triton")}
+    for state in ("cold", "warm"):
+        got = _run({"first_token": str(folder)}, RANKS, folder / f"{state}.json", env=env)
+        record("tp", op="time_to_first_token", model="1b", ranks=RANKS, caches=state,
+               **{k: v for k, v in got.items() if k not in ("ranks", "device")})
