@@ -9,7 +9,8 @@ gpt-fast-style torch.compile peer is timed at), ``check`` (greedy tokens on a fl
 and exact prefill, and the bf16 model's prefill logits), ``link`` (calibrate the GPU link),
 or instead ``first_token``: a checkpoint folder, from ``from_pretrained`` to the first token.
 Every rank draws the same random model and keeps its share. Rank 0 writes the figures to
-OUT (JSON) and the logits beside it (OUT + ".logits.pt").
+OUT (JSON) and the last prompt token's logits beside it (OUT + ".logits.pt"; with exact
+prefill on the float32 cache, OUT + ".exact.pt").
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def main(spec: dict, out: Path) -> None:
             exact = Llama(cfg, weights, max_batch_size=1, kv_dtype=torch.float32, prefill_precision="exact", **kw)
             out_ids = exact.generate(_prompts(1, spec["prompt"], cfg.vocab_size), max_new_tokens=32)
             result["check_tokens"] = out_ids[0][spec["prompt"]:]
+            exact_logits = exact.logits(_prompts(1, spec["prompt"], cfg.vocab_size))[0, -1].float().cpu()
+            if rank == 0:
+                torch.save(exact_logits, str(out) + ".exact.pt")
             del exact
             torch.cuda.empty_cache()
         model = Llama(cfg, weights, max_batch_size=max(spec["batches"]), name=f"llama-{spec['shape']}", **kw)
