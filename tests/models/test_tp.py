@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from mk.models import LlamaConfig, Qwen2Config, ReferenceLlama, random_weights
+from mk.models.mistral import Mistral, MistralConfig
+from mk.models.qwen3 import Qwen3, Qwen3Config
 from mk.models.blocks import ModelShape
 from mk.models.llama import Llama
 from mk.models.qwen2 import Qwen2
@@ -24,7 +26,12 @@ B, S, POSITIONS = 2, 12, [3, 7]
 SIZES = dict(vocab_size=204, hidden_size=64, intermediate_size=96, num_hidden_layers=3, head_dim=16)
 CASES = {"llama-tp2": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=4, num_key_value_heads=2), 2),
          "llama-tp4": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=8, num_key_value_heads=4), 4),
-         "qwen2-bias-tp2": (Qwen2, Qwen2Config.tiny(**SIZES, num_attention_heads=6, num_key_value_heads=2), 2)}
+         "qwen2-bias-tp2": (Qwen2, Qwen2Config.tiny(**SIZES, num_attention_heads=6, num_key_value_heads=2), 2),
+         # Qwen3's q / k head norms (each rank's heads' share) and Mistral's window (shorter
+         # than the later sequence's length, so that it drops keys).
+         "qwen3-qk-norm-tp2": (Qwen3, Qwen3Config.tiny(**SIZES, num_attention_heads=4, num_key_value_heads=2), 2),
+         "mistral-window-tp2": (Mistral, MistralConfig.tiny(**SIZES, num_attention_heads=4, num_key_value_heads=2,
+                                                            sliding_window=5), 2)}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
