@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     plan = sub.add_parser("plan", help="search a plan for a model shape and print it")
     plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b, mistral-7b, qwen2.5-7b, "
-                      "qwen3-8b) or a folder with config.json of any family mk runs")
+                      "llama-3-70b, qwen3-8b) or a folder with config.json of any family mk runs")
     plan.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     plan.add_argument("--kv-len", type=int, default=1024,
                       help="the sequence length the step is planned for (its KV splits)")

@@ -167,10 +167,12 @@ class DeviceSpec:
     # task) took 115 µs a task, of 16-row tiles (248 chunks) 121 µs, the same bytes.
     chunk_exposed_s: float = 0.05e-6
     # Tensor parallelism: what one GPU reads of its peers' memory a second over the GPU
-    # link, and one meeting of the ranks (a flag published, every peer's seen). NVLink 4
-    # (H100/H200 SXM): 450 GB/s each way; the meeting is a few system-scope round trips.
-    link_bandwidth: float = 450e9
-    link_latency_s: float = 3.0e-6
+    # link, and one meeting of the ranks (a flag published, every peer's seen). Measured
+    # over NVLink 4 between two H200s (mk.planner.calibrate.measure_link): the all-reduce
+    # tile's peer loads reach 79 GB/s of the link's 450, and a meeting takes 2.4 µs (a
+    # system-scope release, then polls across the link).
+    link_bandwidth: float = 79e9
+    link_latency_s: float = 2.4e-6
     calibrated: bool = False
 
     def __post_init__(self):
