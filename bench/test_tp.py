@@ -2,12 +2,13 @@
 GPU and against a gpt-fast-style TP peer, all in the same run.
 
 Every figure comes from fresh processes (``bench/_tp_run.py``, under torchrun for TP): the
-8B shape on every GPU (TP) and on one, batch 1 and 8, through ``generate`` (tokens/s, time
+8B shape over 2 (and 4) GPUs and on one, batch 1 and 8, through ``generate`` (tokens/s, time
 to first token, memory beyond weights + KV cache), the step launched back to back (the
 kernel's time against the per-GPU floor: one GPU's share of the weights over the copy
 bandwidth), the peer (torch.compile(mode="reduce-overhead") with functional all-reduces,
 the same shares), the GPU link calibrated, and the numerics (greedy tokens on a float32
-cache, the prefill's logits); the 70B shape where it fits; and a 1B checkpoint from
+cache, the prefill's logits); the 70B shape over the most GPUs (up to 4) where it fits; and
+a 1B checkpoint from
 ``from_pretrained(tp=N)`` to the first token, with cold and warm caches.
 """
 
@@ -27,8 +28,8 @@ from _llama_shapes import SHAPES, TP_SHAPES, random_model
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "_tp_run.py"
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-#: Ranks of the tensor-parallel runs: every GPU of the machine, up to 4.
-RANKS = min(GPUS, 4)
+#: Ranks of the tensor-parallel runs: 2, and 4 where the machine has them.
+TP_RANKS = [n for n in (2, 4) if n <= GPUS] or [2]
 PROMPT, NEW = 64, 256
 
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="tensor parallelism needs at least 2 GPUs")
@@ -49,28 +50,38 @@ def _rows(result: dict) -> dict[int, dict]:
     return {int(b): row for b, row in result["batches"].items()}
 
 
-def test_tp_decode_8b(record, tmp_path):
-    """8B shape: TP over every GPU against one GPU and the peer; TP's greedy tokens equal one
-    GPU's for 32 steps on a float32 cache, and its prefill logits agree to bf16 tolerance."""
-    spec = dict(shape="8b", batches=[1, 8], peer_batches=[1, 8], check=True)
-    tp = _run({**spec, "link": True}, RANKS, tmp_path / "tp.json")
-    one = _run(spec, 1, tmp_path / "one.json")
+SPEC_8B = dict(shape="8b", batches=[1, 8], peer_batches=[1, 8], check=True)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_8b(tmp_path_factory):
+    """The 8B shape on one GPU of the machine: (figures, folder of its logits)."""
+    folder = tmp_path_factory.mktemp("one-gpu")
+    return _run(SPEC_8B, 1, folder / "one.json"), folder
+
+
+@pytest.mark.parametrize("ranks", TP_RANKS)
+def test_tp_decode_8b(record, tmp_path, one_gpu_8b, ranks):
+    """8B shape: TP over ``ranks`` GPUs against one GPU and the peer; TP's greedy tokens equal
+    one GPU's for 32 steps on a float32 cache, and its prefill logits agree to bf16 tolerance."""
+    tp = _run({**SPEC_8B, "link": True}, ranks, tmp_path / "tp.json")
+    one, one_dir = one_gpu_8b
     same = sum(a == b for a, b in zip(tp["check_tokens"], one["check_tokens"]))
     # bf16 logits: TP's and one GPU's, each against one GPU's exact float32 prefill (TP adds
     # its ranks' partial sums in float32 where one GPU rounds each projection to bf16).
-    a, b = torch.load(tmp_path / "tp.json.logits.pt"), torch.load(tmp_path / "one.json.logits.pt")
-    exact = torch.load(tmp_path / "one.json.exact.pt")
+    a, b = torch.load(tmp_path / "tp.json.logits.pt"), torch.load(one_dir / "one.json.logits.pt")
+    exact = torch.load(one_dir / "one.json.exact.pt")
     scale = exact.abs().max()
     tp_err, one_err = float((a - exact).abs().max() / scale), float((b - exact).abs().max() / scale)
-    record("tp-decode", op="link", ranks=RANKS, link_latency_s=tp["link_latency_s"],
+    record("tp-decode", op="link", ranks=ranks, link_latency_s=tp["link_latency_s"],
            link_bandwidth=tp["link_bandwidth"])
-    record("tp-decode", op="numerics", model="8b", ranks=RANKS, tokens_equal_of_32=same,
+    record("tp-decode", op="numerics", model="8b", ranks=ranks, tokens_equal_of_32=same,
            tp_logits_max_rel_err=tp_err, one_gpu_logits_max_rel_err=one_err,
            tp_vs_one_gpu_logits_max_rel_diff=float((a - b).abs().max() / scale),
            logits_argmax_equal=bool(a.argmax() == b.argmax() == exact.argmax()))
     for batch, row in _rows(tp).items():
         base = _rows(one)[batch]
-        record("tp-decode", op="decode", model="8b", ranks=RANKS, batch=batch, **row, floor_ms=tp["floor_ms"],
+        record("tp-decode", op="decode", model="8b", ranks=ranks, batch=batch, **row, floor_ms=tp["floor_ms"],
                kernel_of_floor=tp["floor_ms"] / row["kernel_ms_per_step"],
                vs_torch_compile=row["torch_compile_ms"] / row["kernel_ms_per_step"],
                one_gpu_tokens_per_s=base["tokens_per_s"], one_gpu_kernel_ms=base["kernel_ms_per_step"],
@@ -83,18 +94,20 @@ def test_tp_decode_8b(record, tmp_path):
 
 @pytest.mark.parametrize("key", list(TP_SHAPES))
 def test_tp_decode_large(record, tmp_path, key):
-    """A model too large for one GPU (70B), batch 1 and 8, against the peer at batch 1."""
+    """A model too large for one GPU (70B) over the most GPUs (up to 4), batch 1 and 8,
+    against the peer at batch 1."""
     from mk.models import LlamaConfig
 
-    share = LlamaConfig(**TP_SHAPES[key]).to_model_shape().shard(RANKS).weight_bytes
-    free = min(torch.cuda.mem_get_info(i)[0] for i in range(RANKS))
+    ranks = max(TP_RANKS)
+    share = LlamaConfig(**TP_SHAPES[key]).to_model_shape().shard(ranks).weight_bytes
+    free = min(torch.cuda.mem_get_info(i)[0] for i in range(ranks))
     if share + 12 * 2**30 > free:
-        pytest.skip(f"{key} over {RANKS} GPUs needs {share / 2**30:.0f} GiB of weights a GPU; "
+        pytest.skip(f"{key} over {ranks} GPUs needs {share / 2**30:.0f} GiB of weights a GPU; "
                     f"{free / 2**30:.0f} GiB are free")
-    tp = _run(dict(shape=key, batches=[1, 8], peer_batches=[1]), RANKS, tmp_path / "tp.json")
+    tp = _run(dict(shape=key, batches=[1, 8], peer_batches=[1]), ranks, tmp_path / "tp.json")
     rows = _rows(tp)
     for batch, row in rows.items():
-        record("tp-large", op="decode", model=key, ranks=RANKS, batch=batch, **row, floor_ms=tp["floor_ms"],
+        record("tp-large", op="decode", model=key, ranks=ranks, batch=batch, **row, floor_ms=tp["floor_ms"],
                kernel_of_floor=tp["floor_ms"] / row["kernel_ms_per_step"],
                generate_of_floor=tp["floor_ms"] / row["generate_ms_per_token"],
                vs_torch_compile=(row["torch_compile_ms"] / row["generate_ms_per_token"]
@@ -117,6 +130,6 @@ def test_tp_time_to_first_token(record, tmp_path_factory):
     caches = tmp_path_factory.mktemp("caches")
     env = {"MK_CACHE_DIR": str(caches / "mk"), "TRITON_CACHE_DIR": str(caches / "triton")}
     for state in ("cold", "warm"):
-        got = _run({"first_token": str(folder)}, RANKS, folder / f"{state}.json", env=env)
-        record("tp-first-token", op="time_to_first_token", model="1b", ranks=RANKS, caches=state,
+        got = _run({"first_token": str(folder)}, max(TP_RANKS), folder / f"{state}.json", env=env)
+        record("tp-first-token", op="time_to_first_token", model="1b", ranks=max(TP_RANKS), caches=state,
                **{k: v for k, v in got.items() if k not in ("ranks", "device")})
