@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 #: Positions of the model-shape presets (their config.json's max_position_embeddings):
 #: ``plan --kv-len`` may not exceed them. ModelShape does not carry it.
 PRESET_MAX_POSITIONS = {"llama-3.2-1b": 131072, "llama-3-8b": 8192, "mistral-7b": 32768, "qwen2.5-7b": 32768,
-                        "qwen3-8b": 40960}
+                        "qwen3-8b": 40960, "llama-3-70b": 8192}
 #: A config.json without max_position_embeddings: Hugging Face's LlamaConfig default (and mk's).
 DEFAULT_MAX_POSITIONS = 2048
 

@@ -392,19 +392,15 @@ class DecoderModel:
 
     def _drop_decoders(self, keys: list) -> None:
         """Forget the steps of ``keys``. Under tensor parallelism their symmetric workspaces
-        go too, once every rank is past their launches: every rank drops the same steps at
-        the same call, as it builds the same ones."""
+        go with them, once every rank is past their launches: every rank drops the same steps
+        at the same call, as it builds the same ones."""
         dropped = [self._decoders.pop(k) for k in keys]
-        if not dropped or self.tp == 1 or self.device.type != "cuda":
-            return
-        import torch.distributed as dist
+        if dropped and self.tp > 1 and self.device.type == "cuda":
+            import torch.distributed as dist
 
-        from mk.persistent.symmetric import release_workspace
-
-        torch.cuda.synchronize(self.device)
-        dist.barrier()
-        for dec in dropped:
-            release_workspace(dec.shared, peers=TP_PEERS)
+            torch.cuda.synchronize(self.device)
+            dist.barrier()
+        del dropped  # (the workspaces go here, after every rank's barrier)
 
     def _build_decoder(self, plan, graph, batch: int, next_token: str) -> _Decoder:
         """Lower ``plan`` to a megakernel over this model's weights and cache, with fresh

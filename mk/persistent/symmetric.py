@@ -39,8 +39,19 @@ def join_ranks(what: str = "this", ranks: int | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+class SymmetricWorkspace(dict):
+    """Name -> tensor: the views of one symmetric workspace (:func:`symmetric_workspace`).
+    It holds the allocation and the mapping of the peers' copies for as long as it lives;
+    whoever launches kernels over its views keeps it (a tensor-parallel step does), and drops
+    it once no launch that reads it is left on any rank."""
+
+    def __init__(self, views: dict[str, torch.Tensor], keep: tuple):
+        super().__init__(views)
+        self._keep = keep
+
+
 def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, peers: str,
-                        group=None) -> dict[str, torch.Tensor]:
+                        group=None) -> SymmetricWorkspace:
     """Zeroed tensors of ``meta``'s shapes and dtypes (by name) in one symmetric workspace
     on ``device``, and under ``peers`` the int64 table of every rank's workspace base (rank
     order). A collective over ``group`` (default: the world): every rank must call it with
@@ -76,18 +87,4 @@ def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, 
         raise RuntimeError(f"symmetric_workspace: rank {rank}'s own base in the peers' table is {bases[rank]:#x}, "
                            f"its buffer is at {buf.data_ptr():#x}")
     out[peers] = torch.tensor(bases, dtype=torch.int64, device=device)
-    _KEEP[out[peers].data_ptr()] = (buf, handle)
-    return out
-
-
-def release_workspace(buffers: dict[str, torch.Tensor], *, peers: str) -> None:
-    """Let :func:`symmetric_workspace`'s workspace go (its memory is freed once no view of
-    it is left). Call on every rank at once, once every rank has synchronised its device
-    and no launch that reads it is left anywhere (a barrier): a peer may read this rank's
-    copy until its own launch ends. A workspace released before is left alone."""
-    _KEEP.pop(buffers[peers].data_ptr(), None)
-
-
-#: Live workspaces by their peers table's address: the buffer keeps the memory, the handle
-#: the peers' mappings, until :func:`release_workspace`.
-_KEEP: dict[int, tuple] = {}
+    return SymmetricWorkspace(out, (buf, handle))

@@ -316,7 +316,7 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
     them (the best of three), as the planner prices the all-reduce's hop."""
     import torch.distributed as dist
 
-    from mk.persistent.symmetric import release_workspace, symmetric_workspace
+    from mk.persistent.symmetric import symmetric_workspace
     from mk.tasks.all_reduce import all_reduce, all_reduce_block_n, check_meetings, rank_meetings
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -334,7 +334,7 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
         ws["part"].normal_()
         out = torch.empty_like(ws["part"])
 
-        def timed(fn) -> float:
+        def timed(fn) -> tuple[float, object]:
             torch.cuda.synchronize()
             dist.barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -344,25 +344,44 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
             end.synchronize()
             return start.elapsed_time(end) * 1e-3, result
 
+        def together(fn):
+            """fn() on every rank; when it raised on any, every rank raises (a rank that
+            stopped alone would leave its peers waiting in the next collective)."""
+            try:
+                out, err = fn(), None
+            except RuntimeError as e:
+                out, err = None, e
+            failed = torch.tensor([int(err is not None)], dtype=torch.int32, device=device)
+            dist.all_reduce(failed)
+            if err is not None:
+                raise err
+            if int(failed):
+                raise RuntimeError(f"measure_link: {int(failed)} peer(s) failed; their errors name the cause")
+            return out
+
+        def meetings_s() -> float:
+            seconds, error = timed(lambda: rank_meetings(ws["meet"], ws["peers"], rank, meetings))
+            check_meetings(error, rank)
+            return seconds
+
         # The first launch of each is untimed: it compiles (Triton specialises an int
         # argument that is 1 or a multiple of 16, so the epochs timed are past those).
         latency = float("inf")
         for i in range(3):
-            seconds, error = timed(lambda: rank_meetings(ws["meet"], ws["peers"], rank, meetings))
-            check_meetings(error, rank)
+            seconds = together(meetings_s)
             if i:
                 latency = min(latency, seconds / meetings)
             dist.barrier()  # every rank past its last meeting before the flag restarts
             ws["meet"].zero_()
-        times = [timed(lambda: all_reduce(ws["part"], out, ws["flags"], ws["peers"], rank, epoch=e))[0]
+        times = [together(lambda: timed(lambda: all_reduce(ws["part"], out, ws["flags"], ws["peers"], rank,
+                                                           epoch=e))[0])
                  for e in range(6)]
         seconds = min(times[3:])
         remote = (world - 1) * ws["part"].numel() * ws["part"].element_size()
         return {"link_latency_s": latency, "link_bandwidth": remote / seconds}
     finally:
         torch.cuda.synchronize()
-        dist.barrier()
-        release_workspace(ws, peers="peers")
+        dist.barrier()  # no rank reads this one's workspace any more: it goes on return
 
 
 def measure(workers: int | None = None, progress: Callable[[str], None] | None = None) -> Timings:

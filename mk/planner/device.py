@@ -170,7 +170,8 @@ class DeviceSpec:
     # link, and one meeting of the ranks (a flag published, every peer's seen). Measured
     # over NVLink 4 between two H200s (mk.planner.calibrate.measure_link): the all-reduce
     # tile's peer loads reach 79 GB/s of the link's 450, and a meeting takes 2.4 µs (a
-    # system-scope release, then polls across the link).
+    # system-scope release, then polls across the link). GPUs joined by PCIe alone are
+    # slower: calibrate them (``torchrun --nproc-per-node N -m mk calibrate``).
     link_bandwidth: float = 79e9
     link_latency_s: float = 2.4e-6
     calibrated: bool = False
@@ -545,13 +546,16 @@ def load_calibration_file(name: str) -> dict[str, Any] | None:
 
 def save_calibration(spec: DeviceSpec, *, link: bool = False) -> Path:
     """Write ``spec``'s cost-model constants to :func:`calibration_path`; returns the path.
-    ``link``: its GPU link's too (measured over several ranks).
+    ``link``: its GPU link's too (measured over several ranks); without it, link constants
+    stored before are kept.
 
     ``DeviceSpec.from_gpu()`` loads them back on the same device.
     """
     path = calibration_path(spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"name": spec.name, **{f: getattr(spec, f) for f in CALIBRATED_FIELDS + (LINK_FIELDS if link else ())}}
+    before = {} if link else {f: v for f, v in (load_calibration_file(spec.name) or {}).items() if f in LINK_FIELDS}
+    data = {"name": spec.name, **{f: getattr(spec, f) for f in CALIBRATED_FIELDS + (LINK_FIELDS if link else ())},
+            **before}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file

@@ -215,11 +215,12 @@ def rank_meetings(flag: torch.Tensor, peers: torch.Tensor, rank: int, meetings: 
     return error
 
 
-def check_meetings(error: torch.Tensor, rank: int) -> None:
-    """Raise RuntimeError naming the peer that missed a meeting of :func:`rank_meetings`."""
+def check_meetings(error: torch.Tensor, rank: int, timeout_s: float = 10.0) -> None:
+    """Raise RuntimeError naming the peer this rank waited for in vain during
+    :func:`rank_meetings` (launched with ``timeout_s``), and the meeting."""
     if int(error[0]):
-        raise RuntimeError(f"rank_meetings: rank {rank} missed meeting {int(error[2])}: rank {-2 - int(error[3])}'s "
-                           f"flag showed {int(error[4])}, expected {int(error[5])}")
+        raise RuntimeError(f"rank_meetings: rank {rank} waited {timeout_s} s at meeting {int(error[2])} for rank "
+                           f"{-2 - int(error[3])}: its flag showed {int(error[4])}, expected {int(error[5])}")
 
 
 def all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -145,8 +145,9 @@ def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
     # Rank 1 stopped after 3: rank 0's fourth meeting runs out, naming it.
     flags[0][0], flags[1][0] = 0, 3
     error = rank_meetings(flags[0][:1], peers, 0, 5, timeout_s=0.01)
-    with pytest.raises(RuntimeError, match="rank 0 missed meeting 3: rank 1's flag showed 3, expected 4"):
-        check_meetings(error, 0)
+    with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s at meeting 3 for rank 1: its flag showed 3, "
+                                           "expected 4"):
+        check_meetings(error, 0, 0.01)
 
 
 def _prefill_rank(rank: int, tp: int, init: str, config_dict: dict, prompts: list, out: dict) -> None:

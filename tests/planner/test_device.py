@@ -273,6 +273,8 @@ def test_calibration_save_load_round_trip(tmp_path, monkeypatch):
     stored = load_calibration_file(base.name)
     assert stored == {"name": base.name, **measured, "link_bandwidth": 3.6e11, "link_latency_s": 1.8e-6}
     assert base.with_calibration(stored) == linked
+    save_calibration(cal)  # a later calibration on one GPU keeps the link's constants
+    assert load_calibration_file(base.name) == stored
 
 
 def test_with_calibration_partial_and_errors():

@@ -58,8 +58,9 @@ def runs_kernel(x_ptr, w_ptr, out_ptr, bias_ptr, pos_ptr, inv_freq_ptr, q_ptr, k
                       HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     linear.linear_run(x_ptr, w_ptr, w_ptr, 0, tl.program_id(0) * 2, 2, M, N, K, 0, K, K, K, 0.0,
                       qkv_rope.qkv_rope_kv_run_epilogue,
-                      (pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, M, 16, None, bias_ptr, qn_ptr, kn_ptr,
-                       qk_eps), (16, 8, 128, False), HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                      (pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, M, 16, pos_ptr, bias_ptr, qn_ptr, kn_ptr,
+                       qk_eps), (16, 8, 128, False, False, True, True), HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N,
+                      BLOCK_K=BLOCK_K)
     n = tl.load(lens_ptr)
     da.decode_attention_prefetch(kc_ptr, vc_ptr, n, 0, 1, 2, 4, 8192, 1, 1, 1, 1, 1, 1, HEAD_DIM=128, BLOCK_N=64,
                                  BLOCK_D=128, WINDOW=4096)

@@ -1,0 +1,51 @@
+"""One rank of tests/models/test_tp_gpu.py (started by torchrun, one process per GPU).
+
+Float32 weights and cache, exact prefill: the tensor-parallel model's greedy tokens must
+equal one GPU's (rank 0 builds that one too). Requests at other lengths replace the step,
+and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
+was after the first. Last, rank 1 stops taking part: rank 0's step ends in a
+MegakernelTimeout naming rank 1 instead of hanging. Rank 0 prints "ok" when all held."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mk.models import Llama, LlamaConfig
+from mk.persistent.runtime import MegakernelTimeout
+
+config = LlamaConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+kw = dict(seed=3, dtype=torch.float32, kv_dtype=torch.float32, prefill_precision="exact", max_batch_size=2,
+          max_seq_len=512)
+model = Llama.from_config(config, tp=2, **kw)
+rank = model.rank
+prompts = [[(7 * t + 3) % 512 for t in range(20)], [(11 * t + 5) % 512 for t in range(13)]]
+got = model.generate(prompts, max_new_tokens=24)
+if rank == 0:
+    want = Llama.from_config(config, device=model.device, **kw).generate(prompts, max_new_tokens=24)
+    assert got == want, (got, want)
+# Other lengths (other plan buckets) replace the batch's step; its workspace goes with it.
+free = []
+for _ in range(4):
+    for new in (24, 200):
+        model.generate(prompts, max_new_tokens=new)
+    assert len([k for k in model._decoders if k[0] == 2]) == 1, list(model._decoders)
+    torch.cuda.synchronize()
+    free.append(torch.cuda.mem_get_info(model.device)[0])
+assert free[-1] >= free[0] - 8 * 2**20, f"free memory fell by {(free[0] - free[-1]) / 2**20:.1f} MiB over the rounds"
+# A peer that stops: the step meets no one and ends within the watchdog's bound.
+dec = model.last_decoder
+dist.barrier()
+if rank == 0:
+    try:
+        dec.kernel.launch()
+        dec.kernel.check()
+    except MegakernelTimeout as e:
+        assert "rank 1 of the tensor-parallel step" in str(e), e
+    else:
+        sys.exit("rank 0's step finished without its peer")
+dist.barrier()
+if rank == 0:
+    print("ok")
+dist.destroy_process_group()
