@@ -191,9 +191,10 @@ def _qkv_run_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_c
     # A run of TILES QKV tiles through linear_run, the family options in the epilogue's args.
     linear_run(x_ptr, w_ptr, w_ptr, 0, tl.program_id(0) * TILES, TILES, 1, N, K, 0, K, K, K, 0.0,
                qkv_rope_kv_run_epilogue,
-               (pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 1, max_seq, None,
+               (pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, 1, max_seq, pos_ptr,
                 bias_ptr, qn_ptr, kn_ptr, 1e-6),
-               (HQ, HKV, HEAD_DIM, False), HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+               (HQ, HKV, HEAD_DIM, False, False, True, True), HAS_NORM=False, BLOCK_M=1, BLOCK_N=BLOCK_N,
+               BLOCK_K=BLOCK_K)
 
 
 def test_run_epilogue_takes_bias_and_qk_norm(device):
