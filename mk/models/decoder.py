@@ -80,8 +80,9 @@ class _Decoder:
 
     def unreported_build(self) -> dict:
         """The build's seconds the first time a request asks, zeros after."""
-        out = {k: self.build.get(k, 0.0) for k in ("plan_s", "lower_s", "compile_s")}
-        self.build = {}
+        keys = ("plan_s", "lower_s", "compile_s") + (("share_s",) if "share_s" in self.build else ())
+        out = {k: self.build.get(k, 0.0) for k in keys}
+        self.build = {k: 0.0 for k in keys if k != "plan_s"}
         return out
 
 
@@ -157,7 +158,8 @@ class DecoderModel:
         self._steps = StepCache()
         self.last_decoder: _Decoder | None = None  # the step the last stream() ran
         #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
-        #: (plan_s, lower_s, compile_s; 0 when its step was built before).
+        #: (plan_s, lower_s, compile_s, and share_s under tensor parallelism; 0 when its step
+        #: was built before).
         self.last_stats: dict = {}
         #: Seconds spent building the model: load_s (from_pretrained). A step's build
         #: (plan_s, lower_s, compile_s) is reported by the request that paid it
@@ -361,8 +363,9 @@ class DecoderModel:
         ``total_len`` tokens (prompt + new) will run, so that its first :meth:`generate` call
         starts decoding at once. Idempotent: a step already built is kept. ``progress`` shows
         the plan search's bar (on a terminal). Returns the seconds it spent: plan_s (search or
-        plan cache), lower_s (tasks, queues, kernel source), compile_s (Triton or its cache);
-        zeros for a step built before."""
+        plan cache), lower_s (tasks, queues, kernel source), compile_s (Triton or its cache),
+        and under tensor parallelism share_s (the buffers shared with the other ranks: the
+        symmetric workspace and its rendezvous); zeros for a step built before."""
         temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
             raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
@@ -419,7 +422,9 @@ class DecoderModel:
         for L in range(self.config.num_hidden_layers):
             kn, vn = cache_keys(L)
             bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
+        t_share = time.perf_counter()
         shared = self.tp_buffers(graph)
+        share_s = time.perf_counter() - t_share
         bufs.update(shared)
 
         def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
@@ -434,7 +439,8 @@ class DecoderModel:
             step, kernel = compile_for(kernel.residency().max_workers)
             kernel.residency()
         t2 = time.perf_counter()
-        return _Decoder(step, kernel, state, build=dict(lower_s=t1 - t0, compile_s=t2 - t1), shared=shared)
+        build = dict(lower_s=t1 - t0 - share_s, compile_s=t2 - t1) | ({"share_s": share_s} if self.tp > 1 else {})
+        return _Decoder(step, kernel, state, build=build, shared=shared)
 
     def tp_buffers(self, graph) -> dict[str, torch.Tensor]:
         """The buffers a tensor-parallel step of ``graph`` shares with the other ranks

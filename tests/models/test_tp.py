@@ -279,3 +279,15 @@ def test_the_standalone_embedding_takes_a_vocabulary_share():
     assert torch.equal(embedding(ids, table, vocab_start=4), want)
     with pytest.raises(ValueError, match="holds -1"):
         embedding(torch.tensor([-1, 2]), table, vocab_start=4)
+
+
+def test_a_rank_s_step_build_reports_the_time_its_shared_buffers_took():
+    _, config, tp = CASES["llama-tp2"]
+    weights = random_weights(config, seed=1)
+    model = Llama(config, shard_weights(weights, tp_slices(config, tp, 0)), device="cpu", dtype=torch.float32,
+                  max_batch_size=1, max_seq_len=S, tp=tp, rank=0)
+    first = model.prepare(1, S)
+    assert set(first) == {"plan_s", "lower_s", "compile_s", "share_s"} and first["share_s"] >= 0
+    assert model.prepare(1, S) == dict.fromkeys(first, 0.0)  # built before: nothing paid
+    one = Llama(config, weights, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=S)
+    assert set(one.prepare(1, S)) == {"plan_s", "lower_s", "compile_s"}
