@@ -178,14 +178,15 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
 
     def residual(name, L, partial, res, out, proj):
         """``out = res + partial`` (one rank: the add fused into the projection; tensor
-        parallel: the all-reduce of every rank's partial)."""
+        parallel: the all-reduce of every rank's partial, which the projection's tiles may
+        run themselves)."""
         if tp == 1:
             op(name, "add", [partial, res], [out], {"rows": B, "n": h}, add_cost(B, h, db), L, fuse_into=proj,
                buffers={})
         else:
             part, flags = tp_keys(L, partial.rsplit(".", 1)[1])
             op(name, "all_reduce", [partial, res], [out], {"rows": B, "n": h, "world": tp},
-               all_reduce_cost(B, h, tp), L, buffers={"part": part, "flags": flags, "peers": TP_PEERS})
+               all_reduce_cost(B, h, tp), L, fuse_into=proj, buffers={"part": part, "flags": flags, "peers": TP_PEERS})
 
     def partial(L, role):  # a projection's output: the all-reduce's symmetric partial under TP
         return tp_keys(L, role)[0] if tp > 1 else f"l{L}.{role}"

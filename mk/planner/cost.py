@@ -426,8 +426,12 @@ def _op_traffic(node: OpNode, choice: OpChoice, fused: list[OpNode]) -> tuple[in
         #   (the same elements), so about + 0 = reads - writes;
         # - the argmax: the host folds its tiles into a word a row (atomics, in L2) and
         #   nothing reads the logits back, so - what the argmax reads and writes.
+        # - a tensor-parallel all-reduce: the host still writes its partial, then reads every
+        #   rank's and the residual and writes the sum, so + what the all-reduce moves.
         if f.kind == "silu_mul":
             nbytes += f.bytes_written - f.bytes_read
+        elif f.kind == "all_reduce":
+            nbytes += f.bytes_read + f.bytes_written
         elif f.kind != "argmax":
             nbytes += f.bytes_read - f.bytes_written
         flops += f.flops
@@ -483,6 +487,10 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             # The peers' partials come over the GPU link after the ranks meet.
             remote = task_bytes * all_reduce_link_share(node.dims["world"])
             stream = max(stream, remote / (device.link_bandwidth / busy)) + device.link_latency_s
+        for f in fused:
+            if f.kind == "all_reduce" and i == 0:  # each task meets the ranks once its partial is stored
+                remote = f.bytes_read * all_reduce_link_share(f.dims["world"]) / phase_tasks
+                stream += remote / (device.link_bandwidth / busy) + device.link_latency_s
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)

@@ -128,7 +128,8 @@ def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None
             elif n.kind in ("all_reduce", "argmax"):  # a tensor-parallel step's symmetric buffers
                 if role == "peers":
                     shape, dt = (d["world"],), torch.int64
-                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column
+                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column (no more
+                    # than the tasks of a projection that sums them itself take: M x N / 16)
                     shape, dt = ((d["rows"], d["n"]), torch.float32) if role == "part" else ((d["n"],), torch.int32)
                 else:  # each row's candidate over the ranks, and its flag
                     shape, dt = (d["rows"],), torch.int64 if role == "shared" else torch.int32
@@ -492,6 +493,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
     add = next((f for f in fused if f.kind == "add"), None)
     silu = next((f for f in fused if f.kind == "silu_mul"), None)
     rope = next((f for f in fused if f.kind == "rope_kv"), None)
+    ar = next((f for f in fused if f.kind == "all_reduce"), None)
     x = norm.inputs[0] if norm is not None else node.inputs[0]
     out_name, out_cols = node.outputs[0], N
     if silu is not None:
@@ -531,7 +533,15 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         if add is not None:
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)
+        if ar is not None:  # the tiles store their partials, then sum them over the ranks
+            if choice.split_k != 1:
+                raise ValueError(f"lower_decode_step: op {node.name} fuses the all-reduce {ar.name} with "
+                                 f"split_k={choice.split_k}: only whole-K tiles sum their columns over the ranks")
+            epilogue.update(res=ar.inputs[1], total=activation(ar.outputs[0], M, N), flags=ar.buffers["flags"],
+                            peers=ar.buffers["peers"])
     flags = dict(residual=add is not None, silu_mul=silu is not None)
+    if ar is not None:
+        flags["all_reduce"] = ar.dims["world"]
     if argmax:
         if choice.split_k != 1 or rope is not None:
             raise ValueError(f"lower_decode_step: op {node.name} fuses the argmax with split_k={choice.split_k}"

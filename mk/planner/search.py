@@ -18,6 +18,7 @@ from typing import Callable
 
 from mk.persistent.graph import collector_paused
 from mk.tasks.linear import X_GROUP, gemv_stream
+from mk.tasks.linear.config import DOT_MIN
 from mk.tasks.qkv_rope import check_qkv_rope_tile
 
 from .cost import (OpChoice, decode_dot_tile, estimate_op, estimate_step, idle_wait_ops, linear_tiles_n,
@@ -29,9 +30,11 @@ from .simulate import SCHEDULES, simulate_schedules
 #: (kind of the fused op, kind of its host): what the task bodies can do in one tile. RoPE
 #: + KV append fuses into a QKV linear's tiles, or its split-K reduce (:mod:`mk.tasks.qkv_rope`);
 #: the argmax into the LM head's whole-K tiles, which fold each row's best into one word
-#: (:func:`mk.tasks.argmax.argmax_tile_into`), leaving only the token append.
+#: (:func:`mk.tasks.argmax.argmax_tile_into`), leaving only the token append; a tensor-parallel
+#: all-reduce into the whole-K tiles of the projection whose partials it sums (each task meets
+#: the other ranks on its own columns), or it runs as its own tiles after them.
 SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear"), ("rope_kv", "linear"),
-                     ("argmax", "linear")}
+                     ("argmax", "linear"), ("all_reduce", "linear")}
 
 #: Kinds that have no task of their own in a decode step and so must fuse into their host:
 #: the residual add (the runtime's epilogue), and SiLU·mul (the gate/up weights are
@@ -446,7 +449,10 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             # 1. Fuse this op into its host, already chosen (epilogue fusions), budget permitting.
             hc = _find(state.choices, host) if host is not None else None
             if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"
-                    and (node.kind != "argmax" or hc.split_k == 1) and _whole_heads(node, nodes[host], hc)):
+                    and (node.kind not in ("argmax", "all_reduce") or hc.split_k == 1)
+                    # (a word of the all-reduce's flags a task: M x N / 16 of them at most)
+                    and (node.kind != "all_reduce" or (nodes[host].dims["M"] <= DOT_MIN and hc.block_n >= DOT_MIN))
+                    and _whole_heads(node, nodes[host], hc)):
                 old = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse)
                 new = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse + (node.name,))
                 choices = tuple((n, replace(c, fuse=c.fuse + (node.name,)) if n == host else c)

@@ -104,9 +104,19 @@ def all_reduce_tile(part_ptr, res_ptr, out_ptr, peers_ptr, rank, pid_n, M, N,
     """out[:, tile] = res[:, tile] + sum over ranks q (in order) of rank q's part[:, tile]
     (float32 ``[M, N]``, the same offset in each rank's symmetric workspace). Call after
     :func:`meet_ranks` on the tile's flag."""
-    rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    all_reduce_box(part_ptr, res_ptr, out_ptr, peers_ptr, rank, 0, M, pid_n * BLOCK_N, (pid_n + 1) * BLOCK_N, N,
+                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WORLD=WORLD, RESIDUAL=RESIDUAL)
+
+
+@jit
+def all_reduce_box(part_ptr, res_ptr, out_ptr, peers_ptr, rank, r0, r1, c0, c1, N,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr):
+    """:func:`all_reduce_tile` over rows [r0, r1) and columns [c0, c1) (at most BLOCK_M and
+    BLOCK_N of them; row stride N): the sum a linear tile that meets the other ranks adds
+    itself (``linear`` with ``all_reduce``)."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    cols = c0 + tl.arange(0, BLOCK_N)
+    mask = (rows < r1)[:, None] & ((cols < c1) & (cols < N))[None, :]
     offs = rows[:, None] * N + cols[None, :]
     if RESIDUAL:
         acc = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)

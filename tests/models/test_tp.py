@@ -291,3 +291,35 @@ def test_a_rank_s_step_build_reports_the_time_its_shared_buffers_took():
     assert model.prepare(1, S) == dict.fromkeys(first, 0.0)  # built before: nothing paid
     one = Llama(config, weights, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=S)
     assert set(one.prepare(1, S)) == {"plan_s", "lower_s", "compile_s"}
+
+
+@pytest.mark.parametrize("M,run,tma", [(3, 1, 0), (1, 3, 2)], ids=["rows-tile", "tma-run-of-3"])
+def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, tma):
+    from mk.persistent.graph import TaskGraph
+    from mk.persistent.runtime import Megakernel
+    from mk.tasks import make_op, op_tiles
+
+    # Rank 0's O projection whose tiles also all-reduce (linear with all_reduce=2), run by the
+    # interpreter; rank 1 (two CPU "workspaces": [partial | flags] each) has stored its partial
+    # and published every task's flag for launch 0.
+    N, K = 80, 32
+    op = make_op("linear", M=M, N=N, K=K, block_n=16, block_k=16, tma_stages=tma, tiles_per_task=run, all_reduce=2,
+                 dtype=torch.float32)
+    tasks = len(op_tiles(op))
+    ws = [torch.zeros(M * N + N, dtype=torch.float32) for _ in range(2)]
+    parts = [w[:M * N].view(M, N) for w in ws]
+    flags = [w[M * N:].view(torch.int32) for w in ws]
+    x, w = [torch.randn(M, K) for _ in range(2)], [torch.randn(N, K) for _ in range(2)]
+    parts[1].copy_(x[1] @ w[1].T)
+    flags[1][:tasks] = 1
+    res = torch.randn(M, N)
+    g = TaskGraph()
+    for name, t in (("x", x[0]), ("w", w[0]), ("out", parts[0]), ("res", res), ("total", torch.full((M, N), torch.nan)),
+                    ("flags", flags[0]), ("peers", torch.tensor([b.data_ptr() for b in ws], dtype=torch.int64))):
+        g.buffer(name, t)
+    for a in op_tiles(op):
+        g.add(op, x="x", w="w", out="out", res="res", total="total", flags="flags", peers="peers", rank=0, **a)
+    Megakernel(lower(g, num_workers=1)).run()
+    assert rel_err(parts[0], x[0] @ w[0].T) < 1e-5
+    assert torch.equal(g.buffers["total"], (res + parts[0]) + parts[1])  # rank order: every rank's bits
+    assert flags[0][:tasks].tolist() == [1] * tasks and not flags[0][tasks:].any()

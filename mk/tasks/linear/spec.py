@@ -12,6 +12,7 @@ import torch
 
 from .._device import default_dtype
 from .._spec import OpSpec, Region, as_2d, cdiv, check_sizes, check_tile, register
+from ..all_reduce import _check_rank, all_reduce_ref
 from ..argmax import argmax_pack_ref
 from .config import (LinearConfig, _check_config, _tile_rows, dot_waits_in_stream, gemv_stream, linear_config,
                      linear_k_splits, prefetch_lines)
@@ -275,7 +276,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               block_k: int | None = None, num_warps: int | None = None, residual: bool = False,
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
-              tiles_per_task: int = 1, argmax: bool = False, dtype: torch.dtype | None = None) -> OpSpec:
+              tiles_per_task: int = 1, argmax: bool = False, all_reduce: int = 0,
+              dtype: torch.dtype | None = None) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -294,14 +296,26 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     ``[M]`` (zero before the step; :func:`mk.tasks.argmax.argmax_tile_into`), which
     :func:`mk.tasks.append_token.append_token_op` with ``from_best`` takes. Its tasks of one row block are then a
     team (:attr:`OpSpec.team`): they all write best's rows, in any order.
+
+    ``all_reduce`` = world > 0: one rank's share of a tensor-parallel projection whose task
+    also sums its columns over the ranks. It stores its float32 partial into out (symmetric
+    memory), meets the other ranks on its word of flags (:func:`mk.tasks.all_reduce.meet_ranks`)
+    and writes ``total = res + every rank's partial`` (rank order, the same bits on every
+    rank; :func:`mk.tasks.all_reduce.all_reduce_box`): the all-reduce with no phase of its
+    own. Operands res, total ``[M, N]``, flags int32 (a word a task, row-major), peers int64
+    ``[world]`` besides; arg rank.
     """
     s = LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
     if argmax and (residual or silu_mul):
         raise ValueError("linear: the argmax folds an LM head's logits; no residual or silu_mul epilogue")
+    if all_reduce and (argmax or residual or silu_mul or norm):
+        raise ValueError("linear: a tile summed over the ranks (all_reduce) has no argmax, residual, silu_mul or "
+                         "norm of its own")
     tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     operands += ("best",) if argmax else ()
+    operands += ("res", "total", "flags", "peers") if all_reduce else ()
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
     eps_src = "EPS" if norm else "0.0"
@@ -317,17 +331,36 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         else:
             body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                               "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
+    if all_reduce:  # the task's columns summed over the ranks, once its partial is stored
+        body += ("\nok = meet_ranks(flags + pid_m * AR_TASKS_N + pid_n, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, "
+                 "WORLD=WORLD, USE_TIMER=USE_TIMER)\n"
+                 "if ok != 0:\n"
+                 "    all_reduce_box(out, res, total, peers, rank, pid_m * AR_ROWS, tl.minimum(M, pid_m * AR_ROWS + "
+                 "AR_ROWS), pid_n * AR_COLS, pid_n * AR_COLS + AR_COLS, N, BLOCK_M=AR_BLOCK_M, BLOCK_N=AR_BLOCK_N, "
+                 "WORLD=WORLD, RESIDUAL=1)")
     prefetch = FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   **s.stream_constexprs(tma),
                   "DOUBLE_BUFFER": int(bool(double_buffer) and s.bm == 1)}
     if argmax:
         constexprs["ARGMAX"] = 1  # its own branch (a branch's key is its name and constexprs)
+    if all_reduce:
+        cols = s.bn * s.run
+        constexprs.update(WORLD=all_reduce, AR_ROWS=s.bm, AR_COLS=cols, AR_TASKS_N=s.tasks_n,
+                          AR_BLOCK_M=1 << (s.bm - 1).bit_length(), AR_BLOCK_N=1 << (cols - 1).bit_length())
     if norm:
         constexprs["EPS"] = float(eps)
 
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
+        if all_reduce:  # every rank's partial of these columns (the VM hands over theirs as @x, @w)
+            _check_rank("linear", b, a, "x")
+            parts = [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T for x, w in zip(b["@x"], b["@w"])]
+            s.store(b, a, parts[a["rank"]], False)
+            total = as_2d(b["total"])
+            total[r0:r1, n0:n1] = all_reduce_ref(parts, as_2d(b["res"])[r0:r1, n0:n1]).to(total.dtype)
+            as_2d(b["flags"])[0, a["pid_m"] * s.tasks_n + a["pid_n"]] += 1
+            return
         h = prologue_ref(as_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
         s.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T, residual)
         if argmax:  # the run's columns of the logits as stored, folded into best
@@ -340,7 +373,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)]
         if norm:
             regs.append(Region(bind["norm_w"], 0, 1, 0, K))
-        if residual:
+        if residual or all_reduce:
             regs.append(Region(bind["res"], r0, r1, c0, c1))
         return regs
 
@@ -349,16 +382,23 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         if argmax:
             r0, r1 = s.tile(a)[:2]
             regs.append(Region(bind["best"], 0, 1, r0, r1))
+        if all_reduce:
+            r0, r1, _, _, c0, c1 = s.tile(a)
+            word = a["pid_m"] * s.tasks_n + a["pid_n"]
+            regs += [Region(bind["total"], r0, r1, c0, c1), Region(bind["flags"], 0, 1, word, word + 1)]
         return regs
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
-    return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n"), body=body, prefetch=prefetch,
-                  preload=preload_src, waits_in_body=s.task_waits(tma),
-                  team=(lambda a: a["pid_m"]) if argmax else None, sync_operands=("best",) if argmax else (),
+    return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
+                  body=body, prefetch=prefetch, preload=preload_src, waits_in_body=s.task_waits(tma),
+                  team=(lambda a: a["pid_m"]) if argmax else None,
+                  sync_operands=("best",) if argmax else ("flags",) if all_reduce else (),
+                  peer_operands=("x", "w") if all_reduce else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
-                           "linear_store_epilogue, linear_tile, linear_weights_first",),
+                           "linear_store_epilogue, linear_tile, linear_weights_first",)
+                  + (("from mk.tasks.all_reduce import all_reduce_box, meet_ranks",) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
                   tiles=lambda _: s.task_args())
 
