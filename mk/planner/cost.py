@@ -458,7 +458,8 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     # The weights' own limit in a TMA ring (bytes in flight, chunks): the partials' stream only.
     ring_s = ring_seconds_per_byte(node, choice, device, dtype_bytes)
     streams = []
-    for i, (phase_tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes, fused)):
+    phases = op_phases(node, choice, nbytes, fused)
+    for i, (phase_tasks, phase_bytes) in enumerate(phases):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
         task_bytes = max(phase_bytes, 0) / phase_tasks
         if node.kind == "linear" and i == 0 and choice.tiles_per_task > 1:
@@ -488,7 +489,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             remote = task_bytes * all_reduce_link_share(node.dims["world"])
             stream = max(stream, remote / (device.link_bandwidth / busy)) + device.link_latency_s
         for f in fused:
-            if f.kind == "all_reduce" and i == 0:  # each task meets the ranks once its partial is stored
+            if f.kind == "all_reduce" and i == len(phases) - 1:  # each last-phase task meets the ranks
                 remote = f.bytes_read * all_reduce_link_share(f.dims["world"]) / phase_tasks
                 stream += remote / (device.link_bandwidth / busy) + device.link_latency_s
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0

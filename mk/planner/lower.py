@@ -533,10 +533,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         if add is not None:
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)
-        if ar is not None:  # the tiles store their partials, then sum them over the ranks
-            if choice.split_k != 1:
-                raise ValueError(f"lower_decode_step: op {node.name} fuses the all-reduce {ar.name} with "
-                                 f"split_k={choice.split_k}: only whole-K tiles sum their columns over the ranks")
+        if ar is not None:  # the tiles (split-K: the reduces) store their partials, then sum them over the ranks
             epilogue.update(res=ar.inputs[1], total=activation(ar.outputs[0], M, N), flags=ar.buffers["flags"],
                             peers=ar.buffers["peers"])
     flags = dict(residual=add is not None, silu_mul=silu is not None)

@@ -32,7 +32,7 @@ from .simulate import SCHEDULES, simulate_schedules
 #: the argmax into the LM head's whole-K tiles, which fold each row's best into one word
 #: (:func:`mk.tasks.argmax.argmax_tile_into`), leaving only the token append; a tensor-parallel
 #: all-reduce into the whole-K tiles of the projection whose partials it sums (each task meets
-#: the other ranks on its own columns), or it runs as its own tiles after them.
+#: the other ranks on its own columns) or split-K reduce tiles, or it runs as its own tiles after them.
 SUPPORTED_FUSIONS = {("rmsnorm", "linear"), ("silu_mul", "linear"), ("add", "linear"), ("rope_kv", "linear"),
                      ("argmax", "linear"), ("all_reduce", "linear")}
 
@@ -449,9 +449,10 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             # 1. Fuse this op into its host, already chosen (epilogue fusions), budget permitting.
             hc = _find(state.choices, host) if host is not None else None
             if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"
-                    and (node.kind not in ("argmax", "all_reduce") or hc.split_k == 1)
-                    # (a word of the all-reduce's flags a task: M x N / 16 of them at most)
-                    and (node.kind != "all_reduce" or (nodes[host].dims["M"] <= DOT_MIN and hc.block_n >= DOT_MIN))
+                    and (node.kind != "argmax" or hc.split_k == 1)
+                    # (a word of the all-reduce's flags a task, whole-K or reduce: M x N / 16 at most)
+                    and (node.kind != "all_reduce"
+                         or (nodes[host].dims["M"] <= DOT_MIN and reduce_width(nodes[host], hc) >= DOT_MIN))
                     and _whole_heads(node, nodes[host], hc)):
                 old = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse)
                 new = cost_of(nodes[host], replace(hc, fuse=()), hc.fuse + (node.name,))

@@ -34,8 +34,29 @@ CASES = {"llama-tp2": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=4, n
                                                             sliding_window=5), 2)}
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_every_rank_s_share_of_a_step_matches_the_reference(name):
+def _all_reduces(plan, how: str):
+    """``plan`` with the O / down projections' all-reduces as ``how`` says: "own" (their own
+    tiles after the projection), "split-k" (the projections that fuse them split over K, so
+    that their reduce tiles sum over the ranks), else as it is."""
+    from dataclasses import replace
+
+    from mk.planner.cost import OpChoice
+
+    choices = dict(plan.choices)
+    for name, c in plan.choices.items():
+        ar = tuple(f for f in c.fuse if f.endswith("_residual"))
+        if how == "own":
+            choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in ar))
+            choices.update({f: OpChoice() for f in ar})
+        elif how == "split-k" and ar:
+            choices[name] = replace(c, split_k=2, block_n=16, block_k=16, tma_stages=0, tiles_per_task=1,
+                                    reduce_block_n=0)
+    return replace(plan, choices=choices)
+
+
+@pytest.mark.parametrize("name,all_reduces", [(n, "as planned") for n in sorted(CASES)]
+                         + [("llama-tp2", "own"), ("llama-tp4", "split-k"), ("qwen2-bias-tp2", "split-k")])
+def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces):
     cls, config, tp = CASES[name]
     weights = random_weights(config, seed=3)
     ref = ReferenceLlama(config, weights)
@@ -57,6 +78,7 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name):
         model.v_cache.copy_(v0[:, :, rank * kv:(rank + 1) * kv])
         # The step as generate builds it (the model's own plan, lowering and buffers), run by the VM.
         plan, graph = model.plan(B, S)
+        plan = _all_reduces(plan, all_reduces)
         dec = model._build_decoder(plan, graph, B, "argmax")
         dec.state["ids"].copy_(fed), dec.state["pos"].copy_(torch.tensor(POSITIONS)), dec.state["tokens"].copy_(history)
         programs.append(lower(dec.step.graph, num_workers=3, schedule="list"))
@@ -293,18 +315,28 @@ def test_a_rank_s_step_build_reports_the_time_its_shared_buffers_took():
     assert set(one.prepare(1, S)) == {"plan_s", "lower_s", "compile_s"}
 
 
-@pytest.mark.parametrize("M,run,tma", [(3, 1, 0), (1, 3, 2)], ids=["rows-tile", "tma-run-of-3"])
-def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, tma):
+@pytest.mark.parametrize("M,run,tma,split", [(3, 1, 0, 1), (1, 3, 2, 1), (2, 1, 0, 2)],
+                         ids=["rows-tile", "tma-run-of-3", "split-k-reduce"])
+def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, tma, split):
     from mk.persistent.graph import TaskGraph
     from mk.persistent.runtime import Megakernel
     from mk.tasks import make_op, op_tiles
 
-    # Rank 0's O projection whose tiles also all-reduce (linear with all_reduce=2), run by the
-    # interpreter; rank 1 (two CPU "workspaces": [partial | flags] each) has stored its partial
-    # and published every task's flag for launch 0.
+    # Rank 0's O projection whose tiles (split-K: whose reduce tiles) also all-reduce
+    # (all_reduce=2), run by the interpreter; rank 1 (two CPU "workspaces": [partial | flags]
+    # each) has stored its partial and published every task's flag for launch 0.
     N, K = 80, 32
-    op = make_op("linear", M=M, N=N, K=K, block_n=16, block_k=16, tma_stages=tma, tiles_per_task=run, all_reduce=2,
-                 dtype=torch.float32)
+    g = TaskGraph()
+    if split == 1:
+        op = make_op("linear", M=M, N=N, K=K, block_n=16, block_k=16, tma_stages=tma, tiles_per_task=run,
+                     all_reduce=2, dtype=torch.float32)
+        first, inputs = None, dict(x="x", w="w")
+    else:
+        first = make_op("linear_partial", M=M, N=N, K=K, split_k=split, block_n=16, block_k=16, dtype=torch.float32)
+        op = make_op("linear_reduce", M=M, N=N, K=K, split_k=split, block_n=16, block_k=16, all_reduce=2,
+                     dtype=torch.float32)
+        g.buffer("ws", torch.full((split, M, first.constexprs["WS_N"]), torch.nan))
+        inputs = dict(ws="ws")
     tasks = len(op_tiles(op))
     ws = [torch.zeros(M * N + N, dtype=torch.float32) for _ in range(2)]
     parts = [w[:M * N].view(M, N) for w in ws]
@@ -313,12 +345,14 @@ def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, t
     parts[1].copy_(x[1] @ w[1].T)
     flags[1][:tasks] = 1
     res = torch.randn(M, N)
-    g = TaskGraph()
     for name, t in (("x", x[0]), ("w", w[0]), ("out", parts[0]), ("res", res), ("total", torch.full((M, N), torch.nan)),
                     ("flags", flags[0]), ("peers", torch.tensor([b.data_ptr() for b in ws], dtype=torch.int64))):
         g.buffer(name, t)
+    if first is not None:
+        for a in op_tiles(first):
+            g.add(first, x="x", w="w", ws="ws", **a)
     for a in op_tiles(op):
-        g.add(op, x="x", w="w", out="out", res="res", total="total", flags="flags", peers="peers", rank=0, **a)
+        g.add(op, **inputs, out="out", res="res", total="total", flags="flags", peers="peers", rank=0, **a)
     Megakernel(lower(g, num_workers=1)).run()
     assert rel_err(parts[0], x[0] @ w[0].T) < 1e-5
     assert torch.equal(g.buffers["total"], (res + parts[0]) + parts[1])  # rank order: every rank's bits

@@ -266,6 +266,40 @@ def weight_streaming(s: "LinearShape", K: int, tma_stages: int, dtype, double_bu
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
 
 
+def _ranks_sum(s: "LinearShape", world: int) -> tuple[str, dict]:
+    """Body lines and constexprs of a task that, its float32 partial stored into out (symmetric
+    memory), meets the other ranks on its word of flags and writes ``total = res + every
+    rank's partial`` of its box (rank order: the same bits on every rank)."""
+    cols = s.bn * s.run
+    body = ("\nok = meet_ranks(flags + pid_m * AR_TASKS_N + pid_n, peers, rank, ok, epoch, timeout, error_ptr, "
+            "worker, w3, WORLD=WORLD, USE_TIMER=USE_TIMER)\n"
+            "if ok != 0:\n"
+            "    all_reduce_box(out, res, total, peers, rank, pid_m * AR_ROWS, tl.minimum(M, pid_m * AR_ROWS + AR_ROWS), "
+            "pid_n * AR_COLS, pid_n * AR_COLS + AR_COLS, N, BLOCK_M=AR_BLOCK_M, BLOCK_N=AR_BLOCK_N, WORLD=WORLD, "
+            "RESIDUAL=1)")
+    return body, dict(WORLD=world, AR_ROWS=s.bm, AR_COLS=cols, AR_TASKS_N=s.tasks_n,
+                      AR_BLOCK_M=1 << (s.bm - 1).bit_length(), AR_BLOCK_N=1 << (cols - 1).bit_length())
+
+
+def _ranks_sum_run(s: "LinearShape", b: dict, a: dict, parts: list) -> None:
+    """VM: :func:`_ranks_sum` given every rank's float32 partial of the task's box."""
+    r0, r1, n0, n1, _, _ = s.tile(a)
+    s.store(b, a, parts[a["rank"]], False)
+    total = as_2d(b["total"])
+    total[r0:r1, n0:n1] = all_reduce_ref(parts, as_2d(b["res"])[r0:r1, n0:n1]).to(total.dtype)
+    as_2d(b["flags"])[0, a["pid_m"] * s.tasks_n + a["pid_n"]] += 1
+
+
+def _ranks_sum_writes(s: "LinearShape", a: dict, bind: dict) -> list:
+    r0, r1, _, _, c0, c1 = s.tile(a)
+    word = a["pid_m"] * s.tasks_n + a["pid_n"]
+    return [Region(bind["total"], r0, r1, c0, c1), Region(bind["flags"], 0, 1, word, word + 1)]
+
+
+_RANKS_SUM_OPERANDS = ("res", "total", "flags", "peers")
+_RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import all_reduce_box, meet_ranks"
+
+
 #: A full-K tile's L2 weight prefetch, issued by the dispatch loop before the task's wait.
 FULL_K_PREFETCH = ("linear_prefetch_tile(w, pid_n, N, 0, K, K, PREFETCH_LINES=PREFETCH_LINES * GPU, LINE=LINE, "
                     "BLOCK_N=BLOCK_N, BULK=PREFETCH_BULK)")
@@ -315,7 +349,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     operands += ("best",) if argmax else ()
-    operands += ("res", "total", "flags", "peers") if all_reduce else ()
+    operands += _RANKS_SUM_OPERANDS if all_reduce else ()
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
     eps_src = "EPS" if norm else "0.0"
@@ -332,12 +366,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                               "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     if all_reduce:  # the task's columns summed over the ranks, once its partial is stored
-        body += ("\nok = meet_ranks(flags + pid_m * AR_TASKS_N + pid_n, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, "
-                 "WORLD=WORLD, USE_TIMER=USE_TIMER)\n"
-                 "if ok != 0:\n"
-                 "    all_reduce_box(out, res, total, peers, rank, pid_m * AR_ROWS, tl.minimum(M, pid_m * AR_ROWS + "
-                 "AR_ROWS), pid_n * AR_COLS, pid_n * AR_COLS + AR_COLS, N, BLOCK_M=AR_BLOCK_M, BLOCK_N=AR_BLOCK_N, "
-                 "WORLD=WORLD, RESIDUAL=1)")
+        ranks_body, ranks_constexprs = _ranks_sum(s, all_reduce)
+        body += ranks_body
     prefetch = FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
                   **s.stream_constexprs(tma),
@@ -345,9 +375,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     if argmax:
         constexprs["ARGMAX"] = 1  # its own branch (a branch's key is its name and constexprs)
     if all_reduce:
-        cols = s.bn * s.run
-        constexprs.update(WORLD=all_reduce, AR_ROWS=s.bm, AR_COLS=cols, AR_TASKS_N=s.tasks_n,
-                          AR_BLOCK_M=1 << (s.bm - 1).bit_length(), AR_BLOCK_N=1 << (cols - 1).bit_length())
+        constexprs.update(ranks_constexprs)
     if norm:
         constexprs["EPS"] = float(eps)
 
@@ -355,11 +383,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         r0, r1, n0, n1, _, _ = s.tile(a)
         if all_reduce:  # every rank's partial of these columns (the VM hands over theirs as @x, @w)
             _check_rank("linear", b, a, "x")
-            parts = [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T for x, w in zip(b["@x"], b["@w"])]
-            s.store(b, a, parts[a["rank"]], False)
-            total = as_2d(b["total"])
-            total[r0:r1, n0:n1] = all_reduce_ref(parts, as_2d(b["res"])[r0:r1, n0:n1]).to(total.dtype)
-            as_2d(b["flags"])[0, a["pid_m"] * s.tasks_n + a["pid_n"]] += 1
+            _ranks_sum_run(s, b, a, [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T
+                                     for x, w in zip(b["@x"], b["@w"])])
             return
         h = prologue_ref(as_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
         s.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T, residual)
@@ -383,9 +408,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             r0, r1 = s.tile(a)[:2]
             regs.append(Region(bind["best"], 0, 1, r0, r1))
         if all_reduce:
-            r0, r1, _, _, c0, c1 = s.tile(a)
-            word = a["pid_m"] * s.tasks_n + a["pid_n"]
-            regs += [Region(bind["total"], r0, r1, c0, c1), Region(bind["flags"], 0, 1, word, word + 1)]
+            regs += _ranks_sum_writes(s, a, bind)
         return regs
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
@@ -398,7 +421,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                   peer_operands=("x", "w") if all_reduce else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
                            "linear_store_epilogue, linear_tile, linear_weights_first",)
-                  + (("from mk.tasks.all_reduce import all_reduce_box, meet_ranks",) if all_reduce else ()),
+                  + ((_RANKS_SUM_IMPORT,) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
                   tiles=lambda _: s.task_args())
 
@@ -496,7 +519,7 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
 def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                      block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                      residual: bool = False, silu_mul: bool = False, norm_sq: bool = False, eps: float = 1e-6,
-                     part_block_n: int | None = None, dtype: torch.dtype | None = None) -> OpSpec:
+                     part_block_n: int | None = None, all_reduce: int = 0, dtype: torch.dtype | None = None) -> OpSpec:
     """Sum the split_k float32 partials of tile (pid_m, pid_n) in split order, then the epilogue.
 
     Operands: ws float32 ``[split_k, M, N]``, res ``[M, N]`` (with residual), out ``[M, N]``
@@ -506,11 +529,17 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     columns); the sum is scaled by the RMSNorm's rstd (``eps``) here.
     ``part_block_n``: the partials' block_n, where the reduce's tiles (``block_n``) are
     narrower, each partial tile then reduced by several tasks (a multiple of block_n).
+    ``all_reduce`` = world > 0: the sum is one rank's partial of a tensor-parallel projection,
+    which the task then sums over the ranks as :func:`linear_op`'s tiles do (operands res,
+    total, flags, peers besides; arg rank).
     """
     s = LinearShape("linear_reduce", M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      0, dtype)
+    if all_reduce and (residual or silu_mul or norm_sq):
+        raise ValueError("linear_reduce: a tile summed over the ranks (all_reduce) has no residual, silu_mul or "
+                         "norm of its own")
     part_bn = s.narrow_reduce(part_block_n)
-    operands = ("ws",) + (("res",) if residual else ()) + ("out",)
+    operands = ("ws",) + (("res",) if residual else ()) + ("out",) + (_RANKS_SUM_OPERANDS if all_reduce else ())
     res = "res" if residual else "out"
     body = (f"linear_splitk_reduce_tile(ws, {res}, out, pid_m, pid_n, M, N, SPLIT_K, M * WS_N, WS_N, N_OUT, N_OUT, "
             f"HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, "
@@ -518,23 +547,33 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     constexprs = {k: v for k, v in s.constexprs().items() if k not in ("BLOCK_K", "PREFETCH_LINES", "LINE", "PREFETCH_BULK")}
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul), NORM_SQ=int(norm_sq),
                       WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0, PART_BLOCK_N=part_bn)
+    if all_reduce:
+        ranks_body, ranks_constexprs = _ranks_sum(s, all_reduce)
+        body += ranks_body
+        constexprs.update(ranks_constexprs)
 
     def run(b, a):
+        if all_reduce:  # every rank's sum of its splits (the VM hands over their workspaces as @ws)
+            _check_rank("linear_reduce", b, a, "ws")
+            _ranks_sum_run(s, b, a, [s.reduce(dict(b, ws=ws), a, norm_sq, eps) for ws in b["@ws"]])
+            return
         s.store(b, a, s.reduce(b, a, norm_sq, eps), residual)
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
         regs = s.ws_regions(a, bind, norm_sq)
-        if residual:
+        if residual or all_reduce:
             regs.append(Region(bind["res"], r0, r1, c0, c1))
         return regs
 
     def writes(a, bind):
-        return s.out_regions(a, bind)
+        return s.out_regions(a, bind) + (_ranks_sum_writes(s, a, bind) if all_reduce else [])
 
-    return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n"), body=body,
-                  imports=("from mk.tasks.linear import linear_splitk_reduce_tile",),
+    return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
+                  body=body, imports=("from mk.tasks.linear import linear_splitk_reduce_tile",)
+                  + ((_RANKS_SUM_IMPORT,) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
+                  sync_operands=("flags",) if all_reduce else (), peer_operands=("ws",) if all_reduce else (),
                   tiles=lambda _: s.task_args())
 
 
