@@ -97,13 +97,25 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                 dtype=BF16), x="h2n", w="wlm", out="logits", best="best")
     add(make_op("append_token", batch=B, max_seq=S, from_best=True), next_ids="ids", pos="pos", tokens="tokens",
         best="best")
+    # Tensor parallelism: O projections whose tiles (whole-K; split-K: the reduces) sum their
+    # columns over two ranks, meeting them through flags in (here: stand-in) symmetric memory.
+    for name, t in (("part", z(B, H, dt=torch.float32)), ("total", z(B, H, dt=torch.float32)),
+                    ("flags", z(H, dt=torch.int32)), ("peers", z(2, dt=torch.int64)),
+                    ("wso", z(2, B, H, dt=torch.float32))):
+        g.buffer(name, t)
+    ranks = dict(res="h1", total="total", flags="flags", peers="peers", rank=0)
+    add(make_op("linear", M=B, N=H, K=HQ * D, block_n=16, tma_stages=3, tiles_per_task=2, all_reduce=2, dtype=BF16),
+        x="attn", w="wo", out="part", **ranks)
+    add(make_op("linear_partial", M=B, N=H, K=HQ * D, split_k=2, dtype=BF16), x="attn", w="wo", ws="wso")
+    add(make_op("linear_reduce", M=B, N=H, K=HQ * D, split_k=2, all_reduce=2, dtype=BF16), ws="wso", out="part",
+        **ranks)
     return g
 
 
 def main() -> None:
     program = lower(decoder_graph(), num_workers=8)
     names = {spec.name for spec, _ in program.variants}
-    assert {"embedding", "rope_kv", "qkv_rope_kv", "qkv_rope_kv_reduce", "decode_attention_partial", "decode_attention_merge",
+    assert {"linear_reduce", "embedding", "rope_kv", "qkv_rope_kv", "qkv_rope_kv_reduce", "decode_attention_partial", "decode_attention_merge",
             "decode_attention", "argmax_partial", "argmax_reduce", "append_token"} <= names, names
     assert sum(spec.name == "append_token" for spec, _ in program.variants) == 2  # with and without the argmax word
     compiled = compile_for_target(program, num_warps=4)
@@ -111,7 +123,9 @@ def main() -> None:
     # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), the acquire of the waits,
     # the arrival count of the one-phase attention and its merge's loads from L2.
     # The LM head's argmax words: 64-bit atomic max, and the append's exchange.
-    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg", "max.s64", "exch.b64"):
+    # The ranks' meeting: a system-scope release of the task's flag, system-scope acquires.
+    for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg", "max.s64", "exch.b64",
+                   "ld.global.acquire.sys", "atom.global.sys.release.exch"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
     print("ok")
 
