@@ -7,6 +7,7 @@ SPEC is JSON: ``shape`` (a key of SHAPES or TP_SHAPES), ``batches``, ``new`` (to
 timed generation decodes after a ``prompt``-token prompt), ``peer_batches`` (the batches the
 gpt-fast-style torch.compile peer is timed at), ``check`` (greedy tokens on a float32 cache
 and exact prefill, and the bf16 model's prefill logits), ``link`` (calibrate the GPU link),
+``ablate`` (time the step with the all-reduces in tiles of their own too),
 or instead ``first_token``: a checkpoint folder, from ``from_pretrained`` to the first token.
 Every rank draws the same random model and keeps its share. Rank 0 writes the figures to
 OUT (JSON) and the last prompt token's logits beside it (OUT + ".logits.pt"; with exact
@@ -57,9 +58,8 @@ def _first_token(spec: dict, world: int) -> dict:
 
 def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     """tokens/s and time to first token through generate (median of 3), the step's own time
-    launched back to back, and the memory a generation adds."""
-    from mk.timing import event_time_us
-
+    launched back to back, and the memory a generation adds; with ``ablate`` under TP, the
+    step's time with its all-reduces in tiles of their own."""
     prompt, new = spec["prompt"], spec["new"]
     prompts = _prompts(batch, prompt, model.config.vocab_size)
     model.generate(prompts, max_new_tokens=new)  # plan, compile, warm
@@ -75,22 +75,54 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     decode_s = sorted(r["decode_s"] for r in runs)[1]
     prefill_s = sorted(r["prefill_s"] for r in runs)[1]
     dec = model.last_decoder
-    start = torch.full((batch,), prompt, dtype=torch.int32, device=model.device)
+    fp = model.footprint()
+    shared = sum(t.numel() * t.element_size() for n, t in dec.shared.items() if n != "tp.peers")
+    row = dict(tokens_per_s=batch * (new - 1) / decode_s, generate_ms_per_token=decode_s / (new - 1) * 1e3,
+               time_to_first_token_ms=prefill_s * 1e3, kernel_ms_per_step=_kernel_ms(dec, batch, spec, world),
+               extra_mib=extra / 2**20, symmetric_mib=shared / 2**20, weights_gib=fp["weights"] / 2**30,
+               kv_cache_gib=fp["kv_cache"] / 2**30, workers=dec.kernel.program.num_workers,
+               tasks=len(dec.step.graph.tasks))
+    plan = dec.step.plan
+    if world > 1 and spec.get("ablate") and plan != _own_all_reduces(plan):
+        # The same step with the projections' all-reduces in tiles of their own, as the
+        # planner could have had them: what summing in the projections' tiles gains.
+        graph = model.plan(batch, plan.kv_len)[1]
+        own = model._build_decoder(_own_all_reduces(plan), graph, batch, "argmax")
+        row["kernel_ms_all_reduces_own_tiles"] = _kernel_ms(own, batch, spec, world)
+        del own
+    return row
+
+
+def _kernel_ms(dec, batch: int, spec: dict, world: int) -> float:
+    """ms of one step of ``dec`` launched back to back from the prompt's end (its kernel's own time)."""
+    from mk.timing import event_time_us
+
+    start = torch.full((batch,), spec["prompt"], dtype=torch.int32, device=dec.state["pos"].device)
 
     def steps():
         dec.state["pos"].copy_(start)
-        for _ in range(new - 1):
+        for _ in range(spec["new"] - 1):
             dec.kernel.launch()
 
     _barrier(world)
-    kernel_ms = event_time_us(steps, reps=3, warmup=1) / (new - 1) / 1e3
+    ms = event_time_us(steps, reps=3, warmup=1) / (spec["new"] - 1) / 1e3
     dec.kernel.check()
-    fp = model.footprint()
-    shared = sum(t.numel() * t.element_size() for n, t in dec.shared.items() if n != "tp.peers")
-    return dict(tokens_per_s=batch * (new - 1) / decode_s, generate_ms_per_token=decode_s / (new - 1) * 1e3,
-                time_to_first_token_ms=prefill_s * 1e3, kernel_ms_per_step=kernel_ms, extra_mib=extra / 2**20,
-                symmetric_mib=shared / 2**20, weights_gib=fp["weights"] / 2**30, kv_cache_gib=fp["kv_cache"] / 2**30,
-                workers=dec.kernel.program.num_workers, tasks=len(dec.step.graph.tasks))
+    return ms
+
+
+def _own_all_reduces(plan):
+    """``plan`` with every all-reduce a projection's tiles run moved to tiles of its own."""
+    from dataclasses import replace
+
+    from mk.planner.cost import OpChoice
+
+    choices = dict(plan.choices)
+    for name, c in plan.choices.items():
+        mine = tuple(f for f in c.fuse if f.endswith("_residual"))
+        if mine:
+            choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in mine))
+            choices.update({f: OpChoice() for f in mine})
+    return replace(plan, choices=choices)
 
 
 def _peer_ms(model, batch: int) -> float:

@@ -64,7 +64,7 @@ def one_gpu_8b(tmp_path_factory):
 def test_tp_decode_8b(record, tmp_path, one_gpu_8b, ranks):
     """8B shape: TP over ``ranks`` GPUs against one GPU and the peer; TP's greedy tokens equal
     one GPU's for 32 steps on a float32 cache, and its prefill logits agree to bf16 tolerance."""
-    tp = _run({**SPEC_8B, "link": True}, ranks, tmp_path / "tp.json")
+    tp = _run({**SPEC_8B, "link": True, "ablate": True}, ranks, tmp_path / "tp.json")
     one, one_dir = one_gpu_8b
     same = sum(a == b for a, b in zip(tp["check_tokens"], one["check_tokens"]))
     # bf16 logits: TP's and one GPU's, each against one GPU's exact float32 prefill (TP adds
