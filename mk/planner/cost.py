@@ -458,7 +458,10 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
     # The weights' own limit in a TMA ring (bytes in flight, chunks): the partials' stream only.
     ring_s = ring_seconds_per_byte(node, choice, device, dtype_bytes)
     streams = []
-    phases = op_phases(node, choice, nbytes, fused)
+    # An all-reduce the tiles run themselves is the last phase's tail, after its stream (below).
+    ranks = [f for f in fused if f.kind == "all_reduce"]
+    ranks_bytes = sum(f.bytes_read + f.bytes_written for f in ranks)
+    phases = op_phases(node, choice, nbytes - ranks_bytes, fused)
     for i, (phase_tasks, phase_bytes) in enumerate(phases):
         waves, busy = math.ceil(phase_tasks / workers), min(phase_tasks, workers)
         task_bytes = max(phase_bytes, 0) / phase_tasks
@@ -488,13 +491,17 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             # The peers' partials come over the GPU link after the ranks meet.
             remote = task_bytes * all_reduce_link_share(node.dims["world"])
             stream = max(stream, remote / (device.link_bandwidth / busy)) + device.link_latency_s
-        for f in fused:
-            if f.kind == "all_reduce" and i == len(phases) - 1:  # each last-phase task meets the ranks
-                remote = f.bytes_read * all_reduce_link_share(f.dims["world"]) / phase_tasks
-                stream += remote / (device.link_bandwidth / busy) + device.link_latency_s
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
+        for f in ranks if i == len(phases) - 1 else ():
+            # Each task, its partial stored, meets the ranks, then reads every rank's partial
+            # of its box (the peers' over the GPU link) and the residual and writes the sum:
+            # after its inputs, never early.
+            moved = (f.bytes_read + f.bytes_written) / phase_tasks
+            remote = f.bytes_read * all_reduce_link_share(f.dims["world"]) / phase_tasks
+            stream += max(moved / (device.dram_bandwidth / busy), remote / (device.link_bandwidth / busy))
+            stream += device.link_latency_s
         streams.append((phase_tasks, waves, stream, early))
     memory_s = sum(waves * s for _, waves, s, _ in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0

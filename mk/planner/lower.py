@@ -128,8 +128,8 @@ def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None
             elif n.kind in ("all_reduce", "argmax"):  # a tensor-parallel step's symmetric buffers
                 if role == "peers":
                     shape, dt = (d["world"],), torch.int64
-                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column (no more
-                    # than the tasks of a projection that sums them itself take: M x N / 16)
+                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column (the
+                    # tasks of a projection that sums them itself take a word each: _check_flag_words)
                     shape, dt = ((d["rows"], d["n"]), torch.float32) if role == "part" else ((d["n"],), torch.int32)
                 else:  # each row's candidate over the ranks, and its flag
                     shape, dt = (d["rows"],), torch.int64 if role == "shared" else torch.int32
@@ -479,6 +479,14 @@ def argmax_in_lm_head(plan: Plan, argmax: str, next_token: str) -> bool:
     return next_token == "argmax" and any(argmax in c.fuse for c in plan.choices.values())
 
 
+def _check_flag_words(ar: OpNode | None, spec) -> None:
+    """Tiles that sum over the ranks take a word of the all-reduce's flags each; it has
+    ``n`` (:func:`meta_buffers`)."""
+    if ar is not None and len(op_tiles(spec)) > ar.dims["n"]:
+        raise ValueError(f"{len(op_tiles(spec))} tasks would sum {ar.name} over the ranks, a flag word each; its "
+                         f"flags hold {ar.dims['n']} (smaller tiles or fewer row blocks)")
+
+
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
                   max_seq: int, next_token: str, first_rope: str | None) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
@@ -550,6 +558,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         if choice.split_k == 1:
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None
                     else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run))
+            _check_flag_words(ar, spec)
             add_op(node.name, spec, **bind, **epilogue)
         else:
             # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
@@ -561,6 +570,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **red_tiles)
                    if rope is not None else
                    make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **red_tiles))
+            _check_flag_words(ar, red)
             ws = activation(f"{node.name}.ws", choice.split_k, M, part.constexprs["WS_N"])
             add_op(node.name, part, **bind, ws=ws)
             add_op(node.name, red, ws=ws, **epilogue)

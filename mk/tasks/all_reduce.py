@@ -17,10 +17,16 @@ peers' tiles past L1. Every poll is bounded like the megakernel's own waits: a d
 stuck peer ends the launch with an error naming the peer, on every rank.
 
 A buffer is never rewritten while a peer still reads it: each layer has its own partial
-buffers and flags, and a step writes them only after its first all-reduce, which needs
-every peer to have started that step, so to have finished the one before. The flags count
-launches, so a kernel reset after a failed launch (which restarts the count) zeroes them
-(they are the ops' sync operands); every rank's launch failed with it.
+buffers and flags, and a rank ends a step only in the choice of its token over the ranks
+(:func:`argmax_ranks_tile`, which the lowering requires of a tensor-parallel step), after
+every peer has published its candidate, so has read all it reads of this rank's partials
+that step (each row's candidate depends on all its layers). The flags count launches, so a
+kernel reset after a failed launch (which restarts the count) zeroes them (they are the ops'
+sync operands); every rank's launch failed with it.
+
+A projection's tiles may run the all-reduce themselves (``linear`` / ``linear_reduce`` with
+``all_reduce``; :func:`all_reduce_box`): each stores its partial, meets the ranks on its own
+flag and sums its box, so the all-reduce adds no dependency phase.
 
 The LM head's vocabulary is split too: each rank folds its rows' argmax into ``best``
 (:func:`mk.tasks.argmax.argmax_tile_into`); :func:`argmax_publish_tile` moves it, with its

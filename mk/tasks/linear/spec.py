@@ -418,6 +418,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                   body=body, prefetch=prefetch, preload=preload_src, waits_in_body=s.task_waits(tma),
                   team=(lambda a: a["pid_m"]) if argmax else None,
                   sync_operands=("best",) if argmax else ("flags",) if all_reduce else (),
+                  # (The VM computes every rank's partial from their x and w; the GPU reads their stores.)
                   peer_operands=("x", "w") if all_reduce else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
                            "linear_store_epilogue, linear_tile, linear_weights_first",)
