@@ -371,8 +371,17 @@ class DecoderModel:
             raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
         if isinstance(total_len, bool) or not isinstance(total_len, int) or not 1 <= total_len <= self.max_seq_len:
             raise ValueError(f"total_len must be an int in [1, max_seq_len={self.max_seq_len}], got {total_len!r}")
-        return self._decoder(batch, _next_token_rule(temperature, top_k, top_p), self.plan_length(total_len),
+        return self._decoder(batch, self._next_token_rule(temperature, top_k, top_p), self.plan_length(total_len),
                              progress=progress).unreported_build()
+
+    def _next_token_rule(self, temperature: float, top_k: int | None, top_p: float | None) -> str:
+        """How a step chooses its token (:func:`_next_token_rule`); under tensor parallelism
+        greedily only, refused before any work otherwise."""
+        rule = _next_token_rule(temperature, top_k, top_p)
+        if self.tp > 1 and rule != "argmax":
+            raise ValueError(f"a tensor-parallel model (tp={self.tp}) decodes greedily for now: temperature=0, no "
+                             f"top_k / top_p (got temperature={temperature}, top_k={top_k}, top_p={top_p})")
+        return rule
 
     def _decoder(self, batch: int, next_token: str, kv_len: int | None = None, progress: bool = False) -> _Decoder:
         """The lowered, compiled step for ``batch`` ending in ``next_token`` (see
@@ -772,7 +781,7 @@ class DecoderModel:
         ids, lengths = self._check_prompts(input_ids, max_new_tokens)
         if max_new_tokens == 0:
             return
-        next_token = _next_token_rule(temperature, top_k, top_p)
+        next_token = self._next_token_rule(temperature, top_k, top_p)
         eos = self._eos_ids(eos_token_id)
         B = ids.shape[0]
         dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))

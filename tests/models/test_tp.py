@@ -357,3 +357,15 @@ def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, t
     assert rel_err(parts[0], x[0] @ w[0].T) < 1e-5
     assert torch.equal(g.buffers["total"], (res + parts[0]) + parts[1])  # rank order: every rank's bits
     assert flags[0][:tasks].tolist() == [1] * tasks and not flags[0][tasks:].any()
+
+
+def test_a_tensor_parallel_model_refuses_sampling_before_any_work():
+    _, config, tp = CASES["llama-tp2"]
+    model = Llama(config, shard_weights(random_weights(config, seed=1), tp_slices(config, tp, 0)), device="cpu",
+                  dtype=torch.float32, max_batch_size=1, max_seq_len=S, tp=tp, rank=0)
+    for kw in (dict(temperature=0.7), dict(temperature=0.7, top_k=5)):
+        with pytest.raises(ValueError, match="tensor-parallel model \\(tp=2\\) decodes greedily"):
+            model.generate([[1, 2, 3]], max_new_tokens=2, **kw)
+        with pytest.raises(ValueError, match="decodes greedily"):
+            model.prepare(1, S, **kw)
+    assert not model._decoders and model.last_decoder is None
