@@ -44,14 +44,11 @@ def random_model(cfg, seed=0, shard=None):
     """Random bf16 weights drawn on the GPU (std 0.02, norms 1 + 0.1 N), HF names. ``shard``:
     one rank's slices (mk.models.weights.tp_slices), each tensor cut as it is drawn (every
     rank draws the same model and keeps its share)."""
-    from mk.models.weights import expected_shapes
+    from mk.models.weights import expected_shapes, shard_tensor
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = {}
     for name, shape in expected_shapes(cfg).items():
-        t = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
-        if shard is not None and name in shard:
-            dim, a, b = shard[name]
-            t = t.narrow(dim, a, b - a)
+        t = shard_tensor(name, torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32), shard or {})
         w[name] = ((1 + 0.1 * t) if name.endswith("norm.weight") else 0.02 * t).to(torch.bfloat16).contiguous()
         del t
     if shard is not None and "lm_head.weight" in shard and "lm_head.weight" not in w:

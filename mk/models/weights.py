@@ -89,16 +89,20 @@ def tp_slices(config: LlamaConfig, tp: int, rank: int) -> dict[str, tuple[int, i
     return out
 
 
+def shard_tensor(name: str, t: torch.Tensor, slices: dict[str, tuple[int, int, int]]) -> torch.Tensor:
+    """Tensor ``name``'s share in ``slices`` (:func:`tp_slices`), a view; itself when whole."""
+    if name not in slices:
+        return t
+    dim, a, b = slices[name]
+    return t.narrow(dim, a, b - a)
+
+
 def shard_weights(weights: dict[str, torch.Tensor], slices: dict[str, tuple[int, int, int]]) -> dict[str, torch.Tensor]:
     """Whole-model weights cut to one rank's share (:func:`tp_slices`), contiguous; a tied
     LM head's share comes from the embedding."""
-    out = {}
-    for name, t in weights.items():
-        out[name] = t.narrow(slices[name][0], slices[name][1], slices[name][2] - slices[name][1]).contiguous() \
-            if name in slices else t
+    out = {name: shard_tensor(name, t, slices).contiguous() if name in slices else t for name, t in weights.items()}
     if "lm_head.weight" in slices and "lm_head.weight" not in weights:
-        dim, a, b = slices["lm_head.weight"]
-        out["lm_head.weight"] = weights["model.embed_tokens.weight"][a:b].contiguous()
+        out["lm_head.weight"] = shard_tensor("lm_head.weight", weights["model.embed_tokens.weight"], slices).contiguous()
     return out
 
 
@@ -248,10 +252,7 @@ def random_weights(
     for name, shape in expected_shapes(config).items():
         w = torch.randn(shape, generator=gen, dtype=torch.float32)
         w = 1.0 + 0.1 * w if _is_norm(name) else 0.1 * w if name.endswith(".bias") else 0.02 * w
-        if shard is not None and name in shard:
-            dim, a, b = shard[name]
-            w = w.narrow(dim, a, b - a)
-        weights[name] = w.to(device=device, dtype=dtype).contiguous()
+        weights[name] = shard_tensor(name, w, shard or {}).to(device=device, dtype=dtype).contiguous()
     if shard is not None and "lm_head.weight" in shard and "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()  # a tied head's share
     return weights

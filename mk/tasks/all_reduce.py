@@ -182,25 +182,17 @@ def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers
     check_tensor("out", out, shape=(M, N), dtype=(torch.float32,))
     if residual is not None:
         check_tensor("residual", residual, shape=(M, N), dtype=(torch.float32,))
-    check_tensor("peers", peers, ndim=1, dtype=(torch.int64,))
-    world = peers.shape[0]
-    if not 0 <= rank < world:
-        raise ValueError(f"all_reduce: rank {rank} outside the {world} ranks of peers")
     block_n = all_reduce_block_n(N)
     check_tensor("flags", flags, ndim=1, dtype=(torch.int32,))
     if flags.shape[0] < cdiv(N, block_n):
         raise ValueError(f"all_reduce: flags holds {flags.shape[0]} words, the {cdiv(N, block_n)} tiles need one each")
-    device = check_same_device(part=part, out=out, flags=flags, peers=peers)
-    gpu = device.type == "cuda"
-    error = torch.zeros(8, dtype=torch.int32, device=device)
-    timeout = int(timeout_s * 1e9) if gpu else max(1, int(timeout_s * INTERPRETER_POLLS_PER_S))
+    error, timeout, gpu = _launch_setup("all_reduce", peers, rank, timeout_s, part=part, out=out, flags=flags)
+    world = peers.shape[0]
     _all_reduce_kernel[(cdiv(N, block_n),)](part, part if residual is None else residual, out, flags, peers, error,
                                             rank, M, N, epoch, timeout, BLOCK_M=max(1, 1 << (M - 1).bit_length()),
                                             BLOCK_N=block_n, WORLD=world, RESIDUAL=residual is not None,
                                             USE_TIMER=gpu)
-    if int(error[0]):
-        raise RuntimeError(f"all_reduce: rank {rank} waited {timeout_s} s for rank {-2 - int(error[3])}: "
-                           f"its flag showed {int(error[4])}, expected {int(error[5])}")
+    _raise_missed(error, "all_reduce", rank, timeout_s)
     return out
 
 
@@ -220,13 +212,7 @@ def rank_meetings(flag: torch.Tensor, peers: torch.Tensor, rank: int, meetings: 
     (:func:`mk.planner.calibrate.measure_link`). Returns the launch's error buffer without
     waiting for it (timing wraps the launch alone); :func:`check_meetings` reads it."""
     check_tensor("flag", flag, ndim=1, dtype=(torch.int32,))
-    check_tensor("peers", peers, ndim=1, dtype=(torch.int64,))
-    if not 0 <= rank < peers.shape[0]:
-        raise ValueError(f"rank_meetings: rank {rank} outside the {peers.shape[0]} ranks of peers")
-    device = check_same_device(flag=flag, peers=peers)
-    gpu = device.type == "cuda"
-    error = torch.zeros(8, dtype=torch.int32, device=device)
-    timeout = int(timeout_s * 1e9) if gpu else max(1, int(timeout_s * INTERPRETER_POLLS_PER_S))
+    error, timeout, gpu = _launch_setup("rank_meetings", peers, rank, timeout_s, flag=flag)
     _meetings_kernel[(1,)](flag, peers, error, rank, meetings, timeout, WORLD=peers.shape[0], USE_TIMER=gpu)
     return error
 
@@ -234,9 +220,28 @@ def rank_meetings(flag: torch.Tensor, peers: torch.Tensor, rank: int, meetings: 
 def check_meetings(error: torch.Tensor, rank: int, timeout_s: float = 10.0) -> None:
     """Raise RuntimeError naming the peer this rank waited for in vain during
     :func:`rank_meetings` (launched with ``timeout_s``), and the meeting."""
+    _raise_missed(error, "rank_meetings", rank, timeout_s, meeting=True)
+
+
+def _launch_setup(op: str, peers, rank: int, timeout_s: float, **tensors) -> tuple[torch.Tensor, int, bool]:
+    """A standalone launch that meets the ranks: checks peers and rank, and returns its error
+    buffer, its bound on each wait (ns on a GPU, polls under the interpreter) and whether it
+    runs on a GPU."""
+    check_tensor("peers", peers, ndim=1, dtype=(torch.int64,))
+    if not 0 <= rank < peers.shape[0]:
+        raise ValueError(f"{op}: rank {rank} outside the {peers.shape[0]} ranks of peers")
+    gpu = check_same_device(peers=peers, **tensors).type == "cuda"
+    timeout = int(timeout_s * 1e9) if gpu else max(1, int(timeout_s * INTERPRETER_POLLS_PER_S))
+    return torch.zeros(8, dtype=torch.int32, device=peers.device), timeout, gpu
+
+
+def _raise_missed(error: torch.Tensor, op: str, rank: int, timeout_s: float, meeting: bool = False) -> None:
+    """Raise RuntimeError naming the peer a launch of ``op`` waited for in vain (the words
+    :func:`meet_ranks` records), if it did."""
     if int(error[0]):
-        raise RuntimeError(f"rank_meetings: rank {rank} waited {timeout_s} s at meeting {int(error[2])} for rank "
-                           f"{-2 - int(error[3])}: its flag showed {int(error[4])}, expected {int(error[5])}")
+        at = f" at meeting {int(error[2])}" if meeting else ""
+        raise RuntimeError(f"{op}: rank {rank} waited {timeout_s} s{at} for rank {-2 - int(error[3])}: "
+                           f"its flag showed {int(error[4])}, expected {int(error[5])}")
 
 
 def all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -269,9 +274,43 @@ def all_reduce_link_share(world: int) -> float:
 # run each rank's tensor under "@role", rank order).
 # ---------------------------------------------------------------------------------------
 
-_MEET = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
-         "ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
-         "USE_TIMER=USE_TIMER)\n")
+_MEET_CALL = ("ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
+              "USE_TIMER=USE_TIMER)\n")
+_MEET = "ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n" + _MEET_CALL
+
+#: What a task that sums its box over the ranks itself (``linear`` / ``linear_reduce`` with
+#: ``all_reduce``) binds besides its own operands, and the import its body needs.
+RANKS_SUM_OPERANDS = ("res", "total", "flags", "peers")
+RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import all_reduce_box, meet_ranks"
+
+
+def ranks_sum_tail(rows: int, cols: int, tasks_n: int, world: int) -> tuple[str, dict]:
+    """The end of a task body (and its constexprs) that, its float32 partial of a box of
+    ``rows`` x ``cols`` (task (pid_m, pid_n) of ``tasks_n`` a row block) stored into out in
+    symmetric memory, meets the ranks on its word of flags and writes ``total = res + every
+    rank's partial`` of its box (rank order: the same bits on every rank; :func:`all_reduce_box`)."""
+    body = ("\n" + _MEET_CALL.format(flag="flags + pid_m * AR_TASKS_N + pid_n") +
+            "if ok != 0:\n"
+            "    all_reduce_box(out, res, total, peers, rank, pid_m * AR_ROWS, tl.minimum(M, pid_m * AR_ROWS + AR_ROWS), "
+            "pid_n * AR_COLS, pid_n * AR_COLS + AR_COLS, N, BLOCK_M=AR_BLOCK_M, BLOCK_N=AR_BLOCK_N, WORLD=WORLD, "
+            "RESIDUAL=1)")
+    return body, dict(WORLD=world, AR_ROWS=rows, AR_COLS=cols, AR_TASKS_N=tasks_n,
+                      AR_BLOCK_M=1 << (rows - 1).bit_length(), AR_BLOCK_N=1 << (cols - 1).bit_length())
+
+
+def ranks_sum_ref(b: dict, box: tuple[int, int, int, int], word: int, parts: list[torch.Tensor]) -> None:
+    """VM: :func:`ranks_sum_tail`'s sum of ``box`` (r0, r1, c0, c1) given every rank's float32
+    partial of it (the task stores its own rank's into out itself), and its flag word."""
+    r0, r1, c0, c1 = box
+    total = as_2d(b["total"])
+    total[r0:r1, c0:c1] = all_reduce_ref(parts, as_2d(b["res"])[r0:r1, c0:c1]).to(total.dtype)
+    as_2d(b["flags"])[0, word] += 1
+
+
+def ranks_sum_regions(bind: dict, box: tuple[int, int, int, int], word: int) -> list[Region]:
+    """What :func:`ranks_sum_tail` writes besides the partial: the box of total, the flag."""
+    r0, r1, c0, c1 = box
+    return [Region(bind["total"], r0, r1, c0, c1), Region(bind["flags"], 0, 1, word, word + 1)]
 
 
 def _check_rank(op: str, bufs: dict, a: dict, role: str) -> None:

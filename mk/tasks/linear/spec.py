@@ -12,7 +12,8 @@ import torch
 
 from .._device import default_dtype
 from .._spec import OpSpec, Region, as_2d, cdiv, check_sizes, check_tile, register
-from ..all_reduce import _check_rank, all_reduce_ref
+from ..all_reduce import (RANKS_SUM_IMPORT, RANKS_SUM_OPERANDS, _check_rank, ranks_sum_ref, ranks_sum_regions,
+                          ranks_sum_tail)
 from ..argmax import argmax_pack_ref
 from .config import (LinearConfig, _check_config, _tile_rows, dot_waits_in_stream, gemv_stream, linear_config,
                      linear_k_splits, prefetch_lines)
@@ -266,38 +267,10 @@ def weight_streaming(s: "LinearShape", K: int, tma_stages: int, dtype, double_bu
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
 
 
-def _ranks_sum(s: "LinearShape", world: int) -> tuple[str, dict]:
-    """Body lines and constexprs of a task that, its float32 partial stored into out (symmetric
-    memory), meets the other ranks on its word of flags and writes ``total = res + every
-    rank's partial`` of its box (rank order: the same bits on every rank)."""
-    cols = s.bn * s.run
-    body = ("\nok = meet_ranks(flags + pid_m * AR_TASKS_N + pid_n, peers, rank, ok, epoch, timeout, error_ptr, "
-            "worker, w3, WORLD=WORLD, USE_TIMER=USE_TIMER)\n"
-            "if ok != 0:\n"
-            "    all_reduce_box(out, res, total, peers, rank, pid_m * AR_ROWS, tl.minimum(M, pid_m * AR_ROWS + AR_ROWS), "
-            "pid_n * AR_COLS, pid_n * AR_COLS + AR_COLS, N, BLOCK_M=AR_BLOCK_M, BLOCK_N=AR_BLOCK_N, WORLD=WORLD, "
-            "RESIDUAL=1)")
-    return body, dict(WORLD=world, AR_ROWS=s.bm, AR_COLS=cols, AR_TASKS_N=s.tasks_n,
-                      AR_BLOCK_M=1 << (s.bm - 1).bit_length(), AR_BLOCK_N=1 << (cols - 1).bit_length())
-
-
-def _ranks_sum_run(s: "LinearShape", b: dict, a: dict, parts: list) -> None:
-    """VM: :func:`_ranks_sum` given every rank's float32 partial of the task's box."""
-    r0, r1, n0, n1, _, _ = s.tile(a)
-    s.store(b, a, parts[a["rank"]], False)
-    total = as_2d(b["total"])
-    total[r0:r1, n0:n1] = all_reduce_ref(parts, as_2d(b["res"])[r0:r1, n0:n1]).to(total.dtype)
-    as_2d(b["flags"])[0, a["pid_m"] * s.tasks_n + a["pid_n"]] += 1
-
-
-def _ranks_sum_writes(s: "LinearShape", a: dict, bind: dict) -> list:
+def _ranks_box(s: "LinearShape", a: dict) -> tuple[tuple[int, int, int, int], int]:
+    """Task ``a``'s box (r0, r1, c0, c1) and flag word when it sums over the ranks."""
     r0, r1, _, _, c0, c1 = s.tile(a)
-    word = a["pid_m"] * s.tasks_n + a["pid_n"]
-    return [Region(bind["total"], r0, r1, c0, c1), Region(bind["flags"], 0, 1, word, word + 1)]
-
-
-_RANKS_SUM_OPERANDS = ("res", "total", "flags", "peers")
-_RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import all_reduce_box, meet_ranks"
+    return (r0, r1, c0, c1), a["pid_m"] * s.tasks_n + a["pid_n"]
 
 
 #: A full-K tile's L2 weight prefetch, issued by the dispatch loop before the task's wait.
@@ -349,7 +322,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
     operands += ("best",) if argmax else ()
-    operands += _RANKS_SUM_OPERANDS if all_reduce else ()
+    operands += RANKS_SUM_OPERANDS if all_reduce else ()
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
     eps_src = "EPS" if norm else "0.0"
@@ -366,7 +339,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                               "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     if all_reduce:  # the task's columns summed over the ranks, once its partial is stored
-        ranks_body, ranks_constexprs = _ranks_sum(s, all_reduce)
+        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce)
         body += ranks_body
     prefetch = FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
@@ -383,8 +356,9 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         r0, r1, n0, n1, _, _ = s.tile(a)
         if all_reduce:  # every rank's partial of these columns (the VM hands over theirs as @x, @w)
             _check_rank("linear", b, a, "x")
-            _ranks_sum_run(s, b, a, [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T
-                                     for x, w in zip(b["@x"], b["@w"])])
+            parts = [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T for x, w in zip(b["@x"], b["@w"])]
+            s.store(b, a, parts[a["rank"]], False)
+            ranks_sum_ref(b, *_ranks_box(s, a), parts)
             return
         h = prologue_ref(as_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
         s.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T, residual)
@@ -408,7 +382,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             r0, r1 = s.tile(a)[:2]
             regs.append(Region(bind["best"], 0, 1, r0, r1))
         if all_reduce:
-            regs += _ranks_sum_writes(s, a, bind)
+            regs += ranks_sum_regions(bind, *_ranks_box(s, a))
         return regs
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
@@ -422,7 +396,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                   peer_operands=("x", "w") if all_reduce else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
                            "linear_store_epilogue, linear_tile, linear_weights_first",)
-                  + ((_RANKS_SUM_IMPORT,) if all_reduce else ()),
+                  + ((RANKS_SUM_IMPORT,) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
                   tiles=lambda _: s.task_args())
 
@@ -540,7 +514,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
         raise ValueError("linear_reduce: a tile summed over the ranks (all_reduce) has no residual, silu_mul or "
                          "norm of its own")
     part_bn = s.narrow_reduce(part_block_n)
-    operands = ("ws",) + (("res",) if residual else ()) + ("out",) + (_RANKS_SUM_OPERANDS if all_reduce else ())
+    operands = ("ws",) + (("res",) if residual else ()) + ("out",) + (RANKS_SUM_OPERANDS if all_reduce else ())
     res = "res" if residual else "out"
     body = (f"linear_splitk_reduce_tile(ws, {res}, out, pid_m, pid_n, M, N, SPLIT_K, M * WS_N, WS_N, N_OUT, N_OUT, "
             f"HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, K=K, eps=EPS, "
@@ -549,14 +523,16 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul), NORM_SQ=int(norm_sq),
                       WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0, PART_BLOCK_N=part_bn)
     if all_reduce:
-        ranks_body, ranks_constexprs = _ranks_sum(s, all_reduce)
+        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce)
         body += ranks_body
         constexprs.update(ranks_constexprs)
 
     def run(b, a):
         if all_reduce:  # every rank's sum of its splits (the VM hands over their workspaces as @ws)
             _check_rank("linear_reduce", b, a, "ws")
-            _ranks_sum_run(s, b, a, [s.reduce(dict(b, ws=ws), a, norm_sq, eps) for ws in b["@ws"]])
+            parts = [s.reduce(dict(b, ws=ws), a, norm_sq, eps) for ws in b["@ws"]]
+            s.store(b, a, parts[a["rank"]], False)
+            ranks_sum_ref(b, *_ranks_box(s, a), parts)
             return
         s.store(b, a, s.reduce(b, a, norm_sq, eps), residual)
 
@@ -568,11 +544,11 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
         return regs
 
     def writes(a, bind):
-        return s.out_regions(a, bind) + (_ranks_sum_writes(s, a, bind) if all_reduce else [])
+        return s.out_regions(a, bind) + (ranks_sum_regions(bind, *_ranks_box(s, a)) if all_reduce else [])
 
     return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
                   body=body, imports=("from mk.tasks.linear import linear_splitk_reduce_tile",)
-                  + ((_RANKS_SUM_IMPORT,) if all_reduce else ()),
+                  + ((RANKS_SUM_IMPORT,) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
                   sync_operands=("flags",) if all_reduce else (), peer_operands=("ws",) if all_reduce else (),
                   tiles=lambda _: s.task_args())
