@@ -335,6 +335,22 @@ def test_linear_float32_stream_over_bf16_weights(M, block_n, variant, device):
     assert rel_err(rounded, ref) > 1e-4  # the check can tell a rounded x apart
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [48, 64])
+def test_linear_float32_rows_over_a_vocabulary_of_bf16_weights_in_many_waves(M, device):
+    """The exact prefill's LM head (float32 rows, bf16 weights, 128256 outputs: a grid of
+    ~1000 tiles in several waves), call after call on fresh inputs: every tile is the
+    product. (A config that raced under this load returned a garbage tile in ~1 of 1000.)"""
+    gen = torch.Generator(device=device).manual_seed(BASE_SEED)
+    w = (0.02 * torch.randn(128256, 4096, generator=gen, device=device)).to(torch.bfloat16)
+    wf = w.float()
+    for _ in range(12):
+        x = torch.randn(M, 4096, generator=gen, device=device)
+        y = linear(x, w)
+        bad = ((y - x @ wf.T).abs() > 1e-3).any(0)
+        assert not bad.any(), f"{int(bad.sum())} wrong columns, from {int(bad.nonzero()[0])}"
+
+
 # --- argument checks -------------------------------------------------------------------------
 
 

@@ -202,7 +202,11 @@ def linear_config(M: int, N: int, K: int, dtype: torch.dtype, *, split_k: int = 
         bm, bn, bk, warps, stages, prefetch_k = 16, 64, 512 // db, 2, 4, 0
     else:
         bm = 64 if M <= 64 else 128
-        bn, bk, warps, stages, prefetch_k = 128, 128 // db, (4 if bm == 64 else 8), 3, 0
+        # float32 rows (the exact prefill's: two MMAs a chunk, hi and lo halves, against
+        # 16-bit weights) take 8 warps: with 4 warps and 3 stages, Triton 3.6's pipelined
+        # wgmma loop races under load on Hopper (an H200, 64 x 4096 -> 128256 rows: about one
+        # garbage tile in a thousand once the grid runs in several waves).
+        bn, bk, warps, stages, prefetch_k = 128, 128 // db, (4 if bm == 64 and db < 4 else 8), 3, 0
     floor = 1 if bm == 1 else DOT_MIN
     # Even block_n >= 2 keeps silu_mul's gate/up pairs inside a tile.
     bn = max(min(bn, triton.next_power_of_2(N)), 2 if bm == 1 else DOT_MIN)
