@@ -3,7 +3,7 @@
 Float32 weights and cache, exact prefill: the tensor-parallel model's greedy tokens must
 equal one GPU's (rank 0 builds that one too). Requests at other lengths replace the step,
 and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
-was after the first. Last, rank 1 stops taking part: rank 0's step ends in a
+was after the first. Every family decodes over the ranks as on one GPU. Last, rank 1 stops taking part: rank 0's step ends in a
 MegakernelTimeout instead of hanging. Rank 0 prints "ok" when all held."""
 
 import sys
@@ -34,6 +34,19 @@ for _ in range(4):
     torch.cuda.synchronize()
     free.append(torch.cuda.mem_get_info(model.device)[0])
 assert free[-1] >= free[0] - 8 * 2**20, f"free memory fell by {(free[0] - free[-1]) / 2**20:.1f} MiB over the rounds"
+# Every family (Qwen2's biases, Qwen3's q / k head norms, Mistral's window) decodes over the
+# ranks as on one GPU (the VM tests' configs).
+from tests.models.test_tp import CASES  # noqa: E402
+
+for name, (cls, fam_config, tp) in CASES.items():
+    if tp != dist.get_world_size():
+        continue
+    fam_kw = dict(kw, max_batch_size=1)
+    fam_prompts = [[t % fam_config.vocab_size for t in prompts[0]]]
+    fam_got = cls.from_config(fam_config, tp=tp, **fam_kw).generate(fam_prompts, max_new_tokens=16)
+    if rank == 0:
+        fam_want = cls.from_config(fam_config, device=model.device, **fam_kw).generate(fam_prompts, max_new_tokens=16)
+        assert fam_got == fam_want, (name, fam_got, fam_want)
 # A peer that stops: the step meets no one and ends within the watchdog's bound.
 dec = model.last_decoder
 dist.barrier()
