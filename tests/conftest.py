@@ -49,6 +49,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Start the selected compile checks (``compile_script``) in the background, one after
+    another: each keeps a core busy for a minute or two while the interpreter tests run on
+    the other."""
+    from tests.persistent._helpers import can_compile_for_cuda, start_compile_scripts
+
+    scripts = [m.args[0] for item in session.items for m in item.iter_markers("compile_script")]
+    if scripts and can_compile_for_cuda():
+        start_compile_scripts(scripts)
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Seed torch from the run's base seed and the test's name: fresh each run, repeatable."""

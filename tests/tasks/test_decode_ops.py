@@ -705,6 +705,7 @@ def test_decoder_layer_vm_many_workers(workers, _seed):
 # --- compiled for the GPU ------------------------------------------------------------------
 
 
+@pytest.mark.compile_script("_compile_sm90_model.py")
 @pytest.mark.skipif(not can_compile_for_cuda(), reason="Triton's NVIDIA backend is not installed")
 def test_decoder_megakernel_compiles_for_sm90_in_bf16(tmp_path):
     # The interpreter checks no types or layouts: a bf16 decoder-layer megakernel with every
