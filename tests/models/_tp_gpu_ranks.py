@@ -3,8 +3,9 @@
 Float32 weights and cache, exact prefill: the tensor-parallel model's greedy tokens must
 equal one GPU's (rank 0 builds that one too). Requests at other lengths replace the step,
 and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
-was after the first. Every family decodes over the ranks as on one GPU. Last, rank 1 stops taking part: rank 0's step ends in a
-MegakernelTimeout instead of hanging. Rank 0 prints "ok" when all held."""
+was after the first. Every family decodes over the ranks as on one GPU. Last, rank 1 stops
+taking part: rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
+"ok" when all held."""
 
 import sys
 
