@@ -183,8 +183,9 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
       chunk [block_n, block_k]); a float32 x against 16-bit weights goes to the tensor cores
       as two 16-bit halves (:func:`mk.tasks._dot.mma`), each staged through a [rows, block_k]
       buffer (+1 KiB of layout padding without the TMA ring); through a TMA ring, S - 1 x
-      chunks beside S - 1 weight chunks (the halves staged only for a normed x), and weight-major tiles
-      (:func:`mk.tasks.linear.weight_major`) all S weight chunks (wgmma reads them in place).
+      chunks beside S - 1 weight chunks (no halves staged), and weight-major tiles
+      (:func:`mk.tasks.linear.weight_major`) all S weight chunks (wgmma reads them in place)
+      and the halves once, x itself in registers; a fused RMSNorm adds S - 1 of its chunks.
 
     Split-K needs nothing more: the partial is stored after the ring is dead and reuses it.
     Decode attention takes :func:`~mk.tasks.decode_attention.decode_attention_smem_bytes`; the
@@ -207,21 +208,22 @@ def op_smem_bytes(node: OpNode, choice: OpChoice, dtype_bytes: int = 2) -> int:
         rows = _tile_rows_for(node.dims["M"], choice.block_n)
         # x's two halves, each staged as a [rows, block_k] tensor-core operand (compiled: H200).
         staged = 2 * rows * choice.block_k * dtype_bytes if halves else 0
+        # A fused RMSNorm's weight chunks are pipelined beside the ring's, tma_stages - 1 of
+        # them (Triton 3.6: 256 B less for some 256-byte chunks, within the test's slack).
+        norm_chunks = max(choice.tma_stages - 1, 1) * choice.block_k * dtype_bytes if norm else 0
         if choice.tma_stages and weight_major(rows, choice.block_n):
             # wgmma reads the weight chunk where TMA put it: the ring holds all tma_stages
-            # chunks (one is being multiplied), x and the norm chunk tma_stages - 1, and
-            # [hi; lo] is staged once as the MMA's other operand.
+            # chunks (one is being multiplied); x comes to registers, and [hi; lo] is staged
+            # once as the MMA's other operand (compiled, sm_90: 8 rows x 128, ring 3: 102424 B).
             chunk = choice.block_n * choice.block_k * dtype_bytes + 8
-            side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0)
-            return choice.tma_stages * chunk + (choice.tma_stages - 1) * side + staged
+            return choice.tma_stages * chunk + staged + norm_chunks
         if choice.tma_stages:
             # The TMA ring as for a GEMV, with [rows, block_k] x chunks beside each weight chunk.
-            # mma.sync takes x's halves to registers straight from the ring's x chunk; only a
-            # normed x (scaled in registers) is staged again (H200, Triton 3.6: 1B down 64 x
-            # 128, ring 3: 49168 B; the same with the norm 57872).
+            # mma.sync takes x's halves to registers straight from the ring's x chunk, a normed
+            # x too (compiled, sm_90: 16 rows, 64 x 128, ring 3: 49168 B; with the norm 49424).
             chunk = choice.block_n * choice.block_k * dtype_bytes
-            side = rows * choice.block_k * x_bytes + (choice.block_k * dtype_bytes if norm else 0) + 8
-            return max(choice.tma_stages - 1, 1) * (chunk + side) + (staged if norm else 0)
+            side = rows * choice.block_k * x_bytes + 8
+            return max(choice.tma_stages - 1, 1) * (chunk + side) + norm_chunks
         ring = MEGAKERNEL_DOT_BUFFERS * (rows * x_bytes + choice.block_n * dtype_bytes) * choice.block_k
         return ring + (staged + 1024 if halves else 0)
     if node.kind == "attention":

@@ -728,14 +728,16 @@ def decode_attention_smem_bytes(config: DecodeAttentionConfig, q_bytes: int | No
     K and V blocks ``[BLOCK_N, BLOCK_D]`` per pipeline stage, q ``[BLOCK_G, BLOCK_D]``
     and p ``[BLOCK_G, BLOCK_N]`` as tl.dot operands, twice over when a float32 q
     (``q_bytes`` 4) meets a 16-bit cache: q and p go in as two halves each
-    (:func:`mk.tasks._dot.mma`). An estimate to prune the search: the compiled kernel's
-    ``shared`` metadata is the truth.
+    (:func:`mk.tasks._dot.mma`). Where BLOCK_D <= BLOCK_N, q's and p's buffers share their
+    bytes (Triton 3.6 on sm_90, compiled: head_dim 32 and 64 take the larger of the two,
+    128 and 256 both). An estimate to prune the search: the compiled kernel's ``shared``
+    metadata is the truth.
     """
     c = config
     halves = 2 if (q_bytes or c.dtype_bytes) > c.dtype_bytes else 1
     kv = c.num_stages * 2 * c.block_n * c.block_d * c.dtype_bytes
-    operands = (c.block_g * c.block_d + c.block_g * c.block_n) * c.dtype_bytes * halves
-    return kv + operands
+    q, p = (c.block_g * d * c.dtype_bytes * halves for d in (c.block_d, c.block_n))
+    return kv + (q + p if c.block_d > c.block_n else max(q, p))
 
 
 # ---------------------------------------------------------------------------------------
