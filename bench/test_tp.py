@@ -97,7 +97,7 @@ def test_tp_decode_8b(record, tmp_path, one_gpu_8b, ranks):
 @pytest.mark.parametrize("key", list(TP_SHAPES))
 def test_tp_decode_large(record, tmp_path, key):
     """A model too large for one GPU (70B) over the most GPUs (up to 4), batch 1 and 8,
-    against the peer at batch 1."""
+    against the peer at batch 1, and the step with its all-reduces in tiles of their own."""
     from mk.models import LlamaConfig
 
     ranks = max(TP_RANKS)
@@ -106,7 +106,7 @@ def test_tp_decode_large(record, tmp_path, key):
     if share + 12 * 2**30 > free:
         pytest.skip(f"{key} over {ranks} GPUs needs {share / 2**30:.0f} GiB of weights a GPU; "
                     f"{free / 2**30:.0f} GiB are free")
-    tp = _run(dict(shape=key, batches=[1, 8], peer_batches=[1]), ranks, tmp_path / "tp.json")
+    tp = _run(dict(shape=key, batches=[1, 8], peer_batches=[1], ablate=True), ranks, tmp_path / "tp.json")
     rows = _rows(tp)
     for batch, row in rows.items():
         record("tp-large", op="decode", model=key, ranks=ranks, batch=batch, **row, floor_ms=tp["floor_ms"],
