@@ -155,6 +155,29 @@ def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives():
         all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
 
 
+def test_four_ranks_sum_in_rank_order_and_a_timeout_names_the_peer_still_short():
+    from mk.tasks.all_reduce import all_reduce, all_reduce_ref
+
+    # Four ranks' workspaces on the CPU, one round of polls over all of them: the sum is
+    # every rank's in rank order; then ranks 1 and 3 arrive for the next launch and rank 2
+    # does not, and the error names rank 2 (not the first rank, not one that came).
+    M, N, world = 2, 64, 4
+    ws = [torch.zeros(M * N + 64, dtype=torch.float32) for _ in range(world)]
+    parts = [w[:M * N].view(M, N) for w in ws]
+    flags = [w[M * N:].view(torch.int32) for w in ws]
+    for p in parts:
+        p.copy_(torch.randn(M, N))
+    peers = torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64)
+    res, out = torch.randn(M, N), torch.empty(M, N)
+    for q in (1, 2, 3):
+        flags[q][0] = 1
+    all_reduce(parts[0], out, flags[0], peers, 0, residual=res)
+    assert torch.equal(out, all_reduce_ref(parts, res))
+    flags[1][0] = flags[3][0] = 2
+    with pytest.raises(RuntimeError, match="for rank 2: its flag showed 1, expected 2"):
+        all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
+
+
 def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
     from mk.tasks.all_reduce import check_meetings, rank_meetings
 
