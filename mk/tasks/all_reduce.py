@@ -68,13 +68,18 @@ def _peer(ptr, peers_ptr, rank, q):
 
 
 @jit
-def _lowest_flag(flag_ptr, peers_ptr, rank, WORLD: tl.constexpr):
-    """The lowest of every rank's flag at ``flag_ptr``'s offset: one round of independent
-    loads, all in flight together (one round trip over the link, however many peers)."""
-    low = tl.load(_peer(flag_ptr, peers_ptr, rank, 0), volatile=True)
-    for q in tl.static_range(1, WORLD):
-        low = tl.minimum(low, tl.load(_peer(flag_ptr, peers_ptr, rank, q), volatile=True))
-    return low
+def _flags_round(flag_ptr, peers_ptr, rank, need, WORLD: tl.constexpr):
+    """One round of every rank's flag at ``flag_ptr``'s offset, by independent loads all in
+    flight together (one round trip over the link, however many peers): (the lowest flag,
+    the first rank whose flag is short of ``need`` or -1, that flag)."""
+    low = need
+    late = tl.full([], -1, tl.int32)
+    seen = need
+    for q in tl.static_range(WORLD):
+        s = tl.load(_peer(flag_ptr, peers_ptr, rank, q), volatile=True)
+        first = (late < 0) & (s < need)
+        late, seen, low = tl.where(first, q, late), tl.where(first, s, seen), tl.minimum(low, s)
+    return low, late, seen
 
 
 @jit
@@ -84,21 +89,21 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
     until every peer's flag at the same offset shows it: each poll reads every rank's flag
     at once, and one acquire fence follows the round that saw them all. Returns ok (0 on
     timeout, or when a worker of this launch has failed: the error buffer then names the
-    worker, the task, event -2 - q for the first peer q still short, and the flag seen and
-    expected)."""
+    worker, the task, event -2 - q for the first peer q short in the last round, and the
+    flag seen and expected)."""
     need = epoch + 1
     ok = ok + tl.zeros([], dtype=tl.int32)  # (a tensor: the waits below may clear it)
     if ok != 0:
         tl.debug_barrier()  # the block's own writes first (as a signal)
         tl.atomic_xchg(flag_ptr, need, sem="release", scope="sys")
-        low = _lowest_flag(flag_ptr, peers_ptr, rank, WORLD)
+        low, late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
         polls = tl.zeros([], dtype=tl.int64)
         waited = tl.zeros([], dtype=tl.int64)
         failed = tl.zeros([], dtype=tl.int32)
         if USE_TIMER:
             start = _globaltimer()
         while (low < need) & (waited < timeout) & (failed == 0):
-            low = _lowest_flag(flag_ptr, peers_ptr, rank, WORLD)
+            low, late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
             if polls % 16 == 15:
                 failed = tl.load(error_ptr, volatile=True)
             polls += 1
@@ -108,13 +113,7 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                 waited = polls
         if low < need:
             ok = 0
-            late = tl.full([], -1, tl.int32)
-            seen = need
-            for q in tl.static_range(WORLD):
-                s = tl.load(_peer(flag_ptr, peers_ptr, rank, q), volatile=True)
-                first = (late < 0) & (s < need)
-                late, seen = tl.where(first, q, late), tl.where(first, s, seen)
-            record_timeout(error_ptr, failed, worker, task, -2 - tl.maximum(late, 0), seen, need)
+            record_timeout(error_ptr, failed, worker, task, -2 - late, seen, need)
         else:
             fence_acquire(flag_ptr, GPU=USE_TIMER)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
