@@ -59,6 +59,9 @@ INTERPRETER_POLLS_PER_S = 10_000
 #: Widest column block of one all-reduce tile.
 MAX_BLOCK_N = 1024
 
+#: Threads a block-wide vote covers (the most a block has): one element of the vote a thread.
+VOTES = tl.constexpr(1024)
+
 
 @jit
 def _peer(ptr, peers_ptr, rank, q):
@@ -111,9 +114,16 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                 waited = _globaltimer() - start
             else:
                 waited = polls
-        if low < need:
+        # Each thread polls on its own, so at the timeout's edge some may leave the loop having
+        # seen every flag and some not: one verdict for the block (every thread saw them all),
+        # so that all threads take the same path (record_timeout broadcasts through shared
+        # memory behind barriers) and none reads the peers' data unless all will.
+        arrived = tl.min(tl.full([VOTES], (low >= need).to(tl.int32), tl.int32), axis=0)
+        if arrived == 0:
             ok = 0
-            record_timeout(error_ptr, failed, worker, task, -2 - late, seen, need)
+            late = tl.max(tl.full([VOTES], late, tl.int32), axis=0)
+            seen = tl.min(tl.full([VOTES], seen, tl.int32), axis=0)
+            record_timeout(error_ptr, failed, worker, task, -2 - tl.maximum(late, 0), seen, need)
         else:
             fence_acquire(flag_ptr, GPU=USE_TIMER)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
