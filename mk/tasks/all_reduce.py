@@ -73,16 +73,15 @@ def _peer(ptr, peers_ptr, rank, q):
 @jit
 def _flags_round(flag_ptr, peers_ptr, rank, need, WORLD: tl.constexpr):
     """One round of every rank's flag at ``flag_ptr``'s offset, by independent loads all in
-    flight together (one round trip over the link, however many peers): (the lowest flag,
-    the first rank whose flag is short of ``need`` or -1, that flag)."""
-    low = need
+    flight together (one round trip over the link, however many peers): (the first rank
+    whose flag is short of ``need``, or -1 when none is, and that flag)."""
     late = tl.full([], -1, tl.int32)
     seen = need
     for q in tl.static_range(WORLD):
         s = tl.load(_peer(flag_ptr, peers_ptr, rank, q), volatile=True)
         first = (late < 0) & (s < need)
-        late, seen, low = tl.where(first, q, late), tl.where(first, s, seen), tl.minimum(low, s)
-    return low, late, seen
+        late, seen = tl.where(first, q, late), tl.where(first, s, seen)
+    return late, seen
 
 
 @jit
@@ -92,21 +91,21 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
     until every peer's flag at the same offset shows it: each poll reads every rank's flag
     at once, and one acquire fence follows the round that saw them all. Returns ok (0 on
     timeout, or when a worker of this launch has failed: the error buffer then names the
-    worker, the task, event -2 - q for the first peer q short in the last round, and the
-    flag seen and expected)."""
+    worker, the task, event -2 - q for a peer q short in the last round, and the flag seen
+    and expected)."""
     need = epoch + 1
     ok = ok + tl.zeros([], dtype=tl.int32)  # (a tensor: the waits below may clear it)
     if ok != 0:
         tl.debug_barrier()  # the block's own writes first (as a signal)
         tl.atomic_xchg(flag_ptr, need, sem="release", scope="sys")
-        low, late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
+        late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
         polls = tl.zeros([], dtype=tl.int64)
         waited = tl.zeros([], dtype=tl.int64)
         failed = tl.zeros([], dtype=tl.int32)
         if USE_TIMER:
             start = _globaltimer()
-        while (low < need) & (waited < timeout) & (failed == 0):
-            low, late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
+        while (late >= 0) & (waited < timeout) & (failed == 0):
+            late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
             if polls % 16 == 15:
                 failed = tl.load(error_ptr, volatile=True)
             polls += 1
@@ -115,15 +114,15 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
             else:
                 waited = polls
         # Each thread polls on its own, so at the timeout's edge some may leave the loop having
-        # seen every flag and some not: one verdict for the block (every thread saw them all),
-        # so that all threads take the same path (record_timeout broadcasts through shared
-        # memory behind barriers) and none reads the peers' data unless all will.
-        arrived = tl.min(tl.full([VOTES], (low >= need).to(tl.int32), tl.int32), axis=0)
-        if arrived == 0:
+        # seen every flag and some not: one verdict for the block (the lowest peer any thread
+        # found short, -1 if none did), so that all threads take the same path (record_timeout
+        # broadcasts through shared memory behind barriers) and none reads the peers' data
+        # unless all will.
+        first = tl.min(tl.full([VOTES], tl.where(late >= 0, late, WORLD), tl.int32), axis=0)
+        if first < WORLD:
             ok = 0
-            late = tl.max(tl.full([VOTES], late, tl.int32), axis=0)
-            seen = tl.min(tl.full([VOTES], seen, tl.int32), axis=0)
-            record_timeout(error_ptr, failed, worker, task, -2 - tl.maximum(late, 0), seen, need)
+            seen = tl.min(tl.full([VOTES], tl.where(late == first, seen, need), tl.int32), axis=0)
+            record_timeout(error_ptr, failed, worker, task, -2 - first, seen, need)
         else:
             fence_acquire(flag_ptr, GPU=USE_TIMER)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
