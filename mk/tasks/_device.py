@@ -124,24 +124,31 @@ def jit(fn=None, **kwargs):
 
 
 @jit
-def load_acquire(ptr, GPU: tl.constexpr, SYS: tl.constexpr = False):
-    """Load an int32 counter or flag with acquire semantics, at GPU scope (another block of
-    this GPU wrote it) or with ``SYS`` at system scope (a peer GPU did): what it guarded is
-    visible after it. Under the interpreter, a volatile load and an acquire atomic."""
+def load_acquire(ptr, GPU: tl.constexpr):
+    """Load an int32 counter with acquire semantics at GPU scope (another block of this GPU
+    wrote it): what it guarded is visible after it. Under the interpreter, a volatile load
+    and an acquire atomic. (Flags a peer GPU set: :func:`fence_acquire`.)"""
     if GPU:
-        if SYS:
-            return tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
-                                             dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
-                                             dtype=tl.int32, is_pure=False, pack=1)
+        return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=tl.int32, is_pure=False, pack=1)
     else:
         seen = tl.load(ptr, volatile=True)
-        if SYS:
-            tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
-        else:
-            tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         return seen
+
+
+@jit
+def fence_acquire(ptr, GPU: tl.constexpr):
+    """After relaxed (volatile) loads saw flags that peer GPUs set with a system-scope
+    release: what those flags guard is visible after this fence. One fence for any number
+    of flags, where an acquire load per flag would wait for each in turn (an acquire orders
+    every later load, the next acquire included: one round trip over the link each).
+    Under the interpreter, an acquire atomic on ``ptr`` (any int32 word of this rank's)."""
+    if GPU:
+        tl.inline_asm_elementwise("fence.acq_rel.sys;\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
 @jit

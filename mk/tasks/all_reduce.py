@@ -12,7 +12,9 @@ stays bit-identical.
 Ranks meet per tile, by flags. After its local wait (this rank's partial tile is written)
 a task sets the tile's flag in its own symmetric memory to the launch's number + 1 with a
 system-scope release (what it observed written becomes visible to the peers first), then
-polls every peer's flag until it shows that number (system-scope acquire), then loads the
+polls every rank's flag, all in one round of loads, until each shows that number, then
+takes one system-scope acquire fence (not an acquire load per peer: each of those waits
+for the one before, a link round trip apiece), then loads the
 peers' tiles past L1. Every poll is bounded like the megakernel's own waits: a dead or
 stuck peer ends the launch with an error naming the peer, on every rank.
 
@@ -46,7 +48,7 @@ except ImportError:  # pragma: no cover - older layouts
     _globaltimer = None
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_tensor, jit, load_acquire, record_timeout
+from ._device import check_same_device, check_tensor, fence_acquire, jit, record_timeout
 from ._spec import OpSpec, Region, as_2d, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 from .append_token import append_one_ref, append_token_tile
 from .argmax import argmax_unpack, argmax_unpack_ref
@@ -57,6 +59,9 @@ INTERPRETER_POLLS_PER_S = 10_000
 #: Widest column block of one all-reduce tile.
 MAX_BLOCK_N = 1024
 
+#: Threads a block-wide vote covers (the most a block has): one element of the vote a thread.
+VOTES = tl.constexpr(1024)
+
 
 @jit
 def _peer(ptr, peers_ptr, rank, q):
@@ -66,40 +71,60 @@ def _peer(ptr, peers_ptr, rank, q):
 
 
 @jit
+def _flags_round(flag_ptr, peers_ptr, rank, need, WORLD: tl.constexpr):
+    """One round of every rank's flag at ``flag_ptr``'s offset, by independent loads all in
+    flight together (one round trip over the link, however many peers): (the first rank
+    whose flag is short of ``need``, or -1 when none is, and that flag)."""
+    late = tl.full([], -1, tl.int32)
+    seen = need
+    for q in tl.static_range(WORLD):
+        s = tl.load(_peer(flag_ptr, peers_ptr, rank, q), volatile=True)
+        first = (late < 0) & (s < need)
+        late, seen = tl.where(first, q, late), tl.where(first, s, seen)
+    return late, seen
+
+
+@jit
 def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker, task,
                WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
     """Publish this rank's tile (flag = epoch + 1, system-scope release), then wait, bounded,
-    until every peer's flag at the same offset shows it. Returns ok (0 on timeout, or when
-    a worker of this launch has failed: the error buffer then names the worker, the task,
-    event -2 - q for peer q, and the flag seen and expected)."""
+    until every peer's flag at the same offset shows it: each poll reads every rank's flag
+    at once, and one acquire fence follows the round that saw them all. Returns ok (0 on
+    timeout, or when a worker of this launch has failed: the error buffer then names the
+    worker, the task, event -2 - q for a peer q short in the last round, and the flag seen
+    and expected)."""
     need = epoch + 1
     ok = ok + tl.zeros([], dtype=tl.int32)  # (a tensor: the waits below may clear it)
     if ok != 0:
         tl.debug_barrier()  # the block's own writes first (as a signal)
         tl.atomic_xchg(flag_ptr, need, sem="release", scope="sys")
-        for q in tl.static_range(WORLD):
-            if ok != 0:
-                peer = _peer(flag_ptr, peers_ptr, rank, q)
-                seen = tl.load(peer, volatile=True)
-                polls = tl.zeros([], dtype=tl.int64)
-                waited = tl.zeros([], dtype=tl.int64)
-                failed = tl.zeros([], dtype=tl.int32)
-                if USE_TIMER:
-                    start = _globaltimer()
-                while (seen < need) & (waited < timeout) & (failed == 0):
-                    seen = tl.load(peer, volatile=True)
-                    if polls % 16 == 15:
-                        failed = tl.load(error_ptr, volatile=True)
-                    polls += 1
-                    if USE_TIMER:
-                        waited = _globaltimer() - start
-                    else:
-                        waited = polls
-                if seen < need:
-                    ok = 0
-                    record_timeout(error_ptr, failed, worker, task, -2 - q, seen, need)
-                else:
-                    load_acquire(peer, GPU=USE_TIMER, SYS=True)
+        late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
+        polls = tl.zeros([], dtype=tl.int64)
+        waited = tl.zeros([], dtype=tl.int64)
+        failed = tl.zeros([], dtype=tl.int32)
+        if USE_TIMER:
+            start = _globaltimer()
+        while (late >= 0) & (waited < timeout) & (failed == 0):
+            late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
+            if polls % 16 == 15:
+                failed = tl.load(error_ptr, volatile=True)
+            polls += 1
+            if USE_TIMER:
+                waited = _globaltimer() - start
+            else:
+                waited = polls
+        # Each thread polls on its own, so at the timeout's edge some may leave the loop having
+        # seen every flag and some not: one verdict for the block (the lowest peer any thread
+        # found short, -1 if none did), so that all threads take the same path (record_timeout
+        # broadcasts through shared memory behind barriers) and none reads the peers' data
+        # unless all will.
+        first = tl.min(tl.full([VOTES], tl.where(late >= 0, late, WORLD), tl.int32), axis=0)
+        if first < WORLD:
+            ok = 0
+            seen = tl.min(tl.full([VOTES], tl.where(late == first, seen, need), tl.int32), axis=0)
+            record_timeout(error_ptr, failed, worker, task, -2 - first, seen, need)
+        else:
+            fence_acquire(flag_ptr, GPU=USE_TIMER)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
     return ok
 

@@ -134,24 +134,29 @@ def test_the_plan_command_shows_one_rank_s_share(capsys):
     assert "llama-3-8b/tp2" in text and "all_reduce" in text
 
 
-def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives():
+@pytest.mark.parametrize("world, late", [(2, (1,)), (4, (2,)), (4, (2, 3))])
+def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives(world, late):
     from mk.tasks.all_reduce import all_reduce, all_reduce_ref
 
-    # Two ranks' symmetric workspaces on the CPU: [partial sums | flags] each; rank 1 has
-    # published its tile (flag 1 = launch 0 + 1), so rank 0's launch meets it.
+    # The ranks' symmetric workspaces on the CPU: [partial sums | flags] each; every peer has
+    # published its tile (flag 1 = launch 0 + 1), so rank 0's launch meets them and sums
+    # every rank's partial in rank order. The next launch: every peer but those ``late``
+    # comes, and the error names the first of them (not the first peer, not one that came).
     M, N = 3, 100
-    ws = [torch.zeros(M * N + 64, dtype=torch.float32) for _ in range(2)]
+    ws = [torch.zeros(M * N + 64, dtype=torch.float32) for _ in range(world)]
     parts = [w[:M * N].view(M, N) for w in ws]
     flags = [w[M * N:].view(torch.int32) for w in ws]
     for p in parts:
         p.copy_(torch.randn(M, N))
     peers = torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64)
     res, out = torch.randn(M, N), torch.empty(M, N)
-    flags[1][0] = 1
+    for q in range(1, world):
+        flags[q][0] = 1
     all_reduce(parts[0], out, flags[0], peers, 0, residual=res)
     assert torch.equal(out, all_reduce_ref(parts, res)) and int(flags[0][0]) == 1
-    # The next launch: rank 1 never comes.
-    with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s for rank 1: its flag showed 1, expected 2"):
+    for q in range(1, world):
+        flags[q][0] = 1 if q in late else 2
+    with pytest.raises(RuntimeError, match=f"rank 0 waited 0.01 s for rank {late[0]}: its flag showed 1, expected 2"):
         all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
 
 
