@@ -9,7 +9,9 @@ bandwidth), the peer (torch.compile(mode="reduce-overhead") with functional all-
 the same shares), the GPU link calibrated, and the numerics (greedy tokens on a float32
 cache, the prefill's logits); the 70B shape over the most GPUs (up to 4) where it fits; and
 a 1B checkpoint from
-``from_pretrained(tp=N)`` to the first token, with cold and warm caches.
+``from_pretrained(tp=N)`` to the first token, with cold and warm caches. Where the machine
+has a GPU more than the first TP run takes, the one-GPU run goes there at the same time
+(the two share no GPU).
 """
 
 from __future__ import annotations
@@ -35,15 +37,37 @@ PROMPT, NEW = 64, 256
 pytestmark = pytest.mark.skipif(GPUS < 2, reason="tensor parallelism needs at least 2 GPUs")
 
 
-def _run(spec: dict, ranks: int, out: Path, env: dict | None = None, timeout: int = 900) -> dict:
-    """``bench/_tp_run.py`` over ``ranks`` processes (one GPU each); rank 0's figures."""
+def _launch(spec: dict, ranks: int, out: Path, gpu: int | None = None,
+            env: dict | None = None) -> subprocess.Popen:
+    """Start ``bench/_tp_run.py`` over ``ranks`` processes (one GPU each: the first ``ranks``
+    GPUs, or GPU ``gpu`` alone). Its output goes to OUT.log (a pipe left unread while
+    another run goes on could fill and stop it)."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
                 if ranks > 1 else [sys.executable])
-    run = subprocess.run(launcher + [str(WORKER), json.dumps({"prompt": PROMPT, "new": NEW, **spec}), str(out)],
-                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, capture_output=True, text=True,
-                         timeout=timeout)
-    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-6000:])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if gpu is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen(launcher + [str(WORKER), json.dumps({"prompt": PROMPT, "new": NEW, **spec}), str(out)],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(run: subprocess.Popen, out: Path, timeout: int = 900) -> dict:
+    """Wait (bounded) for a run of :func:`_launch`; rank 0's figures."""
+    try:
+        run.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait()
+        raise AssertionError(f"bench/_tp_run.py ran past {timeout} s", Path(f"{out}.log").read_text()[-6000:]) from None
+    assert run.returncode == 0, Path(f"{out}.log").read_text()[-6000:]
     return json.loads(out.read_text())
+
+
+def _run(spec: dict, ranks: int, out: Path, env: dict | None = None) -> dict:
+    """``bench/_tp_run.py`` over ``ranks`` processes (one GPU each); rank 0's figures."""
+    return _finish(_launch(spec, ranks, out, env=env), out)
 
 
 def _rows(result: dict) -> dict[int, dict]:
@@ -53,19 +77,46 @@ def _rows(result: dict) -> dict[int, dict]:
 SPEC_8B = dict(shape="8b", batches=[1, 8], peer_batches=[1, 8], check=True)
 
 
+class _OneGpu:
+    """The 8B shape on one GPU of the machine, run once for the module: on a GPU the first
+    TP run leaves free, while it runs (the runs share no GPU), or else before it."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.run, self.figures = folder, None, None
+
+    def start(self, ranks: int) -> None:
+        """Before a TP run over ``ranks`` GPUs: start on the last GPU where that run leaves it
+        free; where it does not, finish a run started before."""
+        if ranks < GPUS:
+            if self.run is None and self.figures is None:
+                self.run = _launch(SPEC_8B, 1, self.folder / "one.json", gpu=GPUS - 1)
+        elif self.run is not None:
+            self.result()
+
+    def result(self) -> tuple[dict, Path]:
+        """(figures, folder of its logits)."""
+        if self.figures is None:
+            run, self.run = self.run or _launch(SPEC_8B, 1, self.folder / "one.json", gpu=0), None
+            self.figures = _finish(run, self.folder / "one.json")
+        return self.figures, self.folder
+
+
 @pytest.fixture(scope="module")
 def one_gpu_8b(tmp_path_factory):
-    """The 8B shape on one GPU of the machine: (figures, folder of its logits)."""
-    folder = tmp_path_factory.mktemp("one-gpu")
-    return _run(SPEC_8B, 1, folder / "one.json"), folder
+    one = _OneGpu(tmp_path_factory.mktemp("one-gpu"))
+    yield one
+    if one.run is not None:
+        one.run.kill()
+        one.run.wait()
 
 
 @pytest.mark.parametrize("ranks", TP_RANKS)
 def test_tp_decode_8b(record, tmp_path, one_gpu_8b, ranks):
     """8B shape: TP over ``ranks`` GPUs against one GPU and the peer; TP's greedy tokens equal
     one GPU's for 32 steps on a float32 cache, and its prefill logits agree to bf16 tolerance."""
+    one_gpu_8b.start(ranks)
     tp = _run({**SPEC_8B, "link": True, "ablate": True}, ranks, tmp_path / "tp.json")
-    one, one_dir = one_gpu_8b
+    one, one_dir = one_gpu_8b.result()
     same = sum(a == b for a, b in zip(tp["check_tokens"], one["check_tokens"]))
     # bf16 logits: TP's and one GPU's, each against one GPU's exact float32 prefill (TP adds
     # its ranks' partial sums in float32 where one GPU rounds each projection to bf16).

@@ -124,31 +124,28 @@ def jit(fn=None, **kwargs):
 
 
 @jit
-def load_acquire(ptr, GPU: tl.constexpr):
-    """Load an int32 counter with acquire semantics at GPU scope (another block of this GPU
-    wrote it): what it guarded is visible after it. Under the interpreter, a volatile load
-    and an acquire atomic. (Flags a peer GPU set: :func:`fence_acquire`.)"""
+def load_acquire(ptr, GPU: tl.constexpr, SYS: tl.constexpr = False):
+    """Load int32 flags with acquire semantics: what their writers' releases guarded is
+    visible after it. GPU scope (another block of this GPU wrote the flag), or system scope
+    with ``SYS`` (a peer GPU did). ``ptr`` may be a block of pointers: each thread loads the
+    elements it holds, so acquires held by different threads are in flight together, where
+    one thread's would wait for one another (an acquire orders every later load of its
+    thread). Other threads see what a thread acquired after a block barrier. Under the
+    interpreter, a volatile load, with an acquire atomic at GPU scope (none on a peer's
+    word: an add of 0 racing its owner's store could undo it, and the interpreter's loads
+    are already in program order)."""
     if GPU:
-        return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
-                                         dtype=tl.int32, is_pure=False, pack=1)
+        if SYS:
+            return tl.inline_asm_elementwise("ld.global.acquire.sys.b32 $0, [$1];", "=r,l", [ptr],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
+                                             dtype=tl.int32, is_pure=False, pack=1)
     else:
         seen = tl.load(ptr, volatile=True)
-        tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        if not SYS:
+            tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         return seen
-
-
-@jit
-def fence_acquire(ptr, GPU: tl.constexpr):
-    """After relaxed (volatile) loads saw flags that peer GPUs set with a system-scope
-    release: what those flags guard is visible after this fence. One fence for any number
-    of flags, where an acquire load per flag would wait for each in turn (an acquire orders
-    every later load, the next acquire included: one round trip over the link each).
-    Under the interpreter, an acquire atomic on ``ptr`` (any int32 word of this rank's)."""
-    if GPU:
-        tl.inline_asm_elementwise("fence.acq_rel.sys;\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
 
 
 @jit

@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - older layouts
     _globaltimer = None
 
 from ._cost import TaskCost
-from ._device import check_same_device, check_tensor, fence_acquire, jit, record_timeout
+from ._device import check_same_device, check_tensor, jit, load_acquire, record_timeout
 from ._spec import OpSpec, Region, as_2d, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 from .append_token import append_one_ref, append_token_tile
 from .argmax import argmax_unpack, argmax_unpack_ref
@@ -62,26 +62,30 @@ MAX_BLOCK_N = 1024
 #: Threads a block-wide vote covers (the most a block has): one element of the vote a thread.
 VOTES = tl.constexpr(1024)
 
+#: Most ranks a meeting polls (the GPUs of one machine): one thread a rank.
+MAX_RANKS = tl.constexpr(8)
+
 
 @jit
 def _peer(ptr, peers_ptr, rank, q):
-    """``ptr`` (into this rank's symmetric workspace) at the same offset in rank q's."""
+    """``ptr`` (into this rank's symmetric workspace) at the same offset in rank q's (q a
+    rank or a block of them)."""
     base = tl.load(peers_ptr + rank)
     return (ptr.to(tl.int64) - base + tl.load(peers_ptr + q)).to(ptr.dtype)
 
 
 @jit
-def _flags_round(flag_ptr, peers_ptr, rank, need, WORLD: tl.constexpr):
-    """One round of every rank's flag at ``flag_ptr``'s offset, by independent loads all in
-    flight together (one round trip over the link, however many peers): (the first rank
-    whose flag is short of ``need``, or -1 when none is, and that flag)."""
-    late = tl.full([], -1, tl.int32)
-    seen = need
-    for q in tl.static_range(WORLD):
-        s = tl.load(_peer(flag_ptr, peers_ptr, rank, q), volatile=True)
-        first = (late < 0) & (s < need)
-        late, seen = tl.where(first, q, late), tl.where(first, s, seen)
-    return late, seen
+def _flags_round(flag_ptr, peers_ptr, rank, need, WORLD: tl.constexpr, GPU: tl.constexpr):
+    """One round of every rank's flag at ``flag_ptr``'s offset, a rank a thread, each an
+    acquire load, all in flight together (one round trip over the link however many
+    peers): (the first rank whose flag is short of ``need``, WORLD when none is; the flags,
+    ``MAX_RANKS`` of them, need beyond WORLD)."""
+    tl.static_assert(WORLD <= MAX_RANKS)
+    qs = tl.arange(0, MAX_RANKS)
+    ranks = qs < WORLD
+    flags = load_acquire(_peer(flag_ptr, peers_ptr, rank, tl.where(ranks, qs, rank)), GPU=GPU, SYS=True)
+    flags = tl.where(ranks, flags, need)
+    return tl.min(tl.where(flags < need, qs, WORLD), axis=0), flags
 
 
 @jit
@@ -89,23 +93,23 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
     """Publish this rank's tile (flag = epoch + 1, system-scope release), then wait, bounded,
     until every peer's flag at the same offset shows it: each poll reads every rank's flag
-    at once, and one acquire fence follows the round that saw them all. Returns ok (0 on
-    timeout, or when a worker of this launch has failed: the error buffer then names the
-    worker, the task, event -2 - q for a peer q short in the last round, and the flag seen
-    and expected)."""
+    at once, a rank a thread, with system-scope acquire loads; a block barrier then passes
+    what they acquired to every thread. Returns ok (0 on timeout, or when a worker of this
+    launch has failed: the error buffer then names the worker, the task, event -2 - q for a
+    peer q short in the last round, and the flag seen and expected)."""
     need = epoch + 1
     ok = ok + tl.zeros([], dtype=tl.int32)  # (a tensor: the waits below may clear it)
     if ok != 0:
         tl.debug_barrier()  # the block's own writes first (as a signal)
         tl.atomic_xchg(flag_ptr, need, sem="release", scope="sys")
-        late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
+        late, flags = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD, USE_TIMER)
         polls = tl.zeros([], dtype=tl.int64)
         waited = tl.zeros([], dtype=tl.int64)
         failed = tl.zeros([], dtype=tl.int32)
         if USE_TIMER:
             start = _globaltimer()
-        while (late >= 0) & (waited < timeout) & (failed == 0):
-            late, seen = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD)
+        while (late < WORLD) & (waited < timeout) & (failed == 0):
+            late, flags = _flags_round(flag_ptr, peers_ptr, rank, need, WORLD, USE_TIMER)
             if polls % 16 == 15:
                 failed = tl.load(error_ptr, volatile=True)
             polls += 1
@@ -113,18 +117,17 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
                 waited = _globaltimer() - start
             else:
                 waited = polls
-        # Each thread polls on its own, so at the timeout's edge some may leave the loop having
-        # seen every flag and some not: one verdict for the block (the lowest peer any thread
-        # found short, -1 if none did), so that all threads take the same path (record_timeout
-        # broadcasts through shared memory behind barriers) and none reads the peers' data
-        # unless all will.
-        first = tl.min(tl.full([VOTES], tl.where(late >= 0, late, WORLD), tl.int32), axis=0)
+        # Each warp polls on its own, so at the timeout's edge some may leave the loop having
+        # seen every flag and some not: one verdict for the block (the lowest peer any warp
+        # found short, WORLD if none did), so that all threads take the same path
+        # (record_timeout broadcasts through shared memory behind barriers) and none reads
+        # the peers' data unless all will.
+        first = tl.min(tl.full([VOTES], late, tl.int32), axis=0)
         if first < WORLD:
             ok = 0
-            seen = tl.min(tl.full([VOTES], tl.where(late == first, seen, need), tl.int32), axis=0)
+            mine = tl.min(tl.where(tl.arange(0, MAX_RANKS) == late, flags, need), axis=0)
+            seen = tl.min(tl.full([VOTES], tl.where(late == first, mine, need), tl.int32), axis=0)
             record_timeout(error_ptr, failed, worker, task, -2 - first, seen, need)
-        else:
-            fence_acquire(flag_ptr, GPU=USE_TIMER)
         tl.debug_barrier()  # every thread past every peer's flag before any reads their data
     return ok
 
