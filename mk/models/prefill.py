@@ -165,6 +165,63 @@ def graph_tokens(tokens: int, limit: int) -> int:
     return padded if padded <= limit else tokens
 
 
+class ChunkGraph:
+    """A prompt chunk's layers captured as CUDA graphs, cut at its sums over the ranks (one
+    graph on one GPU). A NCCL collective stays out of the graphs: captured inside one, it
+    leaves ``destroy_process_group`` hanging for as long as the graph lives
+    (pytorch/pytorch#115388). :meth:`replay` runs the pieces in order and each sum between
+    two, eagerly, in place on its partial (a tensor of the graphs' pool, where the capture
+    left it)."""
+
+    def __init__(self, device: torch.device, pool):
+        self.device, self.pool = device, pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.sums: list[torch.Tensor] = []
+
+    def capture(self, layers):
+        """Capture ``layers()`` (the chunk's forward, whose sums over the ranks call
+        :meth:`cut` while it runs here) on a side stream; returns its result: the output
+        tensor the replays refill."""
+        torch.cuda.synchronize(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            self._begin()
+            try:
+                out = layers()
+            except BaseException:
+                try:
+                    self.graphs[-1].capture_end()
+                except RuntimeError:
+                    pass  # (the capture is broken already; the first error is the one to report)
+                raise
+            self.graphs[-1].capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return out
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def cut(self, partial: torch.Tensor) -> torch.Tensor:
+        """During :meth:`capture`: end the piece that computed ``partial``; a replay sums it
+        over the ranks before the next piece, which starts here. Returns ``partial``."""
+        self.graphs[-1].capture_end()
+        self.sums.append(partial)
+        self._begin()
+        return partial
+
+    def replay(self, all_reduce) -> None:
+        """Every piece in order, ``all_reduce(partial)`` (in place) after each that ends in a
+        sum."""
+        with torch.cuda.device(self.device):
+            for i, graph in enumerate(self.graphs):
+                graph.replay()
+                if i < len(self.sums):
+                    all_reduce(self.sums[i])
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],
               precision: str, window: int | None = None) -> torch.Tensor:
     """Causal grouped-query attention of a chunk's queries over the cache.
