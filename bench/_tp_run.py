@@ -30,6 +30,16 @@ from _llama_peer import TorchLlamaStep  # noqa: E402
 from _llama_shapes import MAX_SEQ, SHAPES, TP_SHAPES, random_model  # noqa: E402
 
 
+_STARTED = time.perf_counter()
+
+
+def _progress(what: str) -> None:
+    """Rank 0 tells where the run is and when (seconds since the process began) on stderr:
+    a run takes minutes (plans, compiles, the peer's torch.compile)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[_tp_run {time.perf_counter() - _STARTED:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return [[(31 * b + 7 * t + 1) % vocab for t in range(length)] for b in range(batch)]
 
@@ -63,6 +73,7 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     prompt, new = spec["prompt"], spec["new"]
     prompts = _prompts(batch, prompt, model.config.vocab_size)
     model.generate(prompts, max_new_tokens=new)  # plan, compile, warm
+    _progress(f"batch {batch}: planned, compiled, warm")
     _barrier(world)
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -82,6 +93,7 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
                extra_mib=extra / 2**20, symmetric_mib=shared / 2**20, weights_gib=fp["weights"] / 2**30,
                kv_cache_gib=fp["kv_cache"] / 2**30, workers=dec.kernel.program.num_workers,
                tasks=len(dec.step.graph.tasks))
+    _progress(f"batch {batch}: generate and the step timed")
     plan = dec.step.plan
     if world > 1 and spec.get("ablate") and plan != _own_all_reduces(plan):
         # The same step with the projections' all-reduces in tiles of their own, as the
@@ -90,6 +102,7 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
         own = model._build_decoder(_own_all_reduces(plan), graph, batch, "argmax")
         row["kernel_ms_all_reduces_own_tiles"] = _kernel_ms(own, batch, spec, world)
         del own
+        _progress(f"batch {batch}: the all-reduces in own tiles timed")
     return row
 
 
@@ -164,6 +177,7 @@ def main(spec: dict, out: Path) -> None:
             from mk.planner.calibrate import measure_link
 
             result.update(measure_link())
+            _progress("link calibrated")
         cfg = LlamaConfig(**{**SHAPES, **TP_SHAPES}[spec["shape"]])
         weights = random_model(cfg, seed=0, shard=tp_slices(cfg, world, rank) if world > 1 else None)
         kw = dict(tp=world, rank=rank, device=device, dtype=torch.bfloat16, max_seq_len=MAX_SEQ)
@@ -177,8 +191,10 @@ def main(spec: dict, out: Path) -> None:
                 torch.save(exact_logits, str(out) + ".exact.pt")
             del exact
             torch.cuda.empty_cache()
+            _progress("numerics reference (float32 cache, exact prefill) done")
         model = Llama(cfg, weights, max_batch_size=max(spec["batches"]), name=f"llama-{spec['shape']}", **kw)
         del weights
+        _progress("model built")
         if spec.get("check"):
             logits = model.logits(_prompts(1, spec["prompt"], cfg.vocab_size))[0, -1].float().cpu()
             if rank == 0:
@@ -190,6 +206,7 @@ def main(spec: dict, out: Path) -> None:
             row = _generate_figures(model, batch, spec, world)
             if batch in spec.get("peer_batches", ()):
                 row["torch_compile_ms"] = _peer_ms(model, batch)
+                _progress(f"batch {batch}: the torch.compile peer timed")
             result["batches"][str(batch)] = row
             if rank == 0:
                 print(f"mk tp{world} {spec['shape']} b{batch}: {json.dumps(row)}", flush=True)

@@ -123,9 +123,9 @@ def main() -> None:
     # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), the acquire of the waits,
     # the arrival count of the one-phase attention and its merge's loads from L2.
     # The LM head's argmax words: 64-bit atomic max, and the append's exchange.
-    # The ranks' meeting: a system-scope release of the task's flag, one system-scope acquire fence.
+    # The ranks' meeting: a system-scope release of the task's flag, system-scope acquire polls.
     for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg", "max.s64", "exch.b64",
-                   "fence.acq_rel.sys", "atom.global.sys.release.exch"):
+                   "ld.global.acquire.sys", "atom.global.sys.release.exch"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
     print("ok")
 
