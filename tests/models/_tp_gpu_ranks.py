@@ -1,12 +1,13 @@
-"""One rank of tests/models/test_tp_gpu.py (started by torchrun, one process per GPU).
+"""One rank of tests/models/test_tp_gpu.py (started by torchrun, one process per GPU; 2 or 4).
 
 Float32 weights and cache, exact prefill: the tensor-parallel model's greedy tokens must
 equal one GPU's (rank 0 builds that one too). Requests at other lengths replace the step,
 and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
-was after the first. Every family decodes over the ranks as on one GPU. Last, rank 1 stops
-taking part: rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
+was after the first. Every family decodes over the ranks as on one GPU. Last, the other
+ranks stop taking part: rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
 "ok" when all held."""
 
+import os
 import sys
 
 import torch
@@ -15,11 +16,12 @@ import torch.distributed as dist
 from mk.models import Llama, LlamaConfig
 from mk.persistent.runtime import MegakernelTimeout
 
+world = int(os.environ["WORLD_SIZE"])
 config = LlamaConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=32)
 kw = dict(seed=3, dtype=torch.float32, kv_dtype=torch.float32, prefill_precision="exact", max_batch_size=2,
           max_seq_len=512)
-model = Llama.from_config(config, tp=2, **kw)
+model = Llama.from_config(config, tp=world, **kw)
 rank = model.rank
 prompts = [[(7 * t + 3) % 512 for t in range(20)], [(11 * t + 5) % 512 for t in range(13)]]
 got = model.generate(prompts, max_new_tokens=24)
@@ -40,7 +42,7 @@ assert free[-1] >= free[0] - 8 * 2**20, f"free memory fell by {(free[0] - free[-
 from tests.models.test_tp import CASES  # noqa: E402
 
 for name, (cls, fam_config, tp) in CASES.items():
-    if tp != dist.get_world_size():
+    if tp != world:
         continue
     fam_kw = dict(kw, max_batch_size=1)
     fam_prompts = [[t % fam_config.vocab_size for t in prompts[0]]]
@@ -48,7 +50,7 @@ for name, (cls, fam_config, tp) in CASES.items():
     if rank == 0:
         fam_want = cls.from_config(fam_config, device=model.device, **fam_kw).generate(fam_prompts, max_new_tokens=16)
         assert fam_got == fam_want, (name, fam_got, fam_want)
-# A peer that stops: the step meets no one and ends within the watchdog's bound.
+# The other ranks stop: rank 0's step meets no one and ends within the watchdog's bound.
 dec = model.last_decoder
 dist.barrier()
 if rank == 0:
