@@ -1,14 +1,15 @@
-"""One rank of tests/models/test_tp_gpu.py (started by torchrun, one process per GPU).
+"""One rank of tests/models/test_tp_gpu.py (started by torchrun, one process per GPU; 2 or 4).
 
 Float32 weights and cache, exact prefill: the tensor-parallel model's greedy tokens must
 equal one GPU's (rank 0 builds that one too). Requests at other lengths replace the step,
 and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
 was after the first. Every family decodes over the ranks as on one GPU. A bf16 model's
 prompt runs as CUDA graphs cut at its sums over the ranks, and stays alive to the end, where
-the ranks must still leave destroy_process_group. Last, rank 1 stops
-taking part: rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
+the ranks must still leave destroy_process_group. Last, the other ranks stop taking part:
+rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
 "ok" when all held."""
 
+import os
 import sys
 
 import torch
@@ -17,11 +18,12 @@ import torch.distributed as dist
 from mk.models import Llama, LlamaConfig
 from mk.persistent.runtime import MegakernelTimeout
 
+world = int(os.environ["WORLD_SIZE"])
 config = LlamaConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=32)
 kw = dict(seed=3, dtype=torch.float32, kv_dtype=torch.float32, prefill_precision="exact", max_batch_size=2,
           max_seq_len=512)
-model = Llama.from_config(config, tp=2, **kw)
+model = Llama.from_config(config, tp=world, **kw)
 rank = model.rank
 prompts = [[(7 * t + 3) % 512 for t in range(20)], [(11 * t + 5) % 512 for t in range(13)]]
 got = model.generate(prompts, max_new_tokens=24)
@@ -42,7 +44,7 @@ assert free[-1] >= free[0] - 8 * 2**20, f"free memory fell by {(free[0] - free[-
 from tests.models.test_tp import CASES  # noqa: E402
 
 for name, (cls, fam_config, tp) in CASES.items():
-    if tp != dist.get_world_size():
+    if tp != world:
         continue
     fam_kw = dict(kw, max_batch_size=1)
     fam_prompts = [[t % fam_config.vocab_size for t in prompts[0]]]
@@ -54,7 +56,7 @@ for name, (cls, fam_config, tp) in CASES.items():
 # between each two of its sums over the ranks (NCCL, outside the graphs); the replay gives
 # the eager run's logits, close to exact ones. The model stays alive to the end: a graph
 # holding a NCCL collective would leave destroy_process_group hanging.
-fast = Llama.from_config(config, tp=2, seed=3, dtype=torch.bfloat16, max_batch_size=1, max_seq_len=512)
+fast = Llama.from_config(config, tp=world, seed=3, dtype=torch.bfloat16, max_batch_size=1, max_seq_len=512)
 eager, replayed = fast.logits(prompts[:1]), fast.logits(prompts[:1])
 assert fast._prefill_graphs and not fast._graphs_failed, "the tensor-parallel prefill chunk was not captured"
 (chunk, _, _), = fast._prefill_graphs.values()
@@ -62,7 +64,7 @@ assert len(chunk.graphs) == 2 * config.num_hidden_layers + 2, len(chunk.graphs)
 assert torch.equal(eager, replayed), float((eager - replayed).abs().max())
 exact = model.logits(prompts[:1])
 assert float((replayed - exact).abs().max() / exact.abs().max()) < 0.1
-# A peer that stops: the step meets no one and ends within the watchdog's bound.
+# The other ranks stop: rank 0's step meets no one and ends within the watchdog's bound.
 dec = model.last_decoder
 dist.barrier()
 if rank == 0:

@@ -31,7 +31,12 @@ CASES = {"llama-tp2": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=4, n
          # than the later sequence's length, so that it drops keys).
          "qwen3-qk-norm-tp2": (Qwen3, Qwen3Config.tiny(**SIZES, num_attention_heads=4, num_key_value_heads=2), 2),
          "mistral-window-tp2": (Mistral, MistralConfig.tiny(**SIZES, num_attention_heads=4, num_key_value_heads=2,
-                                                            sliding_window=5), 2)}
+                                                            sliding_window=5), 2),
+         # Every family over four ranks too (a KV head a rank).
+         "qwen2-bias-tp4": (Qwen2, Qwen2Config.tiny(**SIZES, num_attention_heads=8, num_key_value_heads=4), 4),
+         "qwen3-qk-norm-tp4": (Qwen3, Qwen3Config.tiny(**SIZES, num_attention_heads=8, num_key_value_heads=4), 4),
+         "mistral-window-tp4": (Mistral, MistralConfig.tiny(**SIZES, num_attention_heads=8, num_key_value_heads=4,
+                                                            sliding_window=5), 4)}
 
 
 def _all_reduces(plan, how: str):
