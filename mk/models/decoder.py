@@ -135,6 +135,7 @@ class DecoderModel:
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         self._graph_pool, self._graphs_failed = None, False
         self._capturing: _prefill.ChunkGraph | None = None  # the chunk whose graphs are being captured
+        self._capture_stream = None  # every capture's (they share one pool)
         self.prefill_precision = prefill_precision
         self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -303,14 +304,16 @@ class DecoderModel:
         ``kv_cache``, and the most its prefill's activations take at once,
         ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`), and the outputs
         the captured prefill chunks keep now, ``prefill_graphs`` (at most
-        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32; their
+        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32, twice
+        under tensor parallelism, with the staging buffer of the sums over the ranks; their
         activations share one memory pool the size of a chunk's workspace, held by PyTorch's
         allocator). Generation adds the decode steps' activations and state, a few tens of MiB."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
         return {"weights": sum(storages.values()),
                 "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2,
                 "prefill_workspace": self.prefill_budget.bound,
-                "prefill_graphs": sum(out.numel() * out.element_size() for _, _, out in self._prefill_graphs.values())}
+                "prefill_graphs": sum(out.numel() * out.element_size() + chunk.staging_bytes
+                                      for chunk, _, out in self._prefill_graphs.values())}
 
     @property
     def device_spec(self):
@@ -613,17 +616,23 @@ class DecoderModel:
             if not self._prefill_graphs:  # a pool no live graph uses cannot take a capture again
                 with torch.cuda.device(self.device):
                     self._graph_pool = torch.cuda.graph_pool_handle()
-            chunk = _prefill.ChunkGraph(self.device, self._graph_pool)
-            self._capturing = chunk
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            chunk = _prefill.ChunkGraph(self.device, self._graph_pool, self._capture_stream)
+            self._capturing, failed = chunk, None
             try:
                 out = chunk.capture(lambda: self._prefill_layers(static_ids, whole))
             except RuntimeError as e:  # the chunk still ran eagerly: keep its result, capture no more
-                warnings.warn(f"mk: prefill chunks run eagerly from now on; capturing one as a CUDA graph "
-                              f"failed: {e}", RuntimeWarning, stacklevel=2)
-                self._graphs_failed = True
-                return x[:n]
+                failed = str(e)
             finally:
                 self._capturing = None
+            if self.tp > 1 and not self._ranks_agree(failed is None):
+                failed = failed or "another rank's capture failed"  # (all replay or none: their sums pair up)
+            if failed is not None:
+                warnings.warn(f"mk: prefill chunks run eagerly from now on; capturing one as a CUDA graph "
+                              f"failed: {failed}", RuntimeWarning, stacklevel=2)
+                self._graphs_failed = True
+                return x[:n]
             self._prefill_graphs[key] = (chunk, static_ids, out)
             while len(self._prefill_graphs) > _prefill.MAX_GRAPHS:
                 self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
@@ -634,6 +643,8 @@ class DecoderModel:
         try:
             chunk.replay(self._all_reduce)
         except RuntimeError as e:
+            if self.tp > 1:
+                raise  # (a rank that went on eagerly alone would pair its sums with its peers' replays)
             warnings.warn(f"mk: prefill chunks run eagerly from now on; replaying a captured one failed: {e}",
                           RuntimeWarning, stacklevel=2)
             self._graphs_failed, self._prefill_graphs = True, {}
@@ -674,6 +685,14 @@ class DecoderModel:
 
         dist.all_reduce(partial)
         return partial
+
+    def _ranks_agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _prefill_layers(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
         """One chunk's tokens (``ids`` ``[n]``, the :class:`~mk.models.prefill.Segment` s of

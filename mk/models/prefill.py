@@ -170,22 +170,25 @@ class ChunkGraph:
     graph on one GPU). A NCCL collective stays out of the graphs: captured inside one, it
     leaves ``destroy_process_group`` hanging for as long as the graph lives
     (pytorch/pytorch#115388). :meth:`replay` runs the pieces in order and each sum between
-    two, eagerly, in place on its partial (a tensor of the graphs' pool, where the capture
-    left it)."""
+    two, eagerly, in place on a staging buffer: a piece ends by copying its partial there,
+    the next begins by copying the sum out. (The partials themselves are not kept: each
+    would hold its memory in the graphs' pool for as long as the graphs live, 2 x layers of
+    them; one staging buffer a shape is kept instead.)"""
 
-    def __init__(self, device: torch.device, pool):
-        self.device, self.pool = device, pool
+    def __init__(self, device: torch.device, pool, stream: torch.cuda.Stream):
+        self.device, self.pool, self.stream = device, pool, stream
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.sums: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor] = []  # the staging buffer each sum runs on, in order
+        self._staging: dict[tuple, torch.Tensor] = {}
 
     def capture(self, layers):
         """Capture ``layers()`` (the chunk's forward, whose sums over the ranks call
-        :meth:`cut` while it runs here) on a side stream; returns its result: the output
-        tensor the replays refill."""
+        :meth:`cut` while it runs here) on ``stream`` (one for every capture that shares the
+        pool: the allocator reuses a freed block only on the stream it was allocated on);
+        returns its result: the output tensor the replays refill."""
         torch.cuda.synchronize(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self._begin()
             try:
                 out = layers()
@@ -196,7 +199,7 @@ class ChunkGraph:
                     pass  # (the capture is broken already; the first error is the one to report)
                 raise
             self.graphs[-1].capture_end()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return out
 
     def _begin(self) -> None:
@@ -205,15 +208,26 @@ class ChunkGraph:
         self.graphs.append(graph)
 
     def cut(self, partial: torch.Tensor) -> torch.Tensor:
-        """During :meth:`capture`: end the piece that computed ``partial``; a replay sums it
-        over the ranks before the next piece, which starts here. Returns ``partial``."""
+        """During :meth:`capture`: end the piece that computed ``partial`` with a copy of it
+        into the staging buffer of its shape, which a replay then sums over the ranks; the
+        next piece starts here, with a copy of the sum (returned)."""
+        key = (tuple(partial.shape), partial.dtype)
+        staging = self._staging.get(key)
+        if staging is None:
+            staging = self._staging[key] = torch.empty_like(partial, memory_format=torch.contiguous_format)
+        staging.copy_(partial)
         self.graphs[-1].capture_end()
-        self.sums.append(partial)
+        self.sums.append(staging)
         self._begin()
-        return partial
+        return staging.clone()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers the graphs keep (none on one GPU)."""
+        return sum(t.numel() * t.element_size() for t in self._staging.values())
 
     def replay(self, all_reduce) -> None:
-        """Every piece in order, ``all_reduce(partial)`` (in place) after each that ends in a
+        """Every piece in order, ``all_reduce(staging)`` (in place) after each that ends in a
         sum."""
         with torch.cuda.device(self.device):
             for i, graph in enumerate(self.graphs):
