@@ -12,10 +12,12 @@ stays bit-identical.
 Ranks meet per tile, by flags. After its local wait (this rank's partial tile is written)
 a task sets the tile's flag in its own symmetric memory to the launch's number + 1 with a
 system-scope release (what it observed written becomes visible to the peers first), then
-polls every rank's flag, all in one round of loads, until each shows that number, then
-takes one system-scope acquire fence (not an acquire load per peer: each of those waits
-for the one before, a link round trip apiece), then loads the
-peers' tiles past L1. Every poll is bounded like the megakernel's own waits: a dead or
+polls every rank's flag until each shows that number: a round of polls is one
+system-scope acquire load a rank, each in its own thread, so that all are in flight
+together (one thread's acquires would each wait for the one before, a link round trip
+apiece; a relaxed round then one system-scope fence cost more still, the fence waiting on
+the whole memory system), and a block barrier passes what each thread acquired to the
+others. Then the task loads the peers' tiles past L1. Every poll is bounded like the megakernel's own waits: a dead or
 stuck peer ends the launch with an error naming the peer, on every rank.
 
 A buffer is never rewritten while a peer still reads it: each layer has its own partial
