@@ -17,8 +17,9 @@ system-scope acquire load a rank, each in its own thread, so that all are in fli
 together (one thread's acquires would each wait for the one before, a link round trip
 apiece; a relaxed round then one system-scope fence cost more still, the fence waiting on
 the whole memory system), and a block barrier passes what each thread acquired to the
-others. Then the task loads the peers' tiles past L1. Every poll is bounded like the megakernel's own waits: a dead or
-stuck peer ends the launch with an error naming the peer, on every rank.
+others. Then the task loads the peers' tiles past L1. Every poll is bounded like the
+megakernel's own waits: a dead or stuck peer ends the launch with an error naming the
+peer, on every rank.
 
 A buffer is never rewritten while a peer still reads it: each layer has its own partial
 buffers and flags, and a rank ends a step only in the choice of its token over the ranks

@@ -96,10 +96,14 @@ def _kill_running() -> None:
         proc.kill()
 
 
-def compile_script_ok(script: str, tmp_path: Path) -> None:
-    """Run tests/persistent/<script> in a subprocess with the interpreter off (the switch is
-    read when Triton decorates kernels), or take the run :func:`start_compile_scripts`
-    began, and assert it compiled and printed "ok"."""
+def compile_script_ok(request, tmp_path: Path) -> None:
+    """Run tests/persistent/<script> (the test's ``compile_script`` marker names it) in a
+    subprocess with the interpreter off (the switch is read when Triton decorates kernels),
+    or take the run :func:`start_compile_scripts` began, and assert it compiled and printed
+    "ok"."""
+    marker = request.node.get_closest_marker("compile_script")
+    assert marker is not None, f"{request.node.name}: no compile_script marker names its script"
+    script = marker.args[0]
     if script in _AHEAD:
         done, result = _AHEAD[script]
         assert done.wait(timeout=3 * COMPILE_TIMEOUT_S), f"{script}: the background compile never finished"

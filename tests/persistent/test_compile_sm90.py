@@ -12,5 +12,5 @@ from tests.persistent._helpers import can_compile_for_cuda, compile_script_ok
 
 @pytest.mark.compile_script("_compile_sm90.py")
 @pytest.mark.skipif(not can_compile_for_cuda(), reason="Triton's NVIDIA backend is not installed")
-def test_megakernel_compiles_for_sm90(tmp_path):
-    compile_script_ok("_compile_sm90.py", tmp_path)
+def test_megakernel_compiles_for_sm90(request, tmp_path):
+    compile_script_ok(request, tmp_path)

@@ -707,8 +707,8 @@ def test_decoder_layer_vm_many_workers(workers, _seed):
 
 @pytest.mark.compile_script("_compile_sm90_model.py")
 @pytest.mark.skipif(not can_compile_for_cuda(), reason="Triton's NVIDIA backend is not installed")
-def test_decoder_megakernel_compiles_for_sm90_in_bf16(tmp_path):
+def test_decoder_megakernel_compiles_for_sm90_in_bf16(request, tmp_path):
     # The interpreter checks no types or layouts: a bf16 decoder-layer megakernel with every
     # op above must also compile for Hopper (run in a subprocess: the interpreter switch is
     # read when Triton decorates kernels).
-    compile_script_ok("_compile_sm90_model.py", tmp_path)
+    compile_script_ok(request, tmp_path)

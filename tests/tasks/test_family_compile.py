@@ -8,5 +8,5 @@ from tests.persistent._helpers import can_compile_for_cuda, compile_script_ok
 
 @pytest.mark.compile_script("../tasks/_compile_sm90_family.py")
 @pytest.mark.skipif(not can_compile_for_cuda(), reason="Triton's NVIDIA backend is not installed")
-def test_family_options_compile_for_sm90(tmp_path):
-    compile_script_ok("../tasks/_compile_sm90_family.py", tmp_path)
+def test_family_options_compile_for_sm90(request, tmp_path):
+    compile_script_ok(request, tmp_path)
