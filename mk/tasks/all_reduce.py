@@ -240,21 +240,27 @@ def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers
 @jit
 def _meetings_kernel(flag_ptr, peers_ptr, error_ptr, rank, meetings, timeout, WORLD: tl.constexpr,
                      USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
     ok = tl.full([], 1, tl.int32)
     for i in range(meetings):
-        ok = meet_ranks(flag_ptr, peers_ptr, rank, ok, i, timeout, error_ptr, 0, i, WORLD=WORLD, USE_TIMER=USE_TIMER)
+        ok = meet_ranks(flag_ptr + pid, peers_ptr, rank, ok, i, timeout, error_ptr, pid, i, WORLD=WORLD,
+                        USE_TIMER=USE_TIMER)
 
 
-def rank_meetings(flag: torch.Tensor, peers: torch.Tensor, rank: int, meetings: int, *,
+def rank_meetings(flags: torch.Tensor, peers: torch.Tensor, rank: int, meetings: int, *, programs: int = 1,
                   timeout_s: float = 10.0) -> torch.Tensor:
-    """Launch ``meetings`` meetings of the ranks one after another (:func:`meet_ranks` on
-    ``flag``, an int32 word of a symmetric workspace that holds 0 on every rank before), one
-    program on every rank at once: what one hop between GPUs costs, for calibration
+    """Launch ``meetings`` meetings of the ranks one after another (:func:`meet_ranks`) in each
+    of ``programs`` programs at once, program p on ``flags[p]`` (int32 words of a symmetric
+    workspace that hold 0 on every rank before), on every rank at once: what one hop
+    between GPUs costs, alone or among others, for calibration
     (:func:`mk.planner.calibrate.measure_link`). Returns the launch's error buffer without
     waiting for it (timing wraps the launch alone); :func:`check_meetings` reads it."""
-    check_tensor("flag", flag, ndim=1, dtype=(torch.int32,))
-    error, timeout, gpu = _launch_setup("rank_meetings", peers, rank, timeout_s, flag=flag)
-    _meetings_kernel[(1,)](flag, peers, error, rank, meetings, timeout, WORLD=peers.shape[0], USE_TIMER=gpu)
+    check_tensor("flags", flags, ndim=1, dtype=(torch.int32,))
+    if not 1 <= programs <= flags.shape[0]:
+        raise ValueError(f"rank_meetings: programs must be in [1, {flags.shape[0]}] (a flag each), got {programs}")
+    error, timeout, gpu = _launch_setup("rank_meetings", peers, rank, timeout_s, flags=flags)
+    _meetings_kernel[(programs,)](flags, peers, error, rank, meetings, timeout, WORLD=peers.shape[0],
+                                  USE_TIMER=gpu)
     return error
 
 

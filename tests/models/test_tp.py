@@ -194,6 +194,14 @@ def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
     with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s at meeting 3 for rank 1: its flag showed 3, "
                                            "expected 4"):
         check_meetings(error, 0, 0.01)
+    # Three programs at once, each on its own flag: the third's peer stopped after 2.
+    flags[0][:3], flags[1][:3] = 0, torch.tensor([5, 5, 2], dtype=torch.int32)
+    error = rank_meetings(flags[0][:3], peers, 0, 5, programs=3, timeout_s=0.01)
+    with pytest.raises(RuntimeError, match="at meeting 2 for rank 1: its flag showed 2, expected 3"):
+        check_meetings(error, 0, 0.01)
+    assert flags[0][:2].tolist() == [5, 5]
+    with pytest.raises(ValueError, match=r"programs must be in \[1, 3\] \(a flag each\), got 4"):
+        rank_meetings(flags[0][:3], peers, 0, 5, programs=4)
 
 
 def _prefill_rank(rank: int, tp: int, init: str, config_dict: dict, prompts: list, out: dict) -> None:
