@@ -125,7 +125,7 @@ def test_tp_decode_8b(record, tmp_path, one_gpu_8b, ranks):
     scale = exact.abs().max()
     tp_err, one_err = float((a - exact).abs().max() / scale), float((b - exact).abs().max() / scale)
     record("tp-decode", op="link", ranks=ranks, link_latency_s=tp["link_latency_s"],
-           link_bandwidth=tp["link_bandwidth"])
+           link_crowd_s=tp["link_crowd_s"], link_bandwidth=tp["link_bandwidth"])
     record("tp-decode", op="numerics", model="8b", ranks=ranks, tokens_equal_of_32=same,
            tp_logits_max_rel_err=tp_err, one_gpu_logits_max_rel_err=one_err,
            tp_vs_one_gpu_logits_max_rel_diff=float((a - b).abs().max() / scale),

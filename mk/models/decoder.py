@@ -134,6 +134,8 @@ class DecoderModel:
         # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
         self._prefill_graphs: dict[tuple[int, int], tuple] = {}
         self._graph_pool, self._graphs_failed = None, False
+        self._capturing: _prefill.ChunkGraph | None = None  # the chunk whose graphs are being captured
+        self._capture_stream = None  # every capture's (they share one pool)
         self.prefill_precision = prefill_precision
         self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -302,14 +304,16 @@ class DecoderModel:
         ``kv_cache``, and the most its prefill's activations take at once,
         ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`), and the outputs
         the captured prefill chunks keep now, ``prefill_graphs`` (at most
-        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32; their
+        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32, twice
+        under tensor parallelism, with the staging buffer of the sums over the ranks; their
         activations share one memory pool the size of a chunk's workspace, held by PyTorch's
         allocator). Generation adds the decode steps' activations and state, a few tens of MiB."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
         return {"weights": sum(storages.values()),
                 "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2,
                 "prefill_workspace": self.prefill_budget.bound,
-                "prefill_graphs": sum(out.numel() * out.element_size() for _, _, out in self._prefill_graphs.values())}
+                "prefill_graphs": sum(out.numel() * out.element_size() + chunk.staging_bytes
+                                      for chunk, _, out in self._prefill_graphs.values())}
 
     @property
     def device_spec(self):
@@ -587,14 +591,15 @@ class DecoderModel:
 
     def _prefill_chunk(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
         """:meth:`_prefill_layers` of one chunk; a chunk that is one whole prompt (the
-        usual request) runs as a CUDA graph captured for its length, rounded up to
+        usual request) runs as CUDA graphs captured for its length (one graph, or under tensor
+        parallelism one between each two sums over the ranks: :class:`~mk.models.prefill.ChunkGraph`), rounded up to
         :data:`~mk.models.prefill.GRAPH_TOKEN_STEP` tokens: launched one kernel at a time,
         a small model's prefill is bound by the host's time per launch, not by the GPU
         (1B, 2048 tokens: ~150 launches, 8-14 ms of host time for 7.6 ms of kernels).
         A replayed chunk's result is a view of the graphs' shared output memory: valid until
         the next chunk runs (the caller reads it at once)."""
         seg = segments[0]
-        if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1 or self.tp > 1
+        if (self.device.type != "cuda" or self.prefill_precision != "fast" or len(segments) != 1
                 or seg.start != 0 or self._graphs_failed or torch.cuda.is_current_stream_capturing()):
             return self._prefill_layers(ids, segments)
         n = seg.tokens
@@ -611,26 +616,35 @@ class DecoderModel:
             if not self._prefill_graphs:  # a pool no live graph uses cannot take a capture again
                 with torch.cuda.device(self.device):
                     self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            chunk = _prefill.ChunkGraph(self.device, self._graph_pool, self._capture_stream)
+            self._capturing, failed = chunk, None
             try:
-                with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._graph_pool):
-                    out = self._prefill_layers(static_ids, whole)
+                out = chunk.capture(lambda: self._prefill_layers(static_ids, whole))
             except RuntimeError as e:  # the chunk still ran eagerly: keep its result, capture no more
+                failed = str(e)
+            finally:
+                self._capturing = None
+            if self.tp > 1 and not self._ranks_agree(failed is None):
+                failed = failed or "another rank's capture failed"  # (all replay or none: their sums pair up)
+            if failed is not None:
                 warnings.warn(f"mk: prefill chunks run eagerly from now on; capturing one as a CUDA graph "
-                              f"failed: {e}", RuntimeWarning, stacklevel=2)
+                              f"failed: {failed}", RuntimeWarning, stacklevel=2)
                 self._graphs_failed = True
                 return x[:n]
-            self._prefill_graphs[key] = (graph, static_ids, out)
+            self._prefill_graphs[key] = (chunk, static_ids, out)
             while len(self._prefill_graphs) > _prefill.MAX_GRAPHS:
                 self._prefill_graphs.pop(next(iter(self._prefill_graphs)))
             return x[:n]
-        graph, static_ids, out = entry
+        chunk, static_ids, out = entry
         static_ids[:n] = ids
         static_ids[n:] = 0
         try:
-            with torch.cuda.device(self.device):
-                graph.replay()
+            chunk.replay(self._all_reduce)
         except RuntimeError as e:
+            if self.tp > 1:
+                raise  # (a rank that went on eagerly alone would pair its sums with its peers' replays)
             warnings.warn(f"mk: prefill chunks run eagerly from now on; replaying a captured one failed: {e}",
                           RuntimeWarning, stacklevel=2)
             self._graphs_failed, self._prefill_graphs = True, {}
@@ -657,12 +671,28 @@ class DecoderModel:
 
     def _tp_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """Prefill under tensor parallelism: every rank's partial sum of a split projection
-        added up in place (NCCL); itself for one rank."""
-        if self.tp > 1:
-            import torch.distributed as dist
+        added up in place (NCCL); itself for one rank. While a chunk is being captured, the
+        sum ends a piece of its graphs instead, and runs between two pieces at each replay."""
+        if self.tp == 1:
+            return partial
+        if self._capturing is not None:
+            return self._capturing.cut(partial)
+        return self._all_reduce(partial)
 
-            dist.all_reduce(partial)
+    @staticmethod
+    def _all_reduce(partial: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(partial)
         return partial
+
+    def _ranks_agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _prefill_layers(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
         """One chunk's tokens (``ids`` ``[n]``, the :class:`~mk.models.prefill.Segment` s of

@@ -165,6 +165,77 @@ def graph_tokens(tokens: int, limit: int) -> int:
     return padded if padded <= limit else tokens
 
 
+class ChunkGraph:
+    """A prompt chunk's layers captured as CUDA graphs, cut at its sums over the ranks (one
+    graph on one GPU). A NCCL collective stays out of the graphs: captured inside one, it
+    leaves ``destroy_process_group`` hanging for as long as the graph lives
+    (pytorch/pytorch#115388). :meth:`replay` runs the pieces in order and each sum between
+    two, eagerly, in place on a staging buffer: a piece ends by copying its partial there,
+    the next begins by copying the sum out. (The partials themselves are not kept: each
+    would hold its memory in the graphs' pool for as long as the graphs live, 2 x layers of
+    them; one staging buffer a shape is kept instead.)"""
+
+    def __init__(self, device: torch.device, pool, stream: torch.cuda.Stream):
+        self.device, self.pool, self.stream = device, pool, stream
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.sums: list[torch.Tensor] = []  # the staging buffer each sum runs on, in order
+        self._staging: dict[tuple, torch.Tensor] = {}
+
+    def capture(self, layers):
+        """Capture ``layers()`` (the chunk's forward, whose sums over the ranks call
+        :meth:`cut` while it runs here) on ``stream`` (one for every capture that shares the
+        pool: the allocator reuses a freed block only on the stream it was allocated on);
+        returns its result: the output tensor the replays refill."""
+        torch.cuda.synchronize(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self._begin()
+            try:
+                out = layers()
+            except BaseException:
+                try:
+                    self.graphs[-1].capture_end()
+                except RuntimeError:
+                    pass  # (the capture is broken already; the first error is the one to report)
+                raise
+            self.graphs[-1].capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return out
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def cut(self, partial: torch.Tensor) -> torch.Tensor:
+        """During :meth:`capture`: end the piece that computed ``partial`` with a copy of it
+        into the staging buffer of its shape, which a replay then sums over the ranks; the
+        next piece starts here, with a copy of the sum (returned)."""
+        key = (tuple(partial.shape), partial.dtype)
+        staging = self._staging.get(key)
+        if staging is None:
+            staging = self._staging[key] = torch.empty_like(partial, memory_format=torch.contiguous_format)
+        staging.copy_(partial)
+        self.graphs[-1].capture_end()
+        self.sums.append(staging)
+        self._begin()
+        return staging.clone()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers the graphs keep (none on one GPU)."""
+        return sum(t.numel() * t.element_size() for t in self._staging.values())
+
+    def replay(self, all_reduce) -> None:
+        """Every piece in order, ``all_reduce(staging)`` (in place) after each that ends in a
+        sum."""
+        with torch.cuda.device(self.device):
+            for i, graph in enumerate(self.graphs):
+                graph.replay()
+                if i < len(self.sums):
+                    all_reduce(self.sums[i])
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, segments: list[Segment],
               precision: str, window: int | None = None) -> torch.Tensor:
     """Causal grouped-query attention of a chunk's queries over the cache.

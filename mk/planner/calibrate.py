@@ -9,9 +9,11 @@ megakernel replayed from a CUDA graph so that no host time is counted:
 * ``launch_overhead_s``: megakernels of tiny GEMV tasks (a few KiB of weights), every
   worker running 1 or :data:`SPREAD_TASKS` independent tasks: the one-task launch less one
   (bare) task is the launch, ramp-up and tail.
-* ``link_latency_s`` and ``link_bandwidth`` (under torchrun, several GPUs): one meeting of
-  the ranks, from :data:`LINK_MEETINGS` of them back to back in one launch
-  (:func:`mk.tasks.all_reduce.rank_meetings`), and the bytes a GPU reads of its peers'
+* ``link_latency_s``, ``link_crowd_s`` and ``link_bandwidth`` (under torchrun, several
+  GPUs): one meeting of the ranks, from :data:`LINK_MEETINGS` of them back to back in one
+  launch (:func:`mk.tasks.all_reduce.rank_meetings`); what it gains among
+  :data:`LINK_CROWD` programs meeting at once, each on its own flag (a projection's tiles
+  that each meet the ranks), for each other program and each peer; the bytes a GPU reads of its peers'
   memory a second, from the megakernel's all-reduce over :data:`LINK_BYTES` of partial sums
   (:func:`measure_link`).
 * ``task_overhead_s``, ``wait_overhead_s``, ``tma_worker_bandwidth``, ``worker_bandwidth``:
@@ -53,6 +55,10 @@ CHAIN_BYTES = 256 * 2**20
 #: the ranks' start skew are a few percent of it).
 LINK_MEETINGS = 2000
 LINK_BYTES = 512 * 2**20
+#: Programs meeting the ranks at once in the crowded case (as many as a projection's tiles
+#: at batch 1), and the meetings each holds back to back.
+LINK_CROWD = 256
+LINK_CROWD_MEETINGS = 200
 
 
 @dataclass(frozen=True)
@@ -309,9 +315,12 @@ def steps() -> int:
 
 
 def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dict[str, float]:
-    """``link_latency_s`` and ``link_bandwidth`` of the GPU link between torch.distributed's
-    ranks (a collective: every rank calls it at once, each on its own GPU). The latency is
-    one meeting of the ranks (the best of two launches of ``meetings``); the bandwidth is a
+    """``link_latency_s``, ``link_crowd_s`` and ``link_bandwidth`` of the GPU link between
+    torch.distributed's ranks (a collective: every rank calls it at once, each on its own
+    GPU). The latency is one meeting of the ranks (the best of two launches of
+    ``meetings``); the crowd is what a meeting gains among :data:`LINK_CROWD` at once, for
+    each other one and each peer (:meth:`~mk.planner.device.DeviceSpec.meeting_seconds`;
+    the best of two launches); the bandwidth is a
     GPU's reads of its peers' partial sums over the time of an all-reduce of ``nbytes`` of
     them (the best of three), as the planner prices the all-reduce's hop."""
     import torch.distributed as dist
@@ -327,7 +336,7 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
     cols = max(nbytes // (4 * rows), 1)
     meta = {"part": torch.empty(rows, cols, device="meta"),
             "flags": torch.empty(-(-cols // all_reduce_block_n(cols)), dtype=torch.int32, device="meta"),
-            "meet": torch.empty(1, dtype=torch.int32, device="meta"),
+            "meet": torch.empty(LINK_CROWD, dtype=torch.int32, device="meta"),
             "peers": torch.empty(world, dtype=torch.int64, device="meta")}
     ws = symmetric_workspace(meta, device, peers="peers")
     try:
@@ -359,26 +368,32 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
                 raise RuntimeError(f"measure_link: {int(failed)} peer(s) failed; their errors name the cause")
             return out
 
-        def meetings_s() -> float:
-            seconds, error = timed(lambda: rank_meetings(ws["meet"], ws["peers"], rank, meetings))
-            check_meetings(error, rank)
-            return seconds
+        def meeting_s(n: int, programs: int) -> float:
+            """One meeting of ``n`` back to back in each of ``programs`` programs at once: the
+            best of two launches after an untimed one (it compiles; Triton specialises an
+            int argument that is 1 or a multiple of 16, so the epochs timed are past those)."""
+            best = float("inf")
+            for i in range(3):
+                def run() -> float:
+                    seconds, error = timed(lambda: rank_meetings(ws["meet"], ws["peers"], rank, n,
+                                                                 programs=programs))
+                    check_meetings(error, rank)
+                    return seconds
+                seconds = together(run)
+                if i:
+                    best = min(best, seconds / n)
+                dist.barrier()  # every rank past its last meeting before the flags restart
+                ws["meet"].zero_()
+            return best
 
-        # The first launch of each is untimed: it compiles (Triton specialises an int
-        # argument that is 1 or a multiple of 16, so the epochs timed are past those).
-        latency = float("inf")
-        for i in range(3):
-            seconds = together(meetings_s)
-            if i:
-                latency = min(latency, seconds / meetings)
-            dist.barrier()  # every rank past its last meeting before the flag restarts
-            ws["meet"].zero_()
+        latency = meeting_s(meetings, 1)
+        crowd = max(meeting_s(LINK_CROWD_MEETINGS, LINK_CROWD) - latency, 0.0) / ((world - 1) * (LINK_CROWD - 1))
         times = [together(lambda: timed(lambda: all_reduce(ws["part"], out, ws["flags"], ws["peers"], rank,
                                                            epoch=e))[0])
                  for e in range(6)]
         seconds = min(times[3:])
         remote = (world - 1) * ws["part"].numel() * ws["part"].element_size()
-        return {"link_latency_s": latency, "link_bandwidth": remote / seconds}
+        return {"link_latency_s": latency, "link_crowd_s": crowd, "link_bandwidth": remote / seconds}
     finally:
         torch.cuda.synchronize()
         dist.barrier()  # no rank reads this one's workspace any more: it goes on return

@@ -495,7 +495,8 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
         if node.kind == "all_reduce":
             # The peers' partials come over the GPU link after the ranks meet.
             remote = task_bytes * all_reduce_link_share(node.dims["world"])
-            stream = max(stream, remote / (device.link_bandwidth / busy)) + device.link_latency_s
+            stream = max(stream, remote / (device.link_bandwidth / busy)) + device.meeting_seconds(
+                node.dims["world"], busy)
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
@@ -506,7 +507,7 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             moved = (f.bytes_read + f.bytes_written) / phase_tasks
             remote = f.bytes_read * all_reduce_link_share(f.dims["world"]) / phase_tasks
             stream += max(moved / (device.dram_bandwidth / busy), remote / (device.link_bandwidth / busy))
-            stream += device.link_latency_s
+            stream += device.meeting_seconds(f.dims["world"], busy)
         streams.append((phase_tasks, waves, stream, early))
     memory_s = sum(waves * s for _, waves, s, _ in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0

@@ -39,7 +39,7 @@ GiB = 1024 * MiB
 CALIBRATED_FIELDS = ("dram_bandwidth", "bf16_flops", "tma_worker_bandwidth", "worker_bandwidth",
                      "task_overhead_s", "wait_overhead_s", "launch_overhead_s")
 #: The GPU link's constants, which calibration measures under torchrun (several ranks).
-LINK_FIELDS = ("link_bandwidth", "link_latency_s")
+LINK_FIELDS = ("link_bandwidth", "link_latency_s", "link_crowd_s")
 
 # Shared memory the driver reserves per block on sm_80 and later
 # (cudaDevAttrReservedSharedMemoryPerBlock). It is not in the opt-in per-block limit nor
@@ -63,7 +63,7 @@ _INT_FIELDS = ("sm_count", "smem_per_block", "smem_per_sm", "regs_per_sm", "max_
                "l1_reserve_per_sm")
 _RATE_FIELDS = ("dram_bandwidth", "bf16_flops", "link_bandwidth")
 _OVERHEAD_FIELDS = ("task_overhead_s", "wait_overhead_s", "launch_overhead_s", "load_latency_s", "chunk_overhead_s",
-                    "chunk_exposed_s", "link_latency_s")
+                    "chunk_exposed_s", "link_latency_s", "link_crowd_s")
 # Per-worker rates: 0 means "not measured" (see DeviceSpec.worker_rate).
 _WORKER_RATE_FIELDS = ("tma_worker_bandwidth", "worker_bandwidth", "dot_worker_bandwidth", "xmajor_dot_bandwidth")
 _FRACTION_FIELDS = ("xmajor_kernel_slowdown",)
@@ -174,6 +174,13 @@ class DeviceSpec:
     # slower: calibrate them (``torchrun --nproc-per-node N -m mk calibrate``).
     link_bandwidth: float = 79e9
     link_latency_s: float = 2.4e-6
+    # A meeting among many at once is slower: each polls its peers' flags across the link,
+    # and the polls in flight share it. Measured on four H200s (meetings of 1 to 256
+    # programs at once): a meeting takes about 5 ns longer for each other meeting in flight
+    # and each peer it polls (over 4 ranks, 256 at once: 7.8 µs against 3.6 alone; over 2,
+    # 4.3 against 3.2). It is why a projection whose tiles each meet the ranks (256 at once
+    # at batch 1 on 4 GPUs) loses to all-reduce tiles of its own (4 to 8 at once).
+    link_crowd_s: float = 5e-9
     calibrated: bool = False
 
     def __post_init__(self):
@@ -216,6 +223,12 @@ class DeviceSpec:
         per :attr:`load_latency_s` (Little's law), and it takes one chunk per
         :attr:`chunk_overhead_s`."""
         return max(self.load_latency_s / in_flight_bytes, self.chunk_overhead_s / chunk_bytes)
+
+    def meeting_seconds(self, world: int, at_once: int) -> float:
+        """One meeting of ``world`` ranks while ``at_once`` meetings (this one among them) run
+        on each GPU: :attr:`link_latency_s`, plus :attr:`link_crowd_s` for each other
+        meeting and each peer polled."""
+        return self.link_latency_s + self.link_crowd_s * (world - 1) * max(at_once - 1, 0)
 
     # ---- serialisation -------------------------------------------------------------
 

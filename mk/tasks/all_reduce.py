@@ -70,11 +70,15 @@ MAX_RANKS = tl.constexpr(8)
 
 
 @jit
-def _peer(ptr, peers_ptr, rank, q):
+def _peer(ptr, peers_ptr, rank, q, ALIGN: tl.constexpr = 1):
     """``ptr`` (into this rank's symmetric workspace) at the same offset in rank q's (q a
-    rank or a block of them)."""
+    rank or a block of them); said ``ALIGN``-byte aligned, as ``ptr`` must be (the peers'
+    table hides it from the compiler)."""
     base = tl.load(peers_ptr + rank)
-    return (ptr.to(tl.int64) - base + tl.load(peers_ptr + q)).to(ptr.dtype)
+    peer = (ptr.to(tl.int64) - base + tl.load(peers_ptr + q)).to(ptr.dtype)
+    if ALIGN > 1:
+        peer = tl.multiple_of(peer, ALIGN)  # (here, where the cast is: on a call's result it is lost)
+    return peer
 
 
 @jit
@@ -150,7 +154,8 @@ def all_reduce_box(part_ptr, res_ptr, out_ptr, peers_ptr, rank, r0, r1, c0, c1, 
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr):
     """:func:`all_reduce_tile` over rows [r0, r1) and columns [c0, c1) (at most BLOCK_M and
     BLOCK_N of them; row stride N): the sum a linear tile that meets the other ranks adds
-    itself (``linear`` with ``all_reduce``)."""
+    itself (``linear`` with ``all_reduce``). ``part_ptr``: a buffer's base, 16-byte aligned
+    (as the megakernel's operands and the symmetric workspace's buffers are)."""
     rows = r0 + tl.arange(0, BLOCK_M)
     cols = c0 + tl.arange(0, BLOCK_N)
     mask = (rows < r1)[:, None] & ((cols < c1) & (cols < N))[None, :]
@@ -160,8 +165,10 @@ def all_reduce_box(part_ptr, res_ptr, out_ptr, peers_ptr, rank, r0, r1, c0, c1, 
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        # (Volatile: a peer's copy is read once a step, never from a cache of an earlier step's.)
-        acc += tl.load(_peer(part_ptr, peers_ptr, rank, q) + offs, mask=mask, other=0.0, volatile=True)
+        # (Volatile: a peer's copy is read once a step, never from a cache of an earlier step's.
+        # Its base is a buffer's in the peer's workspace, 16-byte aligned as this rank's is:
+        # said so, the loads are 128-bit.)
+        acc += tl.load(_peer(part_ptr, peers_ptr, rank, q, ALIGN=16) + offs, mask=mask, other=0.0, volatile=True)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -209,6 +216,9 @@ def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers
     rank that is just this rank's own. Raises RuntimeError naming the peer that did not
     arrive within ``timeout_s``."""
     check_tensor("part", part, ndim=2, dtype=(torch.float32,))
+    if part.data_ptr() % 16:
+        raise ValueError(f"all_reduce: part must start 16-byte aligned (its peers' copies are read 16 bytes at a "
+                         f"time), it starts at {part.data_ptr():#x}")
     M, N = part.shape
     check_tensor("out", out, shape=(M, N), dtype=(torch.float32,))
     if residual is not None:
@@ -230,21 +240,27 @@ def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers
 @jit
 def _meetings_kernel(flag_ptr, peers_ptr, error_ptr, rank, meetings, timeout, WORLD: tl.constexpr,
                      USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
     ok = tl.full([], 1, tl.int32)
     for i in range(meetings):
-        ok = meet_ranks(flag_ptr, peers_ptr, rank, ok, i, timeout, error_ptr, 0, i, WORLD=WORLD, USE_TIMER=USE_TIMER)
+        ok = meet_ranks(flag_ptr + pid, peers_ptr, rank, ok, i, timeout, error_ptr, pid, i, WORLD=WORLD,
+                        USE_TIMER=USE_TIMER)
 
 
-def rank_meetings(flag: torch.Tensor, peers: torch.Tensor, rank: int, meetings: int, *,
+def rank_meetings(flags: torch.Tensor, peers: torch.Tensor, rank: int, meetings: int, *, programs: int = 1,
                   timeout_s: float = 10.0) -> torch.Tensor:
-    """Launch ``meetings`` meetings of the ranks one after another (:func:`meet_ranks` on
-    ``flag``, an int32 word of a symmetric workspace that holds 0 on every rank before), one
-    program on every rank at once: what one hop between GPUs costs, for calibration
+    """Launch ``meetings`` meetings of the ranks one after another (:func:`meet_ranks`) in each
+    of ``programs`` programs at once, program p on ``flags[p]`` (int32 words of a symmetric
+    workspace that hold 0 on every rank before), on every rank at once: what one hop
+    between GPUs costs, alone or among others, for calibration
     (:func:`mk.planner.calibrate.measure_link`). Returns the launch's error buffer without
     waiting for it (timing wraps the launch alone); :func:`check_meetings` reads it."""
-    check_tensor("flag", flag, ndim=1, dtype=(torch.int32,))
-    error, timeout, gpu = _launch_setup("rank_meetings", peers, rank, timeout_s, flag=flag)
-    _meetings_kernel[(1,)](flag, peers, error, rank, meetings, timeout, WORLD=peers.shape[0], USE_TIMER=gpu)
+    check_tensor("flags", flags, ndim=1, dtype=(torch.int32,))
+    if not 1 <= programs <= flags.shape[0]:
+        raise ValueError(f"rank_meetings: programs must be in [1, {flags.shape[0]}] (a flag each), got {programs}")
+    error, timeout, gpu = _launch_setup("rank_meetings", peers, rank, timeout_s, flags=flags)
+    _meetings_kernel[(programs,)](flags, peers, error, rank, meetings, timeout, WORLD=peers.shape[0],
+                                  USE_TIMER=gpu)
     return error
 
 

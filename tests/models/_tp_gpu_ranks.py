@@ -3,8 +3,10 @@
 Float32 weights and cache, exact prefill: the tensor-parallel model's greedy tokens must
 equal one GPU's (rank 0 builds that one too). Requests at other lengths replace the step,
 and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
-was after the first. Every family decodes over the ranks as on one GPU. Last, the other
-ranks stop taking part: rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
+was after the first. Every family decodes over the ranks as on one GPU. A bf16 model's
+prompt runs as CUDA graphs cut at its sums over the ranks, and stays alive to the end, where
+the ranks must still leave destroy_process_group. Last, the other ranks stop taking part:
+rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
 "ok" when all held."""
 
 import os
@@ -50,6 +52,18 @@ for name, (cls, fam_config, tp) in CASES.items():
     if rank == 0:
         fam_want = cls.from_config(fam_config, device=model.device, **fam_kw).generate(fam_prompts, max_new_tokens=16)
         assert fam_got == fam_want, (name, fam_got, fam_want)
+# bf16, fast prefill: a prompt's chunk runs eagerly once, then as captured CUDA graphs, one
+# between each two of its sums over the ranks (NCCL, outside the graphs); the replay gives
+# the eager run's logits, close to exact ones. The model stays alive to the end: a graph
+# holding a NCCL collective would leave destroy_process_group hanging.
+fast = Llama.from_config(config, tp=world, seed=3, dtype=torch.bfloat16, max_batch_size=1, max_seq_len=512)
+eager, replayed = fast.logits(prompts[:1]), fast.logits(prompts[:1])
+assert fast._prefill_graphs and not fast._graphs_failed, "the tensor-parallel prefill chunk was not captured"
+(chunk, _, _), = fast._prefill_graphs.values()
+assert len(chunk.graphs) == 2 * config.num_hidden_layers + 2, len(chunk.graphs)
+assert torch.equal(eager, replayed), float((eager - replayed).abs().max())
+exact = model.logits(prompts[:1])
+assert float((replayed - exact).abs().max() / exact.abs().max()) < 0.1
 # The other ranks stop: rank 0's step meets no one and ends within the watchdog's bound.
 dec = model.last_decoder
 dist.barrier()

@@ -165,6 +165,20 @@ def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives(worl
         all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
 
 
+def test_the_all_reduce_refuses_a_partial_that_does_not_start_16_byte_aligned():
+    from mk.tasks.all_reduce import all_reduce
+
+    # Its peers' copies are read 16 bytes at a time: a partial 4 bytes into a workspace
+    # would be misaligned on the GPU. Refused before any work, naming the address.
+    ws = torch.zeros(2 * 64 + 1 + 16, dtype=torch.float32)
+    part, flags = ws[1:129].view(2, 64), ws[129:].view(torch.int32)
+    peers = torch.tensor([ws.data_ptr()] * 2, dtype=torch.int64)
+    out = torch.full((2, 64), 7.0)
+    with pytest.raises(ValueError, match="part must start 16-byte aligned"):
+        all_reduce(part, out, flags, peers, 0)
+    assert torch.equal(out, torch.full((2, 64), 7.0)) and not flags.any()
+
+
 def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
     from mk.tasks.all_reduce import check_meetings, rank_meetings
 
@@ -180,6 +194,14 @@ def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
     with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s at meeting 3 for rank 1: its flag showed 3, "
                                            "expected 4"):
         check_meetings(error, 0, 0.01)
+    # Three programs at once, each on its own flag: the third's peer stopped after 2.
+    flags[0][:3], flags[1][:3] = 0, torch.tensor([5, 5, 2], dtype=torch.int32)
+    error = rank_meetings(flags[0][:3], peers, 0, 5, programs=3, timeout_s=0.01)
+    with pytest.raises(RuntimeError, match="at meeting 2 for rank 1: its flag showed 2, expected 3"):
+        check_meetings(error, 0, 0.01)
+    assert flags[0][:2].tolist() == [5, 5]
+    with pytest.raises(ValueError, match=r"programs must be in \[1, 3\] \(a flag each\), got 4"):
+        rank_meetings(flags[0][:3], peers, 0, 5, programs=4)
 
 
 def _prefill_rank(rank: int, tp: int, init: str, config_dict: dict, prompts: list, out: dict) -> None:

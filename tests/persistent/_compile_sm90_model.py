@@ -109,6 +109,20 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("linear_partial", M=B, N=H, K=HQ * D, split_k=2, dtype=BF16), x="attn", w="wo", ws="wso")
     add(make_op("linear_reduce", M=B, N=H, K=HQ * D, split_k=2, all_reduce=2, dtype=BF16), ws="wso", out="part",
         **ranks)
+    # ... and an all-reduce in tiles of its own, its peers' rows read 16 bytes at a time.
+    add(make_op("all_reduce", M=B, N=H, world=2), part="part", res="h1", out="total", flags="flags", peers="peers",
+        rank=0)
+    return g
+
+
+def all_reduce_graph(B=2, H=256) -> TaskGraph:
+    g = TaskGraph()
+    for name, t in (("part", torch.zeros(B, H)), ("res", torch.zeros(B, H)), ("total", torch.zeros(B, H)),
+                    ("flags", torch.zeros(H, dtype=torch.int32)), ("peers", torch.zeros(2, dtype=torch.int64))):
+        g.buffer(name, t)
+    op = make_op("all_reduce", M=B, N=H, world=2)
+    g.add_tiles(op, [dict(t, rank=0) for t in op_tiles(op)], part="part", res="res", out="total", flags="flags",
+                peers="peers")
     return g
 
 
@@ -127,6 +141,10 @@ def main() -> None:
     for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg", "max.s64", "exch.b64",
                    "ld.global.acquire.sys", "atom.global.sys.release.exch"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
+    # An all-reduce alone: its peers' partials read 16 bytes at a time (volatile, 128-bit),
+    # though the peers' table hides their alignment from the compiler.
+    ptx = compile_for_target(lower(all_reduce_graph(), num_workers=2), num_warps=4).asm["ptx"]
+    assert "ld.volatile.global.v4" in ptx, "the all-reduce reads its peers' partials 4 bytes at a time"
     print("ok")
 
 

@@ -268,10 +268,11 @@ def test_calibration_save_load_round_trip(tmp_path, monkeypatch):
     assert stored == {"name": base.name, **measured}
     assert base.with_calibration(stored) == cal
     # Calibrated over several GPUs, the link's constants are kept too.
-    linked = cal.with_calibration({"link_bandwidth": 3.6e11, "link_latency_s": 1.8e-6})
+    link = {"link_bandwidth": 3.6e11, "link_latency_s": 1.8e-6, "link_crowd_s": 7e-9}
+    linked = cal.with_calibration(link)
     save_calibration(linked, link=True)
     stored = load_calibration_file(base.name)
-    assert stored == {"name": base.name, **measured, "link_bandwidth": 3.6e11, "link_latency_s": 1.8e-6}
+    assert stored == {"name": base.name, **measured, **link}
     assert base.with_calibration(stored) == linked
     save_calibration(cal)  # a later calibration on one GPU keeps the link's constants
     assert load_calibration_file(base.name) == stored
