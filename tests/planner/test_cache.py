@@ -125,3 +125,53 @@ def test_the_key_covers_the_task_rules_the_cost_model_reads(tmp_path, monkeypatc
     finally:
         monkeypatch.undo()
         cache._planner_source_hash.cache_clear()
+
+
+def test_measure_mode_over_ranks_times_rank_0_s_candidates_with_the_sums_in_tiles_of_their_own():
+    from mk.planner.search import own_all_reduces
+
+    g = decode_graph(ModelShape.preset("llama-3-8b").shard(2), 8, 256)
+    h200 = DeviceSpec.preset("h200")
+    predicted, _ = cached_plan(g, h200)
+    kinds = {n.name: n.kind for n in g.nodes}
+
+    def sums_in_tiles(plan):
+        return [f for c in plan.choices.values() for f in c.fuse if kinds[f] == "all_reduce"]
+
+    # The variant: every all-reduce the projections' tiles ran gets tiles of its own, the
+    # rest as it was, simulated anew.
+    own = own_all_reduces(predicted, g, h200)
+    assert sums_in_tiles(predicted) and not sums_in_tiles(own)
+    assert all(name in own.choices for name in sums_in_tiles(predicted))
+    assert all(own.choices[n].block_n == c.block_n and own.choices[n].split_k == c.split_k
+               for n, c in predicted.choices.items())
+    assert own.predicted_s == pytest.approx(simulate_step(g, own.choices, h200, own.workers, own.schedule).seconds)
+    assert own_all_reduces(own, g, h200) is None
+
+    class Ranks:  # this rank's view of the others: whether all hit, and rank 0's candidates
+        def __init__(self, others_hit: bool):
+            self.others_hit, self.shared = others_hit, None
+
+        def all(self, flag):
+            return flag and self.others_hit
+
+        def share(self, texts):
+            self.shared = texts[::-1]  # rank 0's list, in another order than this rank's
+            return self.shared
+
+    timed = []
+
+    def own_wins(plan):
+        timed.append(plan.to_json())
+        return 1.0 if sums_in_tiles(plan) else 0.5
+
+    ranks = Ranks(others_hit=True)
+    picked, hit = cached_plan(g, h200, measure=own_wins, top_k=2, ranks=ranks)
+    assert not hit and timed == ranks.shared  # rank 0's candidates, in its order
+    assert not sums_in_tiles(picked) and picked.measured_s == 0.5
+    # This rank hits, another misses: every rank measures again, none reads its cache alone.
+    timed.clear()
+    assert not cached_plan(g, h200, measure=own_wins, top_k=2, ranks=Ranks(others_hit=False))[1] and timed
+    again, hit = cached_plan(g, h200, measure=lambda p: pytest.fail("every rank hit"), top_k=2,
+                             ranks=Ranks(others_hit=True))
+    assert hit and again.choices == picked.choices
