@@ -158,6 +158,7 @@ class DecoderModel:
         self._graph_pool, self._graphs_failed = None, False
         self._capturing: _prefill.ChunkGraph | None = None  # the chunk whose graphs are being captured
         self._capture_stream = None  # every capture's (they share one pool)
+        self._ranks_out_of_step: str | None = None  # why, once a rank left its peers mid-collective
         self.prefill_precision = prefill_precision
         self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -398,6 +399,7 @@ class DecoderModel:
         plan cache), lower_s (tasks, queues, kernel source), compile_s (Triton or its cache),
         and under tensor parallelism share_s (the buffers shared with the other ranks: the
         symmetric workspace and its rendezvous); zeros for a step built before."""
+        self._check_in_step()
         temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
             raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
@@ -557,8 +559,16 @@ class DecoderModel:
 
     # ------------------------------------------------------------------ prefill
 
+    def _check_in_step(self) -> None:
+        """Refuse work once a rank has left its peers mid-collective: any collective it ran
+        next would pair with theirs."""
+        if self._ranks_out_of_step:
+            raise RuntimeError(f"this tensor-parallel model's ranks are out of step ({self._ranks_out_of_step}); "
+                               f"start the processes again")
+
     def _check_prompts(self, input_ids, max_new_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """Prompts (a [B, T] tensor or a list of id lists) -> right-padded int32 ids, lengths."""
+        self._check_in_step()
         rows = _rows(input_ids)
         if not rows or any(len(r) == 0 for r in rows):
             raise ValueError("every prompt needs at least one token")
@@ -672,8 +682,8 @@ class DecoderModel:
             self._capturing, failed = chunk, None
             try:
                 out = chunk.capture(lambda: self._prefill_layers(static_ids, whole))
-            except RuntimeError as e:  # the chunk still ran eagerly: keep its result, capture no more
-                failed = str(e)
+            except Exception as e:  # the chunk still ran eagerly: keep its result, capture no more
+                failed = f"{type(e).__name__}: {e}"  # (any error: every rank must reach the agreement below)
             finally:
                 self._capturing = None
             if self.tp > 1 and not self._ranks_agree(failed is None):
@@ -694,7 +704,10 @@ class DecoderModel:
             chunk.replay(self._all_reduce)
         except RuntimeError as e:
             if self.tp > 1:
-                raise  # (a rank that went on eagerly alone would pair its sums with its peers' replays)
+                # Its peers may wait in a sum of the replay this rank left: any later collective
+                # of this rank would pair with theirs, silently wrong.
+                self._ranks_out_of_step = f"replaying a captured prefill chunk failed on rank {self.rank}: {e}"
+                raise
             warnings.warn(f"mk: prefill chunks run eagerly from now on; replaying a captured one failed: {e}",
                           RuntimeWarning, stacklevel=2)
             self._graphs_failed, self._prefill_graphs = True, {}

@@ -179,7 +179,8 @@ class DeviceSpec:
     # programs at once): a meeting takes about 5 ns longer for each other meeting in flight
     # and each peer it polls (over 4 ranks, 256 at once: 7.8 µs against 3.6 alone; over 2,
     # 4.3 against 3.2). It is why a projection whose tiles each meet the ranks (256 at once
-    # at batch 1 on 4 GPUs) loses to all-reduce tiles of its own (4 to 8 at once).
+    # at batch 1 on 4 GPUs) loses to all-reduce tiles of its own (4 to 8 at once). A link
+    # calibrated before this constant existed keeps this figure until calibrated again.
     link_crowd_s: float = 5e-9
     calibrated: bool = False
 

@@ -413,3 +413,18 @@ def test_measured_planning_over_ranks_is_refused_on_the_cpu_naming_why():
     # One rank alone on the CPU still measures (the interpreter times its step).
     Llama(config, shard_weights(random_weights(config, seed=1), tp_slices(config, 1, 0)), device="cpu",
           dtype=torch.float32, max_batch_size=1, max_seq_len=S, plan_mode="measure")
+
+
+def test_a_rank_left_out_of_step_with_its_peers_refuses_every_later_prompt():
+    _, config, tp = CASES["llama-tp2"]
+    model = Llama(config, shard_weights(random_weights(config, seed=1), tp_slices(config, tp, 0)), device="cpu",
+                  dtype=torch.float32, max_batch_size=1, max_seq_len=S, tp=tp, rank=0)
+    # (What a failed replay of a captured prefill chunk leaves on a GPU: its peers may still
+    # wait in one of its sums.)
+    model._ranks_out_of_step = "replaying a captured prefill chunk failed on rank 0: boom"
+    for work in (lambda: model.generate([[1, 2, 3]], max_new_tokens=2), lambda: model.logits([[1, 2, 3]]),
+                 lambda: model.prepare(1, 8)):
+        with pytest.raises(RuntimeError, match=r"ranks are out of step \(replaying .* boom\); start the processes "
+                                               r"again"):
+            work()
+    assert model.last_decoder is None and not model._decoders
