@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -99,6 +100,8 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     if world > 1 and spec.get("ablate"):
         graph = model.plan(batch, plan.kv_len)[1]
         own = own_all_reduces(plan, graph, model.device_spec)
+        if own is not None:  # (under the plan's own schedule: only where the sums run differs)
+            own = replace(own, schedule=plan.schedule, predicted_s=own.schedule_s[plan.schedule])
     else:
         graph = own = None
     if own is not None:

@@ -69,7 +69,7 @@ class _Ranks:
     (planning in ``measure`` mode: every rank times rank 0's candidates together)."""
 
     def __init__(self, model: "DecoderModel"):
-        self.model = model
+        self.model, self.lead = model, model.rank == 0
 
     def all(self, flag: bool) -> bool:
         return self.model._ranks_agree(flag)
@@ -519,10 +519,20 @@ class DecoderModel:
         import torch.distributed as dist
 
         if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
-            return self._time_plan_here(plan, graph, batch)
+            return self._time_decoder(self._build_decoder(plan, graph, batch, "argmax"), graph)
+        # Each rank compiles the plan on its own, for as long as that takes: a step launched
+        # before its peers could join it would wait past the watchdog's bound.
+        dec, failed = None, None
         try:
-            seconds, failed = self._time_plan_here(plan, graph, batch), None
-        except RuntimeError as e:
+            dec = self._build_decoder(plan, graph, batch, "argmax")
+        except Exception as e:
+            failed = e
+        if not self._ranks_agree(failed is None):
+            raise failed or RuntimeError("plan_mode='measure': building a plan failed on another rank; its error "
+                                         "names the cause")
+        try:
+            seconds = self._time_decoder(dec, graph)
+        except Exception as e:
             seconds, failed = 0.0, e
         both = torch.tensor([seconds, float(failed is not None)], dtype=torch.float64, device=self.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
@@ -532,9 +542,8 @@ class DecoderModel:
             raise RuntimeError("plan_mode='measure': timing a plan failed on another rank; its error names the cause")
         return both[0].item()
 
-    def _time_plan_here(self, plan, graph, batch: int) -> float:
-        """:meth:`_time_plan` on this rank alone."""
-        dec = self._build_decoder(plan, graph, batch, "argmax")
+    def _time_decoder(self, dec: "_Decoder", graph) -> float:
+        """:meth:`_time_plan`'s timing of one built step on this rank."""
         top = graph.kv_len  # (plan() keeps it within max_seq_len)
         if self.device.type != "cuda":  # the interpreter: one step is slow enough to time
             dec.state["pos"].fill_(max(top - 2, 0))

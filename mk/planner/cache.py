@@ -69,8 +69,10 @@ def schedule_variants(plan: Plan, slack: float = MEASURE_SCHEDULE_SLACK) -> list
 
 
 class Ranks(Protocol):
-    """What :func:`cached_plan` needs of tensor-parallel ranks that measure together: both
-    are collectives, every rank calls them in the same order."""
+    """What :func:`cached_plan` needs of tensor-parallel ranks that measure together: ``lead``
+    (this is rank 0), and two collectives, which every rank calls in the same order."""
+
+    lead: bool
 
     def all(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank."""
@@ -94,8 +96,9 @@ def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = Non
     predicted ones.
 
     ``ranks`` (tensor-parallel ranks measuring together; ``measure`` then returns the same
-    seconds on every rank): the cache counts as a hit only where every rank hits, and every
-    rank times rank 0's candidates, in its order, so the ranks' collectives pair up.
+    seconds on every rank): the cache counts as a hit only where every rank hits, rank 0
+    alone searches, and every rank times rank 0's candidates in its order, so the ranks'
+    collectives pair up; where rank 0's search fails, every rank raises.
     """
     measured = measure is not None
     key = plan_key(graph, device, workers, beam_width, top_k if measured else 0)
@@ -113,14 +116,31 @@ def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = Non
     if not measured:
         plan = search(graph, device, workers=workers, beam_width=beam_width, top_k=1, progress=progress)[0]
     else:
-        plans = search(graph, device, workers=workers, beam_width=max(beam_width, top_k), top_k=top_k,
-                       progress=progress)
-        plans += schedule_variants(plans[0])
-        own = own_all_reduces(plans[0], graph, device)
-        if own is not None and all((own.choices, own.workers) != (p.choices, p.workers) for p in plans):
-            plans.append(own)
-        if ranks is not None:
-            plans = [Plan.from_json(text) for text in ranks.share([p.to_json() for p in plans])]
+        def candidates() -> list[Plan]:
+            plans = search(graph, device, workers=workers, beam_width=max(beam_width, top_k), top_k=top_k,
+                           progress=progress)
+            plans += schedule_variants(plans[0])
+            own = own_all_reduces(plans[0], graph, device)
+            if own is not None and all((own.choices, own.workers) != (p.choices, p.workers) for p in plans):
+                plans.append(own)
+            return plans
+
+        if ranks is None:
+            plans = candidates()
+        else:  # rank 0 searches; its candidates, or that its search failed, go to every rank
+            plans, failed = None, None
+            if ranks.lead:
+                try:
+                    plans = candidates()
+                except Exception as e:
+                    failed = e
+            shared = ranks.share(f"{type(failed).__name__}: {failed}" if failed else
+                                 None if plans is None else [p.to_json() for p in plans])
+            if failed is not None:
+                raise failed
+            if isinstance(shared, str):
+                raise RuntimeError(f"planning failed on rank 0: {shared}")
+            plans = [Plan.from_json(text) for text in shared]
         plan = pick_measured(plans, measure)[0]
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(plan.to_json())

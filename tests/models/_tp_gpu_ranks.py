@@ -10,8 +10,11 @@ runs one plan on all. Last, the other ranks stop taking part:
 rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
 "ok" when all held."""
 
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,14 +71,24 @@ assert float((replayed - exact).abs().max() / exact.abs().max()) < 0.1
 # Measured planning: every rank times rank 0's candidates together (the sums over the
 # ranks in the projections' tiles and in tiles of their own among them) and runs the
 # fastest; the tokens are the predicted plan's.
+# A plan folder of its own on each rank: every rank misses, so every rank measures; each
+# keeps its own pick there, before rank 0's plan is broadcast.
+user_cache = os.environ.get("MK_CACHE_DIR")
+os.environ["MK_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"mk-measure-rank{rank}-")
 measured = Llama.from_config(config, tp=world, plan_mode="measure", **kw)
 assert measured.generate(prompts, max_new_tokens=24) == got
 plan = measured.last_decoder.step.plan
 assert plan.measured_s is not None and plan.measured_s > 0, plan
-texts = [None] * world
-dist.all_gather_object(texts, plan.to_json())
-assert all(t == texts[0] for t in texts), "the ranks run different plans"
+mine = sorted(p.read_text() for p in (Path(os.environ["MK_CACHE_DIR"]) / "plans").glob("*.json"))
+assert mine and all(json.loads(t)["measured_s"] for t in mine), mine
+picks = [None] * world
+dist.all_gather_object(picks, mine)
+assert all(p == picks[0] for p in picks), "the ranks measured different picks"
 del measured
+if user_cache is None:
+    del os.environ["MK_CACHE_DIR"]
+else:
+    os.environ["MK_CACHE_DIR"] = user_cache
 # The other ranks stop: rank 0's step meets no one and ends within the watchdog's bound.
 dec = model.last_decoder
 dist.barrier()

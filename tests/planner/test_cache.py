@@ -148,16 +148,16 @@ def test_measure_mode_over_ranks_times_rank_0_s_candidates_with_the_sums_in_tile
     assert own.predicted_s == pytest.approx(simulate_step(g, own.choices, h200, own.workers, own.schedule).seconds)
     assert own_all_reduces(own, g, h200) is None
 
-    class Ranks:  # this rank's view of the others: whether all hit, and rank 0's candidates
-        def __init__(self, others_hit: bool):
-            self.others_hit, self.shared = others_hit, None
+    class Ranks:  # one rank's view of the others: whether all hit, and what rank 0 shares
+        def __init__(self, lead: bool, others_hit: bool = True, rank_0_sends=None):
+            self.lead, self.others_hit, self.rank_0_sends, self.sent = lead, others_hit, rank_0_sends, []
 
         def all(self, flag):
             return flag and self.others_hit
 
-        def share(self, texts):
-            self.shared = texts[::-1]  # rank 0's list, in another order than this rank's
-            return self.shared
+        def share(self, obj):
+            self.sent.append(obj)
+            return obj if self.lead else self.rank_0_sends
 
     timed = []
 
@@ -165,13 +165,46 @@ def test_measure_mode_over_ranks_times_rank_0_s_candidates_with_the_sums_in_tile
         timed.append(plan.to_json())
         return 1.0 if sums_in_tiles(plan) else 0.5
 
-    ranks = Ranks(others_hit=True)
-    picked, hit = cached_plan(g, h200, measure=own_wins, top_k=2, ranks=ranks)
-    assert not hit and timed == ranks.shared  # rank 0's candidates, in its order
+    # Rank 0 searches and sends its candidates, the own-tiles variant among them.
+    rank_0 = Ranks(lead=True)
+    picked, hit = cached_plan(g, h200, measure=own_wins, top_k=2, ranks=rank_0)
+    (sent,) = rank_0.sent
+    assert not hit and timed == sent
     assert not sums_in_tiles(picked) and picked.measured_s == 0.5
-    # This rank hits, another misses: every rank measures again, none reads its cache alone.
+    # Another rank does not search: it times what rank 0 sent, in its order, even with this
+    # rank's cache hit where another rank missed.
     timed.clear()
-    assert not cached_plan(g, h200, measure=own_wins, top_k=2, ranks=Ranks(others_hit=False))[1] and timed
+    rank_1 = Ranks(lead=False, others_hit=False, rank_0_sends=sent[::-1])
+    again, hit = cached_plan(g, h200, measure=own_wins, top_k=2, ranks=rank_1)
+    assert not hit and rank_1.sent == [None] and timed == sent[::-1] and again.choices == picked.choices
     again, hit = cached_plan(g, h200, measure=lambda p: pytest.fail("every rank hit"), top_k=2,
-                             ranks=Ranks(others_hit=True))
+                             ranks=Ranks(lead=False))
     assert hit and again.choices == picked.choices
+    # Rank 0's search failed: every rank raises, none times.
+    with pytest.raises(RuntimeError, match="planning failed on rank 0: ValueError: no tile fits"):
+        cached_plan(g, h200, measure=own_wins, top_k=3, ranks=Ranks(lead=False, rank_0_sends="ValueError: no tile fits"))
+
+
+def test_a_failed_search_on_rank_0_is_sent_to_the_other_ranks_before_it_raises(monkeypatch):
+    import mk.planner.cache as cache
+
+    def fails(*a, **k):
+        raise ValueError("op l0.qkv: no tile fits")
+
+    monkeypatch.setattr(cache, "search", fails)
+
+    class Rank0:
+        lead, sent = True, []
+
+        def all(self, flag):
+            return flag
+
+        def share(self, obj):
+            self.sent.append(obj)
+            return obj
+
+    rank_0 = Rank0()
+    g = decode_graph(ModelShape.preset("llama-3.2-1b").shard(2), 1, 64)
+    with pytest.raises(ValueError, match="no tile fits"):
+        cached_plan(g, DeviceSpec.preset("h200"), measure=lambda p: pytest.fail("nothing to time"), ranks=rank_0)
+    assert rank_0.sent == ["ValueError: op l0.qkv: no tile fits"]
