@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _llama_peer import TorchLlamaStep  # noqa: E402
 from _llama_shapes import MAX_SEQ, SHAPES, TP_SHAPES, random_model  # noqa: E402
+from mk.planner.search import own_all_reduces  # noqa: E402
 
 
 _STARTED = time.perf_counter()
@@ -95,13 +97,19 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
                tasks=len(dec.step.graph.tasks))
     _progress(f"batch {batch}: generate and the step timed")
     plan = dec.step.plan
-    if world > 1 and spec.get("ablate") and plan != _own_all_reduces(plan):
+    if world > 1 and spec.get("ablate"):
+        graph = model.plan(batch, plan.kv_len)[1]
+        own = own_all_reduces(plan, graph, model.device_spec)
+        if own is not None:  # (under the plan's own schedule: only where the sums run differs)
+            own = replace(own, schedule=plan.schedule, predicted_s=own.schedule_s[plan.schedule])
+    else:
+        graph = own = None
+    if own is not None:
         # The same step with the projections' all-reduces in tiles of their own, as the
         # planner could have had them: what summing in the projections' tiles gains.
-        graph = model.plan(batch, plan.kv_len)[1]
-        own = model._build_decoder(_own_all_reduces(plan), graph, batch, "argmax")
-        row["kernel_ms_all_reduces_own_tiles"] = _kernel_ms(own, batch, spec, world)
-        del own
+        own_dec = model._build_decoder(own, graph, batch, "argmax")
+        row["kernel_ms_all_reduces_own_tiles"] = _kernel_ms(own_dec, batch, spec, world)
+        del own_dec
         _progress(f"batch {batch}: the all-reduces in own tiles timed")
     return row
 
@@ -121,21 +129,6 @@ def _kernel_ms(dec, batch: int, spec: dict, world: int) -> float:
     ms = event_time_us(steps, reps=3, warmup=1) / (spec["new"] - 1) / 1e3
     dec.kernel.check()
     return ms
-
-
-def _own_all_reduces(plan):
-    """``plan`` with every all-reduce a projection's tiles run moved to tiles of its own."""
-    from dataclasses import replace
-
-    from mk.planner.cost import OpChoice
-
-    choices = dict(plan.choices)
-    for name, c in plan.choices.items():
-        mine = tuple(f for f in c.fuse if f.endswith("_residual"))
-        if mine:
-            choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in mine))
-            choices.update({f: OpChoice() for f in mine})
-    return replace(plan, choices=choices)
 
 
 def _peer_ms(model, batch: int) -> float:

@@ -64,6 +64,24 @@ MEASURE_BURST, MEASURE_REPS = 20, 3
 PLAN_LENGTHS = (64, 256, 1024, 4096, 16384, 65536)
 
 
+class _Ranks:
+    """The tensor-parallel ranks of torch.distributed, as :class:`mk.planner.cache.Ranks`
+    (planning in ``measure`` mode: every rank times rank 0's candidates together)."""
+
+    def __init__(self, model: "DecoderModel"):
+        self.model, self.lead = model, model.rank == 0
+
+    def all(self, flag: bool) -> bool:
+        return self.model._ranks_agree(flag)
+
+    def share(self, obj):
+        import torch.distributed as dist
+
+        box = [obj if self.model.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
 @dataclass
 class _Decoder:
     """One batch size's lowered decode step, its megakernel and its state buffers."""
@@ -108,7 +126,11 @@ class DecoderModel:
     tensor-core rate).
 
     ``plan_mode="measure"`` times the planner's top plans on the device the first time a
-    batch size decodes and keeps the fastest (cached on disk like predicted plans).
+    batch size decodes and keeps the fastest (cached on disk like predicted plans). Under
+    tensor parallelism (torchrun, CUDA) every rank times rank 0's candidates at once and
+    they keep the one whose slowest rank is fastest; the candidates include the best plan
+    with its sums over the ranks in tiles of their own, which the cost model cannot tell
+    from summing in the projections' tiles (docs/PERFORMANCE.md).
     A request's steps are planned for the length its sequences can reach (the first of
     :data:`PLAN_LENGTHS` at or above prompt + new tokens, at most ``max_seq_len``); one
     compiled step is kept per batch size and way of choosing the next token.
@@ -146,9 +168,10 @@ class DecoderModel:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
             raise ValueError(f"rank must be an int in [0, tp={tp}), got {rank!r}")
         self.tp, self.rank = tp, rank
-        if tp > 1 and plan_mode == "measure":
-            raise ValueError("plan_mode='measure' times plans on one GPU; a tensor-parallel model plans by prediction "
-                             "(every rank must run the same plan)")
+        if tp > 1 and plan_mode == "measure" and self.device.type != "cuda":
+            raise ValueError("plan_mode='measure' under tensor parallelism times the plans on the ranks' GPUs "
+                             "together (CUDA tensors, torch.distributed initialized); on the CPU the ranks plan by "
+                             "prediction")
         self.weights = self._pack(weights)
         c = config
         cache_shape = (c.num_hidden_layers, max_batch_size, self.shape.kv_heads, max_seq_len, c.head_dim)
@@ -345,14 +368,19 @@ class DecoderModel:
         if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= self.max_seq_len:
             raise ValueError(f"kv_len must be an int in [1, max_seq_len={self.max_seq_len}], got {kv_len!r}")
         graph = decode_graph(self.shape, batch, kv_len)
-        if self.plan_mode == "measure":
-            plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch),
-                                  progress=progress)
-        else:
-            plan, _ = cached_plan(graph, self.device_spec, progress=progress)
         import torch.distributed as dist
 
-        if self.tp > 1 and dist.is_available() and dist.is_initialized():
+        together = self.tp > 1 and dist.is_available() and dist.is_initialized()
+        if self.plan_mode == "measure":
+            if self.tp > 1 and not together:
+                raise RuntimeError("plan_mode='measure' under tensor parallelism times the plans on every rank at "
+                                   "once: initialize torch.distributed first (run under torchrun)")
+            plan, _ = cached_plan(graph, self.device_spec, measure=lambda p: self._time_plan(p, graph, batch),
+                                  progress=progress, ranks=_Ranks(self) if together else None)
+        else:
+            plan, _ = cached_plan(graph, self.device_spec, progress=progress)
+
+        if together:
             # Every rank runs rank 0's plan: the ranks' tasks must meet one another. (Ranks
             # simulated in one process, as the tests' VM runs them, plan alike anyway.)
             from mk.planner.search import Plan
@@ -483,8 +511,39 @@ class DecoderModel:
         request reaches only later and then overwrites before reading: plans are measured
         before the prompt is prefilled.
         Resetting the positions is one tiny copy per burst, timed with it.
+
+        Under tensor parallelism every rank times the plan at once (their steps meet), and
+        each returns the slowest rank's time; where timing failed on any rank, every rank
+        raises.
         """
-        dec = self._build_decoder(plan, graph, batch, "argmax")
+        import torch.distributed as dist
+
+        if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
+            return self._time_decoder(self._build_decoder(plan, graph, batch, "argmax"), graph)
+        # Each rank compiles the plan on its own, for as long as that takes: a step launched
+        # before its peers could join it would wait past the watchdog's bound.
+        dec, failed = None, None
+        try:
+            dec = self._build_decoder(plan, graph, batch, "argmax")
+        except Exception as e:
+            failed = e
+        if not self._ranks_agree(failed is None):
+            raise failed or RuntimeError("plan_mode='measure': building a plan failed on another rank; its error "
+                                         "names the cause")
+        try:
+            seconds = self._time_decoder(dec, graph)
+        except Exception as e:
+            seconds, failed = 0.0, e
+        both = torch.tensor([seconds, float(failed is not None)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if failed is not None:
+            raise failed
+        if both[1].item():
+            raise RuntimeError("plan_mode='measure': timing a plan failed on another rank; its error names the cause")
+        return both[0].item()
+
+    def _time_decoder(self, dec: "_Decoder", graph) -> float:
+        """:meth:`_time_plan`'s timing of one built step on this rank."""
         top = graph.kv_len  # (plan() keeps it within max_seq_len)
         if self.device.type != "cuda":  # the interpreter: one step is slow enough to time
             dec.state["pos"].fill_(max(top - 2, 0))

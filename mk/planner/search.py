@@ -307,19 +307,38 @@ def _search_plans(graph: OpGraph, device: DeviceSpec, workers: int | None, beam_
         # The finalists are simulated as lowered, over the whole step (one layer does not
         # stand for the others: zig-zag deals each from a different place in its pass over
         # the workers; 8B batch 8: 6.5 ms from one layer, 9.0 simulated whole).
-        if template is not None:
-            choices = _expand(choices, graph)
-        times = {s: sim.seconds for s, sim in simulate_schedules(graph, choices, device, n_workers).items()}
-        best = SCHEDULES[0]  # ties go to the first schedule
-        for sched in SCHEDULES[1:]:
-            if times[sched] < times[best] * (1 - 1e-9):
-                best = sched
-        if any(xmajor_decode_tile(graph.node(n), c) for n, c in choices.items()):
-            times = {k: v * (1 + device.xmajor_kernel_slowdown) for k, v in times.items()}
-        step = estimate_step(graph, choices, device, n_workers)
-        out.append(Plan(graph.name, graph.batch, graph.kv_len, device.name, n_workers, choices, times[best],
-                        step.peak_smem_bytes, step.ops, schedule=best, schedule_s=times))
+        out.append(_finalist(graph, _expand(choices, graph) if template is not None else choices, device, n_workers))
     return sorted(out, key=lambda p: (p.predicted_s, p.peak_smem_bytes))[:top_k]
+
+
+def _finalist(graph: OpGraph, choices: dict[str, OpChoice], device: DeviceSpec, workers: int) -> Plan:
+    """The plan of ``choices``, simulated as lowered under every schedule, the fastest kept."""
+    times = {s: sim.seconds for s, sim in simulate_schedules(graph, choices, device, workers).items()}
+    best = SCHEDULES[0]  # ties go to the first schedule
+    for sched in SCHEDULES[1:]:
+        if times[sched] < times[best] * (1 - 1e-9):
+            best = sched
+    if any(xmajor_decode_tile(graph.node(n), c) for n, c in choices.items()):
+        times = {k: v * (1 + device.xmajor_kernel_slowdown) for k, v in times.items()}
+    step = estimate_step(graph, choices, device, workers)
+    return Plan(graph.name, graph.batch, graph.kv_len, device.name, workers, choices, times[best],
+                step.peak_smem_bytes, step.ops, schedule=best, schedule_s=times)
+
+
+def own_all_reduces(plan: Plan, graph: OpGraph, device: DeviceSpec) -> Plan | None:
+    """``plan`` with every all-reduce that a projection's tiles run (each tile meeting the
+    ranks and summing its own box) moved to tiles of its own, the rest unchanged, simulated
+    anew; None when it has no such all-reduce. The two ways trade places with the batch
+    (docs/PERFORMANCE.md, tensor parallelism), closer than the cost model tells apart, so
+    ``measure`` mode times both (:func:`mk.planner.cache.cached_plan`)."""
+    kinds = {n.name: n.kind for n in graph.nodes}
+    choices = dict(plan.choices)
+    for name, c in plan.choices.items():
+        sums = tuple(f for f in c.fuse if kinds.get(f) == "all_reduce")
+        if sums:
+            choices[name] = replace(c, fuse=tuple(f for f in c.fuse if f not in sums))
+            choices.update({f: OpChoice() for f in sums})
+    return None if choices == plan.choices else _finalist(graph, choices, device, plan.workers)
 
 
 def _search_workers(graph: OpGraph, device: DeviceSpec, workers: int | None, beam_width: int, top_k: int,

@@ -5,12 +5,16 @@ equal one GPU's (rank 0 builds that one too). Requests at other lengths replace 
 and its symmetric workspace with it: after a few rounds the GPU's free memory is where it
 was after the first. Every family decodes over the ranks as on one GPU. A bf16 model's
 prompt runs as CUDA graphs cut at its sums over the ranks, and stays alive to the end, where
-the ranks must still leave destroy_process_group. Last, the other ranks stop taking part:
+the ranks must still leave destroy_process_group. A model planned by measuring on every rank
+runs one plan on all. Last, the other ranks stop taking part:
 rank 0's step ends in a MegakernelTimeout instead of hanging. Rank 0 prints
 "ok" when all held."""
 
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,6 +68,27 @@ assert len(chunk.graphs) == 2 * config.num_hidden_layers + 2, len(chunk.graphs)
 assert torch.equal(eager, replayed), float((eager - replayed).abs().max())
 exact = model.logits(prompts[:1])
 assert float((replayed - exact).abs().max() / exact.abs().max()) < 0.1
+# Measured planning: every rank times rank 0's candidates together (the sums over the
+# ranks in the projections' tiles and in tiles of their own among them) and runs the
+# fastest; the tokens are the predicted plan's.
+# A plan folder of its own on each rank: every rank misses, so every rank measures; each
+# keeps its own pick there, before rank 0's plan is broadcast.
+user_cache = os.environ.get("MK_CACHE_DIR")
+os.environ["MK_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"mk-measure-rank{rank}-")
+measured = Llama.from_config(config, tp=world, plan_mode="measure", **kw)
+assert measured.generate(prompts, max_new_tokens=24) == got
+plan = measured.last_decoder.step.plan
+assert plan.measured_s is not None and plan.measured_s > 0, plan
+mine = sorted(p.read_text() for p in (Path(os.environ["MK_CACHE_DIR"]) / "plans").glob("*.json"))
+assert mine and all(json.loads(t)["measured_s"] for t in mine), mine
+picks = [None] * world
+dist.all_gather_object(picks, mine)
+assert all(p == picks[0] for p in picks), "the ranks measured different picks"
+del measured
+if user_cache is None:
+    del os.environ["MK_CACHE_DIR"]
+else:
+    os.environ["MK_CACHE_DIR"] = user_cache
 # The other ranks stop: rank 0's step meets no one and ends within the watchdog's bound.
 dec = model.last_decoder
 dist.barrier()

@@ -403,6 +403,18 @@ def test_a_tensor_parallel_model_refuses_sampling_before_any_work():
     assert not model._decoders and model.last_decoder is None
 
 
+def test_measured_planning_over_ranks_is_refused_on_the_cpu_naming_why():
+    _, config, tp = CASES["llama-tp2"]
+    weights = shard_weights(random_weights(config, seed=1), tp_slices(config, tp, 0))
+    with pytest.raises(ValueError, match="plan_mode='measure' under tensor parallelism times the plans on the "
+                                         "ranks' GPUs together"):
+        Llama(config, weights, device="cpu", dtype=torch.float32, max_batch_size=1, max_seq_len=S, tp=tp, rank=0,
+              plan_mode="measure")
+    # One rank alone on the CPU still measures (the interpreter times its step).
+    Llama(config, shard_weights(random_weights(config, seed=1), tp_slices(config, 1, 0)), device="cpu",
+          dtype=torch.float32, max_batch_size=1, max_seq_len=S, plan_mode="measure")
+
+
 def test_a_rank_left_out_of_step_with_its_peers_refuses_every_later_prompt():
     _, config, tp = CASES["llama-tp2"]
     model = Llama(config, shard_weights(random_weights(config, seed=1), tp_slices(config, tp, 0)), device="cpu",

@@ -125,3 +125,86 @@ def test_the_key_covers_the_task_rules_the_cost_model_reads(tmp_path, monkeypatc
     finally:
         monkeypatch.undo()
         cache._planner_source_hash.cache_clear()
+
+
+def test_measure_mode_over_ranks_times_rank_0_s_candidates_with_the_sums_in_tiles_of_their_own():
+    from mk.planner.search import own_all_reduces
+
+    g = decode_graph(ModelShape.preset("llama-3-8b").shard(2), 8, 256)
+    h200 = DeviceSpec.preset("h200")
+    predicted, _ = cached_plan(g, h200)
+    kinds = {n.name: n.kind for n in g.nodes}
+
+    def sums_in_tiles(plan):
+        return [f for c in plan.choices.values() for f in c.fuse if kinds[f] == "all_reduce"]
+
+    # The variant: every all-reduce the projections' tiles ran gets tiles of its own, the
+    # rest as it was, simulated anew.
+    own = own_all_reduces(predicted, g, h200)
+    assert sums_in_tiles(predicted) and not sums_in_tiles(own)
+    assert all(name in own.choices for name in sums_in_tiles(predicted))
+    assert all(own.choices[n].block_n == c.block_n and own.choices[n].split_k == c.split_k
+               for n, c in predicted.choices.items())
+    assert own.predicted_s == pytest.approx(simulate_step(g, own.choices, h200, own.workers, own.schedule).seconds)
+    assert own_all_reduces(own, g, h200) is None
+
+    class Ranks:  # one rank's view of the others: whether all hit, and what rank 0 shares
+        def __init__(self, lead: bool, others_hit: bool = True, rank_0_sends=None):
+            self.lead, self.others_hit, self.rank_0_sends, self.sent = lead, others_hit, rank_0_sends, []
+
+        def all(self, flag):
+            return flag and self.others_hit
+
+        def share(self, obj):
+            self.sent.append(obj)
+            return obj if self.lead else self.rank_0_sends
+
+    timed = []
+
+    def own_wins(plan):
+        timed.append(plan.to_json())
+        return 1.0 if sums_in_tiles(plan) else 0.5
+
+    # Rank 0 searches and sends its candidates, the own-tiles variant among them.
+    rank_0 = Ranks(lead=True)
+    picked, hit = cached_plan(g, h200, measure=own_wins, top_k=2, ranks=rank_0)
+    (sent,) = rank_0.sent
+    assert not hit and timed == sent
+    assert not sums_in_tiles(picked) and picked.measured_s == 0.5
+    # Another rank does not search: it times what rank 0 sent, in its order, even with this
+    # rank's cache hit where another rank missed.
+    timed.clear()
+    rank_1 = Ranks(lead=False, others_hit=False, rank_0_sends=sent[::-1])
+    again, hit = cached_plan(g, h200, measure=own_wins, top_k=2, ranks=rank_1)
+    assert not hit and rank_1.sent == [None] and timed == sent[::-1] and again.choices == picked.choices
+    again, hit = cached_plan(g, h200, measure=lambda p: pytest.fail("every rank hit"), top_k=2,
+                             ranks=Ranks(lead=False))
+    assert hit and again.choices == picked.choices
+    # Rank 0's search failed: every rank raises, none times.
+    with pytest.raises(RuntimeError, match="planning failed on rank 0: ValueError: no tile fits"):
+        cached_plan(g, h200, measure=own_wins, top_k=3, ranks=Ranks(lead=False, rank_0_sends="ValueError: no tile fits"))
+
+
+def test_a_failed_search_on_rank_0_is_sent_to_the_other_ranks_before_it_raises(monkeypatch):
+    import mk.planner.cache as cache
+
+    def fails(*a, **k):
+        raise ValueError("op l0.qkv: no tile fits")
+
+    monkeypatch.setattr(cache, "search", fails)
+
+    class Rank0:
+        lead, sent = True, []
+
+        def all(self, flag):
+            return flag
+
+        def share(self, obj):
+            self.sent.append(obj)
+            return obj
+
+    rank_0 = Rank0()
+    g = decode_graph(ModelShape.preset("llama-3.2-1b").shard(2), 1, 64)
+    with pytest.raises(ValueError, match="no tile fits"):
+        cached_plan(g, DeviceSpec.preset("h200"), measure=lambda p: pytest.fail("nothing to time"), ranks=rank_0)
+    assert rank_0.sent == ["ValueError: op l0.qkv: no tile fits"]
