@@ -77,7 +77,7 @@ class _Ranks:
     def share(self, obj):
         import torch.distributed as dist
 
-        box = [obj if self.model.rank == 0 else None]
+        box = [obj if self.lead else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
@@ -518,7 +518,7 @@ class DecoderModel:
         """
         import torch.distributed as dist
 
-        if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
+        if self.tp == 1:  # (over several ranks, plan() has made sure torch.distributed is set up)
             return self._time_decoder(self._build_decoder(plan, graph, batch, "argmax"), graph)
         # Each rank compiles the plan on its own, for as long as that takes: a step launched
         # before its peers could join it would wait past the watchdog's bound.

@@ -135,7 +135,7 @@ def cached_plan(graph: OpGraph, device: DeviceSpec, *, workers: int | None = Non
                 except Exception as e:
                     failed = e
             shared = ranks.share(f"{type(failed).__name__}: {failed}" if failed else
-                                 None if plans is None else [p.to_json() for p in plans])
+                                 [p.to_json() for p in plans] if ranks.lead else None)
             if failed is not None:
                 raise failed
             if isinstance(shared, str):
