@@ -128,9 +128,10 @@ def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None
             elif n.kind in ("all_reduce", "argmax"):  # a tensor-parallel step's symmetric buffers
                 if role == "peers":
                     shape, dt = (d["world"],), torch.int64
-                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column (the
-                    # tasks of a projection that sums them itself take a word each: _check_flag_words)
-                    shape, dt = ((d["rows"], d["n"]), torch.float32) if role == "part" else ((d["n"],), torch.int32)
+                elif role == "part":  # partial sums (float32 activations)
+                    shape, dt = (d["rows"], d["n"]), torch.float32
+                elif n.kind == "all_reduce":  # every rank's pushed words of its partial
+                    shape, dt = (d["world"], d["rows"], d["n"]), torch.int64
                 else:  # each row's candidate over the ranks, and its flag
                     shape, dt = (d["rows"],), torch.int64 if role == "shared" else torch.int32
                 bufs[name] = torch.empty(*shape, dtype=dt, **meta)
@@ -250,7 +251,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             res = {"res": node.inputs[1]} if len(node.inputs) > 1 else {}
             add_op(node.name, make_op("all_reduce", M=d["rows"], N=d["n"], world=d["world"], residual=bool(res)),
                    part=node.buffers["part"], out=activation(node.outputs[0], d["rows"], d["n"]),
-                   flags=node.buffers["flags"], peers=node.buffers["peers"], **res)
+                   recv=node.buffers["recv"], peers=node.buffers["peers"], **res)
         elif kind == "argmax" and d.get("world", 1) > 1:
             # Each rank's vocabulary share: its best candidate published, the best of them taken.
             if next_token != "argmax" or not argmax_in_lm_head(plan, node.name, next_token):
@@ -479,14 +480,6 @@ def argmax_in_lm_head(plan: Plan, argmax: str, next_token: str) -> bool:
     return next_token == "argmax" and any(argmax in c.fuse for c in plan.choices.values())
 
 
-def _check_flag_words(ar: OpNode | None, spec) -> None:
-    """Tiles that sum over the ranks take a word of the all-reduce's flags each; it has
-    ``n`` (:func:`meta_buffers`)."""
-    if ar is not None and len(op_tiles(spec)) > ar.dims["n"]:
-        raise ValueError(f"{len(op_tiles(spec))} tasks would sum {ar.name} over the ranks, a flag word each; its "
-                         f"flags hold {ar.dims['n']} (smaller tiles or fewer row blocks)")
-
-
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
                   max_seq: int, next_token: str, first_rope: str | None) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
@@ -542,7 +535,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)
         if ar is not None:  # the tiles (split-K: the reduces) store their partials, then sum them over the ranks
-            epilogue.update(res=ar.inputs[1], total=activation(ar.outputs[0], M, N), flags=ar.buffers["flags"],
+            epilogue.update(res=ar.inputs[1], total=activation(ar.outputs[0], M, N), recv=ar.buffers["recv"],
                             peers=ar.buffers["peers"])
     flags = dict(residual=add is not None, silu_mul=silu is not None)
     if ar is not None:
@@ -558,7 +551,6 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         if choice.split_k == 1:
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None
                     else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run))
-            _check_flag_words(ar, spec)
             add_op(node.name, spec, **bind, **epilogue)
         else:
             # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
@@ -570,7 +562,6 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **red_tiles)
                    if rope is not None else
                    make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **red_tiles))
-            _check_flag_words(ar, red)
             ws = activation(f"{node.name}.ws", choice.split_k, M, part.constexprs["WS_N"])
             add_op(node.name, part, **bind, ws=ws)
             add_op(node.name, red, ws=ws, **epilogue)
