@@ -50,6 +50,7 @@ import torch
 
 from mk.persistent.graph import Program, TaskGraph, collector_paused, lower
 from mk.tasks import make_op, op_tiles
+from mk.tasks.all_reduce import HOP_SPACE
 
 from .cost import reduce_width
 from .device import DeviceSpec
@@ -197,10 +198,20 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
 
     periods: dict[str, list[int]] = {}  # scope -> its tasks' [first, end)
 
+    # Each all-reduce's index in the step (its words' tag: mk.tasks.all_reduce.hop_tag), also
+    # under the name of the projection whose tiles run it.
+    hops = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.kind == "all_reduce")}
+    if len(hops) >= HOP_SPACE:
+        raise ValueError(f"lower_decode_step: {len(hops)} all-reduces in one step; their tags allow "
+                         f"{HOP_SPACE - 1}")
+    hops |= {host: hops[f] for host, c in plan.choices.items() for f in c.fuse if f in hops}
+
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
         tiles = op_tiles(spec, rows)
         if "rank" in spec.args:
             tiles = [dict(t, rank=rank) for t in tiles]
+        if "hop" in spec.args:
+            tiles = [dict(t, hop=hops[node_name]) for t in tiles]
         first = g.add_tiles(spec, tiles, **bind)
         if scope:
             periods.setdefault(scope, [first, first])[1] = len(g.tasks)

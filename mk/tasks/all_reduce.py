@@ -64,6 +64,10 @@ from .argmax import argmax_unpack, argmax_unpack_ref
 #: Polls a second under the interpreter (whose waits count polls, not time).
 INTERPRETER_POLLS_PER_S = 10_000
 
+#: Tags a launch's all-reduces take (:func:`hop_tag`): at most HOP_SPACE - 1 a step.
+HOP_SPACE = 1024
+_HOP_SPACE = tl.constexpr(HOP_SPACE)
+
 #: Widest column block of one all-reduce tile, and the most words (rows x columns) it holds.
 MAX_BLOCK_N = 64
 TILE_WORDS = 512
@@ -146,6 +150,15 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
 
 
 @jit
+def hop_tag(epoch, hop):
+    """The tag of all-reduce ``hop`` (0, 1, ... in a step's order, below :data:`HOP_SPACE`)
+    of launch ``epoch``: its own in the step (two all-reduces that take turns in one buffer
+    must not pass for each other: a word left by the one before would be taken as this
+    one's), counted modulo 2**32, never 0 (the words' value before any launch)."""
+    return ((tl.zeros([], tl.int64) + epoch) * _HOP_SPACE + hop + 1) & 0xFFFFFFFF
+
+
+@jit
 def _words(vals, tag):
     """float32 ``vals`` as 64-bit words that carry ``tag``: the tag in the high half, the
     value's bits in the low (a word is stored and loaded whole, so its tag vouches for its
@@ -183,7 +196,7 @@ def gather_box(acc, recv_ptr, offs, mask, slot, tag, ok, timeout, error_ptr, wor
             ptr = recv_ptr + q * slot + offs
             # (Volatile: every poll reads the words again, from memory the peer writes.)
             w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
-            late = tl.max(tl.where((w >> 32) != tag, 1, 0))
+            late = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
             polls = tl.zeros([], dtype=tl.int32)
             waited = tl.zeros([], dtype=tl.int64)
             failed = tl.zeros([], dtype=tl.int32)
@@ -191,7 +204,7 @@ def gather_box(acc, recv_ptr, offs, mask, slot, tag, ok, timeout, error_ptr, wor
                 start = tl.max(tl.full([VOTES], _globaltimer(), tl.int64), axis=0)
             while (late != 0) & (waited < timeout) & (failed == 0):
                 w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
-                late = tl.max(tl.where((w >> 32) != tag, 1, 0))
+                late = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
                 polls += 1
                 if polls % 16 == 0:
                     failed = tl.max(tl.full([VOTES], tl.load(error_ptr, volatile=True), tl.int32), axis=0)
@@ -201,7 +214,7 @@ def gather_box(acc, recv_ptr, offs, mask, slot, tag, ok, timeout, error_ptr, wor
                     waited = polls.to(tl.int64)
             if late != 0:
                 ok = 0
-                seen = tl.min(tl.where(mask, w >> 32, tag))
+                seen = tl.min(tl.where(mask, (w >> 32) & 0xFFFFFFFF, tag))
                 record_timeout(error_ptr, failed, worker, task, -2 - q, seen.to(tl.int32), tag.to(tl.int32))
             else:
                 acc += (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
@@ -265,7 +278,7 @@ def _all_reduce_kernel(part_ptr, res_ptr, out_ptr, recv_ptr, peers_ptr, error_pt
                        USE_TIMER: tl.constexpr, ALIGN: tl.constexpr):
     pid_n = tl.program_id(0)
     exchange_box(part_ptr, res_ptr, out_ptr, recv_ptr, peers_ptr, rank, 0, M, pid_n * BLOCK_N, (pid_n + 1) * BLOCK_N,
-                 M, N, epoch + 1, 1, timeout, error_ptr, 0, pid_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WORLD=WORLD,
+                 M, N, hop_tag(epoch, 0), 1, timeout, error_ptr, 0, pid_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WORLD=WORLD,
                  RESIDUAL=RESIDUAL, USE_TIMER=USE_TIMER, ALIGN=ALIGN)
 
 
@@ -411,16 +424,18 @@ def all_reduce_remote_bytes(rows: int, n: int, world: int) -> int:
 _MEET = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
          "ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
          "USE_TIMER=USE_TIMER)\n")
-#: A task's box summed over the ranks: the tag is the launch's number + 1 (every rank's
-#: launch of one step has one number), the task's index names it in a timeout.
-_EXCHANGE = ("ok = exchange_box({part}, {res}, {out}, recv, peers, rank, {r0}, {r1}, {c0}, {c1}, M, N, epoch + 1, "
+#: A task's box summed over the ranks: the tag is its all-reduce's in the launch (every
+#: rank's launch of one step has one number; :func:`hop_tag`), the task's index names it
+#: in a timeout.
+_EXCHANGE = ("ok = exchange_box({part}, {res}, {out}, recv, peers, rank, {r0}, {r1}, {c0}, {c1}, M, N, "
+             "hop_tag(epoch, hop), "
              "ok, timeout, error_ptr, worker, w3, BLOCK_M={bm}, BLOCK_N={bn}, WORLD=WORLD, RESIDUAL={residual}, "
              "USE_TIMER=USE_TIMER, ALIGN=AR_ALIGN)")
 
 #: What a task that sums its box over the ranks itself (``linear`` / ``linear_reduce`` with
 #: ``all_reduce``) binds besides its own operands, and the import its body needs.
 RANKS_SUM_OPERANDS = ("res", "total", "recv", "peers")
-RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import exchange_box"
+RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import exchange_box, hop_tag"
 
 
 def ranks_sum_tail(rows: int, cols: int, tasks_n: int, world: int, M: int, N: int) -> tuple[str, dict]:
@@ -467,8 +482,9 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
     :func:`exchange_box`).
 
     Operands: part, res (with ``residual``), out, recv int64 ``[world, M, N]`` (symmetric:
-    each rank's words of the partial, tagged with the launch), peers int64 ``[world]``.
-    Args: pid_n, rank."""
+    each rank's words of the partial, tagged with the launch and ``hop``), peers int64
+    ``[world]``. Args: pid_n, rank, hop (the all-reduce's index in the step, below
+    :data:`HOP_SPACE`)."""
     check_sizes("all_reduce", M=M, N=N, world=world)
     block_n = check_pow2("all_reduce", "block_n", block_n or all_reduce_block_n(M, N))
     tiles = cdiv(N, block_n)
@@ -498,8 +514,8 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
                              c0="pid_n * BLOCK_N", c1="pid_n * BLOCK_N + BLOCK_N", bm="BLOCK_M", bn="BLOCK_N",
                              residual="RESIDUAL"))
     operands = ("part",) + (("res",) if residual else ()) + ("out", "recv", "peers")
-    return OpSpec(name="all_reduce", operands=operands, args=("pid_n", "rank"), body=body,
-                  imports=("from mk.tasks.all_reduce import exchange_box",),
+    return OpSpec(name="all_reduce", operands=operands, args=("pid_n", "rank", "hop"), body=body,
+                  imports=("from mk.tasks.all_reduce import exchange_box, hop_tag",),
                   constexprs={"M": M, "N": N, "BLOCK_M": _pow2(M), "BLOCK_N": block_n, "WORLD": world,
                               "RESIDUAL": int(residual), "AR_ALIGN": slot_align(M, N)},
                   num_warps=num_warps, waits_in_body=True, run=run, reads=reads, writes=writes,

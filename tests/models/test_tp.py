@@ -158,7 +158,7 @@ def _words(values: torch.Tensor, tag: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("world, late", [(2, (1,)), (4, (2,)), (4, (2, 3))])
 def test_the_all_reduce_pushes_sums_every_rank_and_names_a_peer_that_never_arrives(world, late):
-    from mk.tasks.all_reduce import all_reduce, all_reduce_ref
+    from mk.tasks.all_reduce import HOP_SPACE, all_reduce, all_reduce_ref
 
     # The ranks' receive buffers on the CPU (each its rank's "workspace"): every peer has
     # pushed its partial of launch 0 (tag 1) into rank 0's, so rank 0's launch sums every
@@ -177,11 +177,11 @@ def test_the_all_reduce_pushes_sums_every_rank_and_names_a_peer_that_never_arriv
     # The next launch: every peer pushes launch 1's words but those ``late``, one of whose
     # words is still launch 0's: the whole box waits, and the error names the first of them.
     for q in range(1, world):
-        recv[0][q] = _words(parts[q], 2)
+        recv[0][q] = _words(parts[q], HOP_SPACE + 1)
         if q in late:
             recv[0][q, 2, 99] = _words(parts[q][2, 99], 1)
     with pytest.raises(RuntimeError, match=f"rank 0 waited 0.01 s for rank {late[0]}: its words showed tag 1, "
-                                           f"expected 2"):
+                                           f"expected {HOP_SPACE + 1}"):
         all_reduce(parts[0], out, recv[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
 
 
@@ -335,8 +335,8 @@ def test_a_kernel_reset_zeroes_the_pushed_words_and_a_peer_s_timeout_names_the_r
         g.buffer(name, t)
     g.buffers["peers"][0] = g.buffers["recv"].data_ptr()
     spec = make_op("all_reduce", M=2, N=40, world=1)
-    g.add_tiles(spec, [dict(t, rank=0) for t in op_tiles(spec)], part="part", res="res", out="out", recv="recv",
-                peers="peers")
+    g.add_tiles(spec, [dict(t, rank=0, hop=0) for t in op_tiles(spec)], part="part", res="res", out="out",
+                recv="recv", peers="peers")
     kernel = Megakernel(lower(g, num_workers=1))
     kernel.run()
     assert torch.equal(g.buffers["out"], g.buffers["res"] + g.buffers["part"])
@@ -375,12 +375,13 @@ def test_a_rank_s_step_build_reports_the_time_its_shared_buffers_took():
                          ids=["rows-tile", "tma-run-of-3", "split-k-reduce"])
 def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, tma, split):
     from mk.persistent.graph import TaskGraph
-    from mk.persistent.runtime import Megakernel
+    from mk.persistent.runtime import Megakernel, MegakernelTimeout
     from mk.tasks import make_op, op_tiles
 
     # Rank 0's O projection whose tiles (split-K: whose reduce tiles) also all-reduce
-    # (all_reduce=2), run by the interpreter; rank 1 has pushed its partial of launch 0 into
-    # rank 0's receive buffer (two CPU "workspaces").
+    # (all_reduce=2), run by the interpreter, as the step's fourth all-reduce (hop 3, tag
+    # 4 in launch 0); rank 1 has pushed its partial into rank 0's receive buffer (two CPU
+    # "workspaces"), and a stale word of the hop before stands in one slot until then.
     N, K = 80, 32
     g = TaskGraph()
     if split == 1:
@@ -396,7 +397,7 @@ def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, t
     recv = [torch.zeros(2, M, N, dtype=torch.int64) for _ in range(2)]
     x, w = [torch.randn(M, K) for _ in range(2)], [torch.randn(N, K) for _ in range(2)]
     parts = [x[q] @ w[q].T for q in range(2)]
-    recv[0][1] = _words(parts[1], 1)
+    recv[0][1] = _words(parts[1], 4)
     res = torch.randn(M, N)
     for name, t in (("x", x[0]), ("w", w[0]), ("out", torch.full((M, N), torch.nan)), ("res", res),
                     ("total", torch.full((M, N), torch.nan)), ("recv", recv[0]),
@@ -406,13 +407,19 @@ def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, t
         for a in op_tiles(first):
             g.add(first, x="x", w="w", ws="ws", **a)
     for a in op_tiles(op):
-        g.add(op, **inputs, out="out", res="res", total="total", recv="recv", peers="peers", rank=0, **a)
+        g.add(op, **inputs, out="out", res="res", total="total", recv="recv", peers="peers", rank=0, hop=3, **a)
     Megakernel(lower(g, num_workers=1)).run()
     mine = g.buffers["out"]
     assert rel_err(mine, parts[0]) < 1e-5
     assert torch.equal(g.buffers["total"], (res + mine) + parts[1])  # rank order: every rank's bits
     for q in range(2):  # its words, as it stored its partial, in its slot of both ranks' buffers
-        assert torch.equal(recv[q][0], _words(mine, 1)), q
+        assert torch.equal(recv[q][0], _words(mine, 4)), q
+    # The hop before's words (tag 3) do not pass for this one's: the tile waits them out.
+    recv[0][1] = _words(parts[1], 3)
+    g.buffers["total"].fill_(torch.nan)
+    kernel = Megakernel(lower(g, num_workers=1), interpret_polls=50)
+    with pytest.raises(MegakernelTimeout, match="waited on rank 1 of the tensor-parallel step, saw 3 of 4"):
+        kernel.run()
 
 
 def test_a_tensor_parallel_model_refuses_sampling_before_any_work():

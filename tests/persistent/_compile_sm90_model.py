@@ -103,7 +103,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
                     ("recv", z(2, B, H, dt=torch.int64)), ("peers", z(2, dt=torch.int64)),
                     ("wso", z(2, B, H, dt=torch.float32))):
         g.buffer(name, t)
-    ranks = dict(res="h1", total="total", recv="recv", peers="peers", rank=0)
+    ranks = dict(res="h1", total="total", recv="recv", peers="peers", rank=0, hop=0)
     add(make_op("linear", M=B, N=H, K=HQ * D, block_n=16, tma_stages=3, tiles_per_task=2, all_reduce=2, dtype=BF16),
         x="attn", w="wo", out="part", **ranks)
     add(make_op("linear_partial", M=B, N=H, K=HQ * D, split_k=2, dtype=BF16), x="attn", w="wo", ws="wso")
@@ -111,7 +111,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
         **ranks)
     # ... and an all-reduce in tiles of its own.
     add(make_op("all_reduce", M=B, N=H, world=2), part="part", res="h1", out="total", recv="recv", peers="peers",
-        rank=0)
+        rank=0, hop=1)
     return g
 
 

@@ -309,7 +309,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     to every rank's recv and writes ``total = res + every rank's partial`` once theirs have
     come (rank order, the same bits on every rank; :func:`mk.tasks.all_reduce.exchange_box`):
     the all-reduce with no phase of its own. Operands res, total ``[M, N]``, recv int64
-    ``[world, M, N]`` (symmetric), peers int64 ``[world]`` besides; arg rank.
+    ``[world, M, N]`` (symmetric), peers int64 ``[world]`` besides; args rank and hop (the
+    all-reduce's index in the step, :func:`mk.tasks.all_reduce.hop_tag`).
     """
     s = LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
@@ -387,7 +388,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
-    return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
+    return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n") + (("rank", "hop") if all_reduce else ()),
                   body=body, prefetch=prefetch, preload=preload_src, waits_in_body=s.task_waits(tma),
                   team=(lambda a: a["pid_m"]) if argmax else None,
                   sync_operands=("best",) if argmax else ("recv",) if all_reduce else (),
@@ -505,7 +506,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     narrower, each partial tile then reduced by several tasks (a multiple of block_n).
     ``all_reduce`` = world > 0: the sum is one rank's partial of a tensor-parallel projection,
     which the task then sums over the ranks as :func:`linear_op`'s tiles do (operands res,
-    total, recv, peers besides; arg rank).
+    total, recv, peers besides; args rank, hop).
     """
     s = LinearShape("linear_reduce", M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      0, dtype)
@@ -545,7 +546,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     def writes(a, bind):
         return s.out_regions(a, bind) + (ranks_sum_regions(bind, _ranks_box(s, a)) if all_reduce else [])
 
-    return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
+    return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n") + (("rank", "hop") if all_reduce else ()),
                   body=body, imports=("from mk.tasks.linear import linear_splitk_reduce_tile",)
                   + ((RANKS_SUM_IMPORT,) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
