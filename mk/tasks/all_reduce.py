@@ -236,10 +236,12 @@ def exchange_box(part_ptr, res_ptr, out_ptr, recv_ptr, peers_ptr, rank, r0, r1, 
     offs = rows[:, None] * N + cols[None, :]
     ok = ok + tl.zeros([], dtype=tl.int32)
     if ok != 0:
-        push_box(tl.load(part_ptr + offs, mask=mask, other=0.0).to(tl.float32), recv_ptr, peers_ptr, rank, offs,
-                 mask, M * N, tag, WORLD=WORLD, ALIGN=ALIGN)
+        # (From L2, .cg: other SMs wrote the partial and the residual, and this SM's L1 may
+        # hold the same addresses from an earlier step.)
+        part = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        push_box(part, recv_ptr, peers_ptr, rank, offs, mask, M * N, tag, WORLD=WORLD, ALIGN=ALIGN)
         if RESIDUAL:
-            acc = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.load(res_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc, ok = gather_box(acc, recv_ptr, offs, mask, M * N, tag, ok, timeout, error_ptr, worker, task,

@@ -103,18 +103,6 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces):
         assert torch.equal(program.graph.buffers[last], programs[0].graph.buffers[last]), (name, rank)
 
 
-def test_consecutive_sums_over_the_ranks_push_into_different_buffers():
-    from mk.models.blocks import decode_graph
-
-    # A peer may push an all-reduce's words while this rank still reads the one before's
-    # (never the one two before): two buffers, in turn, and only the token's choice between
-    # a step's last all-reduce and the next step's first, which share one.
-    graph = decode_graph(ModelShape.preset("llama-3-8b").shard(2), 1, 64)
-    recvs = [n.buffers["recv"] for n in graph.nodes if n.kind == "all_reduce"]
-    assert len(recvs) == 2 * 32 + 1 and len(set(recvs)) == 2
-    assert all(a != b for a, b in zip(recvs, recvs[1:])) and recvs[0] == recvs[-1]
-
-
 def test_a_model_that_does_not_split_is_refused_naming_the_size():
     shape = ModelShape.preset("llama-3-8b")
     with pytest.raises(ValueError, match="8 key/value heads do not split over tp=16"):
