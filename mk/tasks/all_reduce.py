@@ -19,18 +19,18 @@ long a hop: about 5 µs against 1.5-2 over two H200s, 7-8 against 2.2-3 over fou
 poll is bounded like the megakernel's own waits: a dead or stuck peer ends the launch with
 an error naming the peer, on every rank.
 
-Words are never overwritten before they are read. A rank pushes an all-reduce's partial
-only once it holds the whole sum, for the same rows, of the all-reduce before it (every
-projection reads whole rows of the stream). That sum needed every peer's partial of that
-all-reduce, which each peer pushed only once it held its own sum of the all-reduce before,
-having read all its words. So one all-reduce's words may land in the ``recv`` of the one two
-before it (the step alternates two, :func:`mk.models.blocks.tp_keys`). A rank ends a step
-only in the choice of its token over the ranks (:func:`argmax_ranks_tile`, which the
-lowering requires of a tensor-parallel step), after every peer has published its
-candidate, so has read every word of the step. A kernel reset after a failed launch (which
-restarts the launch count) zeroes ``recv`` (a sync operand), so no word of a failed launch
-passes for one of a later launch with the same number; a tensor-parallel model stops at
-its first failed step (its ranks' counts would part).
+Each all-reduce has its own ``recv`` (:func:`mk.models.blocks.tp_keys`), and its words
+carry their own tag (:func:`hop_tag`: the launch and the all-reduce's index in the step).
+Words are never overwritten before they are read: a rank ends a step only in the choice of
+its token over the ranks (:func:`argmax_ranks_tile`, which the lowering requires of a
+tensor-parallel step), after every peer has published its candidate, so has read every
+word of the step. (Two ``recv`` taken in turn would do as well in principle: a rank pushes
+an all-reduce's words only once it holds the whole sum, for the same rows, of the one before,
+which needed every peer's words of it, pushed once that peer had read all of the one before
+that. On GPUs that version hung; see the branch notes in issue 39.) A kernel reset after a
+failed launch (which restarts the launch count) zeroes ``recv`` (a sync operand), so no
+word of a failed launch passes for one of a later launch with the same number; a
+tensor-parallel model stops at its first failed step (its ranks' counts would part).
 
 A projection's tiles may run the all-reduce themselves (``linear`` / ``linear_reduce`` with
 ``all_reduce``; :func:`ranks_sum_tail`): each stores its partial, pushes it and sums its
