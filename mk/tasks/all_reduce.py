@@ -27,7 +27,8 @@ tensor-parallel step), after every peer has published its candidate, so has read
 word of the step. (Two ``recv`` taken in turn would do as well in principle: a rank pushes
 an all-reduce's words only once it holds the whole sum, for the same rows, of the one before,
 which needed every peer's words of it, pushed once that peer had read all of the one before
-that. On GPUs that version hung; see the branch notes in issue 39.) A kernel reset after a
+that. One per all-reduce rules that out while a hang on GPUs, which both showed, is
+open: issue 39.) A kernel reset after a
 failed launch (which restarts the launch count) zeroes ``recv`` (a sync operand), so no
 word of a failed launch passes for one of a later launch with the same number; a
 tensor-parallel model stops at its first failed step (its ranks' counts would part).
