@@ -189,33 +189,43 @@ def gather_box(acc, recv_ptr, offs, mask, slot, tag, ok, timeout, error_ptr, wor
     a peer's words did not come within ``timeout`` (ns on a GPU, polls under the
     interpreter), or a worker of this launch failed (the error buffer then names the worker,
     the task, event -2 - q for the peer q, and the oldest tag its words showed and the one
-    expected). Every exit is the whole block's: the arrival, the clock and the error word
-    are each one value for all threads, so no warp leaves a poll that another repeats."""
+    expected).
+
+    A poll's verdict is one reduction over the box that folds in the clock and the error
+    word, each thread's: where the box spans the block's warps the reduction is the whole
+    block's (every warp leaves the poll together), and where warps hold copies of a small box
+    each warp polls on its own copy, with no block barrier in the loop (a warp that left
+    must not meet the barrier of one that polls on). After the loop one block-wide vote
+    decides for all threads."""
     tag = tl.zeros([], tl.int64) + tag
     for q in tl.static_range(WORLD):
         if ok != 0:
             ptr = recv_ptr + q * slot + offs
-            # (Volatile: every poll reads the words again, from memory the peer writes.)
-            w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
-            late = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
             polls = tl.zeros([], dtype=tl.int32)
             waited = tl.zeros([], dtype=tl.int64)
             failed = tl.zeros([], dtype=tl.int32)
             if USE_TIMER:
-                start = tl.max(tl.full([VOTES], _globaltimer(), tl.int64), axis=0)
-            while (late != 0) & (waited < timeout) & (failed == 0):
+                start = _globaltimer()
+            # (Volatile: every poll reads the words again, from memory the peer writes.)
+            w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
+            polling = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
+            while polling != 0:
                 w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
-                late = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
                 polls += 1
                 if polls % 16 == 0:
-                    failed = tl.max(tl.full([VOTES], tl.load(error_ptr, volatile=True), tl.int32), axis=0)
-                    if USE_TIMER:
-                        waited = tl.max(tl.full([VOTES], _globaltimer(), tl.int64), axis=0) - start
-                if not USE_TIMER:
+                    failed = tl.load(error_ptr, volatile=True)
+                if USE_TIMER:
+                    waited = _globaltimer() - start
+                else:
                     waited = polls.to(tl.int64)
-            if late != 0:
+                go = (waited < timeout) & (failed == 0)
+                polling = tl.max(tl.where((((w >> 32) & 0xFFFFFFFF) != tag) & go, 1, 0))
+            late = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
+            if tl.max(tl.full([VOTES], late, tl.int32), axis=0) != 0:  # the block's verdict
                 ok = 0
                 seen = tl.min(tl.where(mask, (w >> 32) & 0xFFFFFFFF, tag))
+                seen = tl.min(tl.full([VOTES], seen, tl.int64), axis=0)
+                failed = tl.max(tl.full([VOTES], failed, tl.int32), axis=0)
                 record_timeout(error_ptr, failed, worker, task, -2 - q, seen.to(tl.int32), tag.to(tl.int32))
             else:
                 acc += (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
