@@ -4,6 +4,7 @@ sm_90 in bfloat16 without a GPU. Run by tests/tasks/test_decode_ops.py in a subp
 because the interpreter switch is read when Triton decorates kernels."""
 
 import os
+import re
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
@@ -115,7 +116,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     return g
 
 
-def standalone_all_reduce_ptx() -> str:
+def standalone_all_reduce_ptx(block_m: int = 8, block_n: int = 64) -> str:
     """The standalone all-reduce's kernel (the megakernel's tiles run the same device code)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -124,10 +125,26 @@ def standalone_all_reduce_ptx() -> str:
 
     sig = {"part_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": "*fp32", "recv_ptr": "*i64", "peers_ptr": "*i64",
            "error_ptr": "*i32", "rank": "i32", "M": "i32", "N": "i32", "epoch": "i32", "timeout": "i64"}
-    cx = dict(BLOCK_M=8, BLOCK_N=64, WORLD=2, RESIDUAL=1, USE_TIMER=1, ALIGN=16)
+    cx = dict(BLOCK_M=block_m, BLOCK_N=block_n, WORLD=2, RESIDUAL=1, USE_TIMER=1, ALIGN=16)
     src = triton.compiler.ASTSource(fn=_all_reduce_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
                                     constexprs=cx, attrs={(k,): [["tt.divisibility", 16]] for k in range(5)})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+def loops(ptx: str) -> list[list[str]]:
+    """The lines of each loop of ``ptx``: from a label to a branch back to it."""
+    lines = ptx.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(\$L__BB\d+_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i + 1) < i:
+            found.append(lines[labels[m.group(1)]:i + 1])
+    return found
 
 
 def main() -> None:
@@ -152,6 +169,12 @@ def main() -> None:
         assert needle in ptx, f"{needle} missing from the compiled all-reduce"
     for needle in ("fence", "membar"):
         assert needle not in ptx, f"the compiled all-reduce has a {needle}"
+    # A box smaller than the block (one row of 16 words, 4 warps): every warp holds a copy and
+    # polls it on its own, so the poll loop must hold no block barrier (a warp that left it
+    # would meet the barrier of a warp still polling).
+    polls = [body for body in loops(standalone_all_reduce_ptx(1, 16)) if any("ld.volatile.global.b64" in x
+                                                                             for x in body)]
+    assert polls and not any("bar.sync" in x for body in polls for x in body), "a poll loop holds a block barrier"
     print("ok")
 
 
