@@ -204,6 +204,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
     if len(hops) >= HOP_SPACE:
         raise ValueError(f"lower_decode_step: {len(hops)} all-reduces in one step; their tags allow "
                          f"{HOP_SPACE - 1}")
+    reduce_of_hop = {i: name for name, i in hops.items()}
     hops |= {host: hops[f] for host, c in plan.choices.items() for f in c.fuse if f in hops}
 
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
@@ -322,7 +323,14 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                 if new not in g.buffers:
                     like = g.buffers[name]
                     activation(new, *like.shape, dt=like.dtype)
-            g.repeat(a, b, rename)
+            def hop_here(args: dict, p_scope=p_scope, scope=scope) -> dict:
+                """A copied task's args, its all-reduce's index that of this layer's."""
+                if "hop" not in args:
+                    return args
+                name = reduce_of_hop[args["hop"]]
+                return dict(args, hop=hops[scope + name[len(p_scope):]])
+
+            g.repeat(a, b, rename, args=hop_here)
             for op_name, n in p_phases:
                 op_name = scope + op_name[len(p_scope):] if op_name.startswith(p_scope) else op_name
                 step.tasks_per_op[op_name] = step.tasks_per_op.get(op_name, 0) + n

@@ -103,6 +103,28 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces):
         assert torch.equal(program.graph.buffers[last], programs[0].graph.buffers[last]), (name, rank)
 
 
+@pytest.mark.parametrize("all_reduces", ["as planned", "own"])
+def test_every_all_reduce_of_a_lowered_step_has_its_own_tag(all_reduces):
+    from mk.models.blocks import decode_graph
+    from mk.planner.device import DeviceSpec
+    from mk.planner.lower import lower_decode_step, meta_buffers
+    from mk.planner.search import search
+
+    # Layers past the second are the layer before's tasks copied: their all-reduces must
+    # still take their own index in the step (the words' tag), not the copied one's.
+    shape = ModelShape("t", hidden=256, intermediate=512, layers=5, heads=8, kv_heads=4, head_dim=32, vocab=512)
+    graph = decode_graph(shape.shard(2), 1, 64)
+    plan = _all_reduces(search(graph, DeviceSpec.preset("h200"), beam_width=2)[0], all_reduces)
+    bufs = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in meta_buffers(graph, 64).items()}
+    step = lower_decode_step(plan, graph, bufs, eps=1e-5, rank=1)
+    hops = {}
+    for t in step.graph.tasks:
+        if "hop" in t.args:
+            hops.setdefault(t.bind["recv"], set()).add(t.args["hop"])
+    assert len(hops) == 2 * shape.layers + 1 and all(len(h) == 1 for h in hops.values()), hops
+    assert sorted(h for (h,) in hops.values()) == list(range(2 * shape.layers + 1))
+
+
 def test_a_model_that_does_not_split_is_refused_naming_the_size():
     shape = ModelShape.preset("llama-3-8b")
     with pytest.raises(ValueError, match="8 key/value heads do not split over tp=16"):
