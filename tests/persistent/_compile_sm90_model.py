@@ -116,7 +116,7 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     return g
 
 
-def standalone_all_reduce_ptx(block_m: int = 8, block_n: int = 64) -> str:
+def standalone_all_reduce_ptx(block_m: int = 8, block_n: int = 64, num_warps: int = 4) -> str:
     """The standalone all-reduce's kernel (the megakernel's tiles run the same device code)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -128,7 +128,7 @@ def standalone_all_reduce_ptx(block_m: int = 8, block_n: int = 64) -> str:
     cx = dict(BLOCK_M=block_m, BLOCK_N=block_n, WORLD=2, RESIDUAL=1, USE_TIMER=1, ALIGN=16)
     src = triton.compiler.ASTSource(fn=_all_reduce_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
                                     constexprs=cx, attrs={(k,): [["tt.divisibility", 16]] for k in range(5)})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
 
 def loops(ptx: str) -> list[list[str]]:
@@ -172,9 +172,12 @@ def main() -> None:
     # A box smaller than the block (one row of 16 words, 4 warps): every warp holds a copy and
     # polls it on its own, so the poll loop must hold no block barrier (a warp that left it
     # would meet the barrier of a warp still polling).
-    polls = [body for body in loops(standalone_all_reduce_ptx(1, 16)) if any("ld.volatile.global.b64" in x
-                                                                             for x in body)]
-    assert polls and not any("bar.sync" in x for body in polls for x in body), "a poll loop holds a block barrier"
+    # (The megakernel's warps are its widest op's: 4 or 8.)
+    for block_n, warps in ((16, 4), (32, 4), (16, 8), (32, 8)):
+        polls = [body for body in loops(standalone_all_reduce_ptx(1, block_n, warps))
+                 if any("ld.volatile.global.b64" in x for x in body)]
+        assert polls and not any("bar.sync" in x for body in polls for x in body), \
+            f"the poll loop of a 1 x {block_n} box in {warps} warps holds a block barrier"
     print("ok")
 
 
