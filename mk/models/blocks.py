@@ -147,8 +147,11 @@ MODEL_PRESETS = {
 def tp_keys(layer: int, role: str) -> tuple[str, str]:
     """Names of the symmetric buffers of one all-reduce of a tensor-parallel step (``role``:
     ``o`` or ``d``, after the O or the down projection of ``layer``): its partial sums, and
-    the words every rank pushes of theirs."""
-    return f"tp.l{layer}.{role}", f"tp.l{layer}.{role}.recv"
+    the words every rank pushes of theirs. Those alternate between two buffers, one for the
+    O and one for the down projections (and the embedding's, which the choice of the last
+    step's token separates from the last down projection's): an all-reduce's words never
+    land before the one two back has read them (:mod:`mk.tasks.all_reduce`)."""
+    return f"tp.l{layer}.{role}", f"tp.recv.{role}"
 
 
 #: The symmetric buffers of a tensor-parallel step besides the layers' all-reduces': every
@@ -198,7 +201,7 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
         op("embed", "embedding", ["tokens"], [TP_EMBED], {"rows": B, "hidden": h, "vocab": v, "world": tp},
            embedding_cost(B, h, db))
         op("embed_reduce", "all_reduce", [TP_EMBED], ["x0"], {"rows": B, "n": h, "world": tp},
-           all_reduce_cost(B, h, tp), buffers={"part": TP_EMBED, "recv": TP_EMBED + ".recv", "peers": TP_PEERS})
+           all_reduce_cost(B, h, tp), buffers={"part": TP_EMBED, "recv": tp_keys(0, "d")[1], "peers": TP_PEERS})
     x = "x0"
     attended = min(kv_len, m.sliding_window or kv_len)  # a window's keys are all the step reads
     for L in range(m.layers):

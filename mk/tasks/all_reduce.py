@@ -19,16 +19,16 @@ long a hop: about 5 µs against 1.5-2 over two H200s, 7-8 against 2.2-3 over fou
 poll is bounded like the megakernel's own waits: a dead or stuck peer ends the launch with
 an error naming the peer, on every rank.
 
-Each all-reduce has its own ``recv`` (:func:`mk.models.blocks.tp_keys`), and its words
-carry their own tag (:func:`hop_tag`: the launch and the all-reduce's index in the step).
-Words are never overwritten before they are read: a rank ends a step only in the choice of
-its token over the ranks (:func:`argmax_ranks_tile`, which the lowering requires of a
-tensor-parallel step), after every peer has published its candidate, so has read every
-word of the step. (Two ``recv`` taken in turn would do as well in principle: a rank pushes
-an all-reduce's words only once it holds the whole sum, for the same rows, of the one before,
-which needed every peer's words of it, pushed once that peer had read all of the one before
-that. One per all-reduce rules that out while a hang on GPUs, which both showed, is
-open: issue 39.) A kernel reset after a
+Two ``recv`` buffers serve a step's all-reduces in turn (:func:`mk.models.blocks.tp_keys`),
+and the words carry their own tag (:func:`hop_tag`: the launch and the all-reduce's index in
+the step), so a word left by the all-reduce two before, or by an earlier launch, never
+passes for this one's. Nor is a word overwritten before it is read: a rank pushes an
+all-reduce's words only once it holds the whole sum, for the same rows, of the one before,
+which needed every peer's words of it, each pushed once that peer had read all of its own
+words of the one before that (the rows' norm needs the whole sum). Across launches, a rank
+ends a step only in the choice of its token over the ranks (:func:`argmax_ranks_tile`,
+which the lowering requires of a tensor-parallel step), after every peer has published its
+candidate, so has read every word of the step. A kernel reset after a
 failed launch (which restarts the launch count) zeroes ``recv`` (a sync operand), so no
 word of a failed launch passes for one of a later launch with the same number; a
 tensor-parallel model stops at its first failed step (its ranks' counts would part).

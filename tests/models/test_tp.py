@@ -117,12 +117,24 @@ def test_every_all_reduce_of_a_lowered_step_has_its_own_tag(all_reduces):
     plan = _all_reduces(search(graph, DeviceSpec.preset("h200"), beam_width=2)[0], all_reduces)
     bufs = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in meta_buffers(graph, 64).items()}
     step = lower_decode_step(plan, graph, bufs, eps=1e-5, rank=1)
-    hops = {}
+    hops = {}  # by the all-reduce's sum (its own tiles' out, a projection's fused tail's total)
     for t in step.graph.tasks:
         if "hop" in t.args:
-            hops.setdefault(t.bind["recv"], set()).add(t.args["hop"])
+            hops.setdefault(t.bind.get("total", t.bind.get("out")), set()).add(t.args["hop"])
     assert len(hops) == 2 * shape.layers + 1 and all(len(h) == 1 for h in hops.values()), hops
     assert sorted(h for (h,) in hops.values()) == list(range(2 * shape.layers + 1))
+
+
+def test_consecutive_sums_over_the_ranks_push_into_different_buffers():
+    from mk.models.blocks import decode_graph
+
+    # A peer may push an all-reduce's words while this rank still reads the one before's
+    # (never the one two before): two buffers, in turn, and only the token's choice between
+    # a step's last all-reduce and the next step's first, which share one.
+    graph = decode_graph(ModelShape.preset("llama-3-8b").shard(2), 1, 64)
+    recvs = [n.buffers["recv"] for n in graph.nodes if n.kind == "all_reduce"]
+    assert len(recvs) == 2 * 32 + 1 and len(set(recvs)) == 2
+    assert all(a != b for a, b in zip(recvs, recvs[1:])) and recvs[0] == recvs[-1]
 
 
 def test_a_model_that_does_not_split_is_refused_naming_the_size():
