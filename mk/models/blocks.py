@@ -146,9 +146,12 @@ MODEL_PRESETS = {
 
 def tp_keys(layer: int, role: str) -> tuple[str, str]:
     """Names of the symmetric buffers of one all-reduce of a tensor-parallel step (``role``:
-    ``o`` or ``d``, after the O or the down projection of ``layer``): its partial sums and
-    its flags."""
-    return f"tp.l{layer}.{role}", f"tp.l{layer}.{role}.flags"
+    ``o`` or ``d``, after the O or the down projection of ``layer``): its partial sums, and
+    the words every rank pushes of theirs. Those alternate between two buffers, one for the
+    O and one for the down projections (and the embedding's, which the choice of the last
+    step's token separates from the last down projection's): an all-reduce's words never
+    land before the one two back has read them (:mod:`mk.tasks.all_reduce`)."""
+    return f"tp.l{layer}.{role}", f"tp.recv.{role}"
 
 
 #: The symmetric buffers of a tensor-parallel step besides the layers' all-reduces': every
@@ -184,9 +187,9 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
             op(name, "add", [partial, res], [out], {"rows": B, "n": h}, add_cost(B, h, db), L, fuse_into=proj,
                buffers={})
         else:
-            part, flags = tp_keys(L, partial.rsplit(".", 1)[1])
+            part, recv = tp_keys(L, partial.rsplit(".", 1)[1])
             op(name, "all_reduce", [partial, res], [out], {"rows": B, "n": h, "world": tp},
-               all_reduce_cost(B, h, tp), L, fuse_into=proj, buffers={"part": part, "flags": flags, "peers": TP_PEERS})
+               all_reduce_cost(B, h, tp), L, fuse_into=proj, buffers={"part": part, "recv": recv, "peers": TP_PEERS})
 
     def partial(L, role):  # a projection's output: the all-reduce's symmetric partial under TP
         return tp_keys(L, role)[0] if tp > 1 else f"l{L}.{role}"
@@ -198,7 +201,7 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
         op("embed", "embedding", ["tokens"], [TP_EMBED], {"rows": B, "hidden": h, "vocab": v, "world": tp},
            embedding_cost(B, h, db))
         op("embed_reduce", "all_reduce", [TP_EMBED], ["x0"], {"rows": B, "n": h, "world": tp},
-           all_reduce_cost(B, h, tp), buffers={"part": TP_EMBED, "flags": TP_EMBED + ".flags", "peers": TP_PEERS})
+           all_reduce_cost(B, h, tp), buffers={"part": TP_EMBED, "recv": tp_keys(0, "d")[1], "peers": TP_PEERS})
     x = "x0"
     attended = min(kv_len, m.sliding_window or kv_len)  # a window's keys are all the step reads
     for L in range(m.layers):

@@ -41,6 +41,7 @@ from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gum
 
 from mk.models.blocks import TP_PEERS, cache_keys, weight_key
 from mk.planner.lower import StepCache
+from mk.persistent.runtime import MegakernelTimeout
 
 from .config import LlamaConfig
 from . import prefill as _prefill
@@ -918,7 +919,12 @@ class DecoderModel:
                     self._decode_step(dec, enqueued + i + 1, temperature, top_k, top_p, seed)
                 blocks.read(block)
                 enqueued += block
-            block, history = blocks.wait()  # a timed-out wait raises MegakernelTimeout here, never hangs
+            try:
+                block, history = blocks.wait()  # a timed-out wait raises MegakernelTimeout here, never hangs
+            except MegakernelTimeout as e:
+                if self.tp > 1:  # the ranks' launch counts part, and a late peer's words may land after the reset
+                    self._ranks_out_of_step = f"a decode step failed on rank {self.rank}: {e}"
+                raise
             for i in range(block):
                 tok = history[rows, starts + produced + i].long()
                 for b in range(B):

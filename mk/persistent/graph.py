@@ -130,9 +130,10 @@ class TaskGraph:
         self._deps = self._events = None
         return first
 
-    def repeat(self, first: int, end: int, rename: dict[str, str]) -> int:
+    def repeat(self, first: int, end: int, rename: dict[str, str], args=None) -> int:
         """Append a copy of tasks [first, end): the same ops, arguments and teams, each
-        operand's buffer renamed by ``rename`` (a name not in it kept); returns the first
+        operand's buffer renamed by ``rename`` (a name not in it kept), each task's args
+        through ``args`` (a function of the args dict; None: the same); returns the first
         copy's index. What a caller would add again with other buffers, without building
         and checking each task again."""
         if not 0 <= first <= end <= len(self.tasks):
@@ -148,7 +149,7 @@ class TaskGraph:
             if bind is None:
                 bind = binds[id(t.bind)] = {role: rename.get(b, b) for role, b in t.bind.items()}
             index = t.index + by
-            self.tasks.append(Task(index, t.op, bind, t.args, "",
+            self.tasks.append(Task(index, t.op, bind, t.args if args is None else args(t.args), "",
                                    t.team_start + by if t.team_start >= first else t.team_start))
         self._deps = self._events = None
         return start

@@ -33,7 +33,7 @@ class MegakernelTimeout(MegakernelError):
     def __init__(self, worker: int, task: int, task_name: str, event: int, seen: int, expected: int):
         self.worker, self.task, self.task_name = worker, task, task_name
         self.event, self.seen, self.expected = event, seen, expected
-        # (Event -2 - q: a task meeting the other ranks of a tensor-parallel step waited for rank q.)
+        # (Event -2 - q: a task waiting on the other ranks of a tensor-parallel step waited for rank q.)
         waited = f"event {event}" if event >= -1 else f"rank {-2 - event} of the tensor-parallel step"
         super().__init__(f"megakernel wait timed out: worker {worker}, task {task} ({task_name}) waited on "
                          f"{waited}, saw {seen} of {expected}")

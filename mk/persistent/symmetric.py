@@ -76,7 +76,7 @@ def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, 
     handle = symm_mem.rendezvous(buf, group.group_name)
     buf.zero_()
     torch.cuda.synchronize(device)
-    dist.barrier(group)  # every rank's zeros before any rank's step writes its peers' flags
+    dist.barrier(group)  # every rank's zeros before any rank's step writes into its peers' memory
     out = {}
     for name, off in offsets.items():
         t = meta[name]

@@ -62,8 +62,9 @@ def run_vm_ranks(programs: list[Program], *, interleave: str = "round_robin", se
     program per rank, the same tasks in the same order, each over its own buffers), their
     workers interleaved together. A task of an op with peer operands
     (:attr:`~mk.tasks.OpSpec.peer_operands`) meets its peers: it runs only once the same
-    task's waits are met on every rank (each rank has published its part), as its flags
-    make it wait on the GPU, and reads every rank's copy of those operands. Raises
+    task's waits are met on every rank (each rank has published its part), as its peers'
+    pushed words or flags make it wait on the GPU, and reads every rank's copy of those
+    operands. Raises
     :class:`Deadlock` (naming the rank) when no worker of any rank can run."""
     if interleave not in ("round_robin", "random"):
         raise ValueError(f"interleave must be 'round_robin' or 'random', got {interleave!r}")

@@ -10,11 +10,11 @@ megakernel replayed from a CUDA graph so that no host time is counted:
   worker running 1 or :data:`SPREAD_TASKS` independent tasks: the one-task launch less one
   (bare) task is the launch, ramp-up and tail.
 * ``link_latency_s``, ``link_crowd_s`` and ``link_bandwidth`` (under torchrun, several
-  GPUs): one meeting of the ranks, from :data:`LINK_MEETINGS` of them back to back in one
-  launch (:func:`mk.tasks.all_reduce.rank_meetings`); what it gains among
-  :data:`LINK_CROWD` programs meeting at once, each on its own flag (a projection's tiles
-  that each meet the ranks), for each other program and each peer; the bytes a GPU reads of its peers'
-  memory a second, from the megakernel's all-reduce over :data:`LINK_BYTES` of partial sums
+  GPUs): one hop of a sum over the ranks, from :data:`LINK_HOPS` of them back to back in
+  one launch (:func:`mk.tasks.all_reduce.rank_hops`); what it gains among
+  :data:`LINK_CROWD` programs exchanging at once (a projection's tiles that each sum over
+  the ranks), for each other program and each peer; the bytes a GPU pushes to its peers a
+  second, from the megakernel's all-reduce over :data:`LINK_BYTES` of partial sums
   (:func:`measure_link`).
 * ``task_overhead_s``, ``wait_overhead_s``, ``tma_worker_bandwidth``, ``worker_bandwidth``:
   chains of square GEMV layers (:data:`CHAINS`), each layer's tiles reading the whole
@@ -50,15 +50,15 @@ MM_N = 8192
 #: Bytes of weights a chain streams per launch, at least: well past any L2, so that every
 #: replay reads them from DRAM.
 CHAIN_BYTES = 256 * 2**20
-#: The GPU link: meetings of the ranks timed back to back, and the bytes of the partial sums
-#: of the all-reduce whose peer reads give the link's bandwidth (enough that the launch and
-#: the ranks' start skew are a few percent of it).
-LINK_MEETINGS = 2000
-LINK_BYTES = 512 * 2**20
-#: Programs meeting the ranks at once in the crowded case (as many as a projection's tiles
-#: at batch 1), and the meetings each holds back to back.
+#: The GPU link: hops of a sum over the ranks timed back to back, and the bytes of the
+#: partial sums of the all-reduce whose pushes give the link's bandwidth (enough that the
+#: launch and the ranks' start skew are a few percent of it).
+LINK_HOPS = 2000
+LINK_BYTES = 32 * 2**20
+#: Programs exchanging at once in the crowded case (as many as a projection's tiles at
+#: batch 1), and the hops each makes back to back.
 LINK_CROWD = 256
-LINK_CROWD_MEETINGS = 200
+LINK_CROWD_HOPS = 200
 
 
 @dataclass(frozen=True)
@@ -314,19 +314,19 @@ def steps() -> int:
     return 4 + len(CHAINS) + (_ranks() > 1)
 
 
-def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dict[str, float]:
+def measure_link(hops: int = LINK_HOPS, nbytes: int = LINK_BYTES) -> dict[str, float]:
     """``link_latency_s``, ``link_crowd_s`` and ``link_bandwidth`` of the GPU link between
     torch.distributed's ranks (a collective: every rank calls it at once, each on its own
-    GPU). The latency is one meeting of the ranks (the best of two launches of
-    ``meetings``); the crowd is what a meeting gains among :data:`LINK_CROWD` at once, for
-    each other one and each peer (:meth:`~mk.planner.device.DeviceSpec.meeting_seconds`;
-    the best of two launches); the bandwidth is a
-    GPU's reads of its peers' partial sums over the time of an all-reduce of ``nbytes`` of
-    them (the best of three), as the planner prices the all-reduce's hop."""
+    GPU). The latency is one hop of a sum over the ranks (the best of two launches of
+    ``hops``); the crowd is what a hop gains among :data:`LINK_CROWD` at once, for each
+    other one and each peer (:meth:`~mk.planner.device.DeviceSpec.hop_seconds`; the best of
+    two launches); the bandwidth is what a GPU pushes to its peers over the time of an
+    all-reduce of ``nbytes`` of partial sums (the best of three), as the planner prices the
+    all-reduce."""
     import torch.distributed as dist
 
     from mk.persistent.symmetric import symmetric_workspace
-    from mk.tasks.all_reduce import all_reduce, all_reduce_block_n, check_meetings, rank_meetings
+    from mk.tasks.all_reduce import HOP_COLS, all_reduce, all_reduce_remote_bytes, check_hops, rank_hops
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
@@ -335,8 +335,8 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
     rows = 8
     cols = max(nbytes // (4 * rows), 1)
     meta = {"part": torch.empty(rows, cols, device="meta"),
-            "flags": torch.empty(-(-cols // all_reduce_block_n(cols)), dtype=torch.int32, device="meta"),
-            "meet": torch.empty(LINK_CROWD, dtype=torch.int32, device="meta"),
+            "recv": torch.empty(world, rows, cols, dtype=torch.int64, device="meta"),
+            "hops": torch.empty(2 * world * LINK_CROWD * HOP_COLS, dtype=torch.int64, device="meta"),
             "peers": torch.empty(world, dtype=torch.int64, device="meta")}
     ws = symmetric_workspace(meta, device, peers="peers")
     try:
@@ -368,32 +368,33 @@ def measure_link(meetings: int = LINK_MEETINGS, nbytes: int = LINK_BYTES) -> dic
                 raise RuntimeError(f"measure_link: {int(failed)} peer(s) failed; their errors name the cause")
             return out
 
-        def meeting_s(n: int, programs: int) -> float:
-            """One meeting of ``n`` back to back in each of ``programs`` programs at once: the
+        def hop_s(n: int, programs: int) -> float:
+            """One hop of ``n`` back to back in each of ``programs`` programs at once: the
             best of two launches after an untimed one (it compiles; Triton specialises an
-            int argument that is 1 or a multiple of 16, so the epochs timed are past those)."""
+            int argument that is 1 or a multiple of 16, so the counts timed are past those)."""
             best = float("inf")
             for i in range(3):
                 def run() -> float:
-                    seconds, error = timed(lambda: rank_meetings(ws["meet"], ws["peers"], rank, n,
-                                                                 programs=programs))
-                    check_meetings(error, rank)
+                    seconds, error = timed(lambda: rank_hops(ws["hops"], ws["peers"], rank, n, programs=programs))
+                    check_hops(error, rank)
                     return seconds
                 seconds = together(run)
                 if i:
                     best = min(best, seconds / n)
-                dist.barrier()  # every rank past its last meeting before the flags restart
-                ws["meet"].zero_()
+                dist.barrier()  # every rank past its last hop before the words restart
+                ws["hops"].zero_()
+                torch.cuda.synchronize()
+                dist.barrier()
             return best
 
-        latency = meeting_s(meetings, 1)
-        crowd = max(meeting_s(LINK_CROWD_MEETINGS, LINK_CROWD) - latency, 0.0) / ((world - 1) * (LINK_CROWD - 1))
-        times = [together(lambda: timed(lambda: all_reduce(ws["part"], out, ws["flags"], ws["peers"], rank,
+        latency = hop_s(hops, 1)
+        crowd = max(hop_s(LINK_CROWD_HOPS, LINK_CROWD) - latency, 0.0) / ((world - 1) * (LINK_CROWD - 1))
+        times = [together(lambda: timed(lambda: all_reduce(ws["part"], out, ws["recv"], ws["peers"], rank,
                                                            epoch=e))[0])
                  for e in range(6)]
         seconds = min(times[3:])
-        remote = (world - 1) * ws["part"].numel() * ws["part"].element_size()
-        return {"link_latency_s": latency, "link_crowd_s": crowd, "link_bandwidth": remote / seconds}
+        return {"link_latency_s": latency, "link_crowd_s": crowd,
+                "link_bandwidth": all_reduce_remote_bytes(rows, cols, world) / seconds}
     finally:
         torch.cuda.synchronize()
         dist.barrier()  # no rank reads this one's workspace any more: it goes on return

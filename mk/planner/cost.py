@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mk.tasks.all_reduce import all_reduce_block_n, all_reduce_link_share
+from mk.tasks.all_reduce import all_reduce_block_n, all_reduce_remote_bytes
 from mk.tasks.argmax import argmax_block_v
 from mk.tasks.embedding import embedding_block_h
 from mk.tasks.decode_attention import decode_attention_config, decode_attention_smem_bytes, live_splits
@@ -344,7 +344,7 @@ def op_phases(node: OpNode, choice: OpChoice, nbytes: int = 0, fused: list[OpNod
     if node.kind == "attention":
         return [(d["batch"] * d["kv_heads"] * choice.kv_splits, nbytes)]
     if node.kind == "all_reduce":  # one task a column block, every rank's rows in it
-        return [(math.ceil(d["n"] / all_reduce_block_n(d["n"])), nbytes)]
+        return [(math.ceil(d["n"] / all_reduce_block_n(d["rows"], d["n"])), nbytes)]
     if node.kind == "argmax":
         rows = d["rows"]
         return [(rows * math.ceil(d["v"] / argmax_block_v(d["v"])), nbytes), (rows, 0), (rows, 0)]
@@ -493,21 +493,21 @@ def phase_costs(node: OpNode, choice: OpChoice, device: DeviceSpec, workers: int
             dot_rate = device.xmajor_dot_bandwidth if xmajor_decode_tile(node, choice) else device.dot_worker_bandwidth
             stream = max(stream, task_bytes / dot_rate) if dot_rate else stream
         if node.kind == "all_reduce":
-            # The peers' partials come over the GPU link after the ranks meet.
-            remote = task_bytes * all_reduce_link_share(node.dims["world"])
-            stream = max(stream, remote / (device.link_bandwidth / busy)) + device.meeting_seconds(
+            # The tile's words go to its peers over the GPU link; theirs come back a hop later.
+            remote = all_reduce_remote_bytes(node.dims["rows"], node.dims["n"], node.dims["world"]) / phase_tasks
+            stream = max(stream, remote / (device.link_bandwidth / busy)) + device.hop_seconds(
                 node.dims["world"], busy)
         early = prologue_seconds(node, choice, device, stream, dtype_bytes) if i == 0 and idle_wait else 0.0
         if i == 0:
             stream += exposed_chunk_seconds(node, choice, device, task_bytes, dtype_bytes)
         for f in ranks if i == len(phases) - 1 else ():
-            # Each task, its partial stored, meets the ranks, then reads every rank's partial
-            # of its box (the peers' over the GPU link) and the residual and writes the sum:
-            # after its inputs, never early.
+            # Each task, its partial stored, pushes it to every rank (over the GPU link to
+            # its peers), then reads every rank's words of its box and the residual and
+            # writes the sum: after its inputs, never early.
             moved = (f.bytes_read + f.bytes_written) / phase_tasks
-            remote = f.bytes_read * all_reduce_link_share(f.dims["world"]) / phase_tasks
+            remote = all_reduce_remote_bytes(f.dims["rows"], f.dims["n"], f.dims["world"]) / phase_tasks
             stream += max(moved / (device.dram_bandwidth / busy), remote / (device.link_bandwidth / busy))
-            stream += device.meeting_seconds(f.dims["world"], busy)
+            stream += device.hop_seconds(f.dims["world"], busy)
         streams.append((phase_tasks, waves, stream, early))
     memory_s = sum(waves * s for _, waves, s, _ in streams)
     stretch = max(1.0, flops / device.bf16_flops / memory_s) if memory_s > 0 else 1.0

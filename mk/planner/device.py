@@ -166,22 +166,22 @@ class DeviceSpec:
     # The 1B LM head in the step (H200): runs of 32-row tiles (128 chunks a
     # task) took 115 µs a task, of 16-row tiles (248 chunks) 121 µs, the same bytes.
     chunk_exposed_s: float = 0.05e-6
-    # Tensor parallelism: what one GPU reads of its peers' memory a second over the GPU
-    # link, and one meeting of the ranks (a flag published, every peer's seen). Measured
-    # over NVLink 4 between two H200s (mk.planner.calibrate.measure_link): the all-reduce
-    # tile's peer loads reach 79 GB/s of the link's 450, and a meeting takes 2.4 µs (a
-    # system-scope release, then polls across the link). GPUs joined by PCIe alone are
-    # slower: calibrate them (``torchrun --nproc-per-node N -m mk calibrate``).
-    link_bandwidth: float = 79e9
-    link_latency_s: float = 2.4e-6
-    # A meeting among many at once is slower: each polls its peers' flags across the link,
-    # and the polls in flight share it. Measured on four H200s (meetings of 1 to 256
-    # programs at once): a meeting takes about 5 ns longer for each other meeting in flight
-    # and each peer it polls (over 4 ranks, 256 at once: 7.8 µs against 3.6 alone; over 2,
-    # 4.3 against 3.2). It is why a projection whose tiles each meet the ranks (256 at once
-    # at batch 1 on 4 GPUs) loses to all-reduce tiles of its own (4 to 8 at once). A link
-    # calibrated before this constant existed keeps this figure until calibrated again.
-    link_crowd_s: float = 5e-9
+    # Tensor parallelism: what one GPU sends to its peers a second over the GPU link (the
+    # all-reduce's pushed words), and one hop of a sum over the ranks (a box of words
+    # pushed, every peer's seen in this GPU's memory). Measured over NVLink 4 between H200s,
+    # hops repeated inside one launch, boxes of 1 to 8 rows of 4096 and 8192 columns: a hop
+    # takes 1.5-2.3 µs over two, 2.2-3.4 over four; eight rows of 8192 columns 2.1 µs over
+    # two, 6.1 over four (about 400 GB/s of words). GPUs joined by PCIe alone are slower:
+    # calibrate them (``torchrun --nproc-per-node N -m mk calibrate``).
+    link_bandwidth: float = 400e9
+    link_latency_s: float = 2.0e-6
+    # What a hop costs more for each other hop in flight on the GPU and each peer it pushes
+    # to. Pushed words cross the link once and are polled in local memory, so many hops at
+    # once take no longer than one (one row of 8192 columns over four H200s: 3.4 µs in 8
+    # tiles at once, 2.5 in 128); pulling, each meeting polled its peers' flags across the
+    # link, and 256 meetings at once each took 7.8 µs against 3.6 alone. Calibration
+    # measures it.
+    link_crowd_s: float = 0.0
     calibrated: bool = False
 
     def __post_init__(self):
@@ -225,10 +225,10 @@ class DeviceSpec:
         :attr:`chunk_overhead_s`."""
         return max(self.load_latency_s / in_flight_bytes, self.chunk_overhead_s / chunk_bytes)
 
-    def meeting_seconds(self, world: int, at_once: int) -> float:
-        """One meeting of ``world`` ranks while ``at_once`` meetings (this one among them) run
-        on each GPU: :attr:`link_latency_s`, plus :attr:`link_crowd_s` for each other
-        meeting and each peer polled."""
+    def hop_seconds(self, world: int, at_once: int) -> float:
+        """One hop of a sum over ``world`` ranks while ``at_once`` hops (this one among them)
+        run on each GPU: :attr:`link_latency_s`, plus :attr:`link_crowd_s` for each other
+        hop and each peer."""
         return self.link_latency_s + self.link_crowd_s * (world - 1) * max(at_once - 1, 0)
 
     # ---- serialisation -------------------------------------------------------------

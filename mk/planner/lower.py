@@ -50,6 +50,7 @@ import torch
 
 from mk.persistent.graph import Program, TaskGraph, collector_paused, lower
 from mk.tasks import make_op, op_tiles
+from mk.tasks.all_reduce import HOP_SPACE
 
 from .cost import reduce_width
 from .device import DeviceSpec
@@ -128,9 +129,10 @@ def meta_buffers(graph: OpGraph, max_seq: int, kv_dtype_bytes: int | None = None
             elif n.kind in ("all_reduce", "argmax"):  # a tensor-parallel step's symmetric buffers
                 if role == "peers":
                     shape, dt = (d["world"],), torch.int64
-                elif n.kind == "all_reduce":  # partial sums (float32 activations); a flag a column (the
-                    # tasks of a projection that sums them itself take a word each: _check_flag_words)
-                    shape, dt = ((d["rows"], d["n"]), torch.float32) if role == "part" else ((d["n"],), torch.int32)
+                elif role == "part":  # partial sums (float32 activations)
+                    shape, dt = (d["rows"], d["n"]), torch.float32
+                elif n.kind == "all_reduce":  # every rank's pushed words of its partial
+                    shape, dt = (d["world"], d["rows"], d["n"]), torch.int64
                 else:  # each row's candidate over the ranks, and its flag
                     shape, dt = (d["rows"],), torch.int64 if role == "shared" else torch.int32
                 bufs[name] = torch.empty(*shape, dtype=dt, **meta)
@@ -196,10 +198,21 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
 
     periods: dict[str, list[int]] = {}  # scope -> its tasks' [first, end)
 
+    # Each all-reduce's index in the step (its words' tag: mk.tasks.all_reduce.hop_tag), also
+    # under the name of the projection whose tiles run it.
+    hops = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.kind == "all_reduce")}
+    if len(hops) >= HOP_SPACE:
+        raise ValueError(f"lower_decode_step: {len(hops)} all-reduces in one step; their tags allow "
+                         f"{HOP_SPACE - 1}")
+    reduce_of_hop = {i: name for name, i in hops.items()}
+    hops |= {host: hops[f] for host, c in plan.choices.items() for f in c.fuse if f in hops}
+
     def add_op(node_name: str, spec, rows: int | None = None, **bind) -> None:
         tiles = op_tiles(spec, rows)
         if "rank" in spec.args:
             tiles = [dict(t, rank=rank) for t in tiles]
+        if "hop" in spec.args:
+            tiles = [dict(t, hop=hops[node_name]) for t in tiles]
         first = g.add_tiles(spec, tiles, **bind)
         if scope:
             periods.setdefault(scope, [first, first])[1] = len(g.tasks)
@@ -250,7 +263,7 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
             res = {"res": node.inputs[1]} if len(node.inputs) > 1 else {}
             add_op(node.name, make_op("all_reduce", M=d["rows"], N=d["n"], world=d["world"], residual=bool(res)),
                    part=node.buffers["part"], out=activation(node.outputs[0], d["rows"], d["n"]),
-                   flags=node.buffers["flags"], peers=node.buffers["peers"], **res)
+                   recv=node.buffers["recv"], peers=node.buffers["peers"], **res)
         elif kind == "argmax" and d.get("world", 1) > 1:
             # Each rank's vocabulary share: its best candidate published, the best of them taken.
             if next_token != "argmax" or not argmax_in_lm_head(plan, node.name, next_token):
@@ -310,7 +323,14 @@ def lower_decode_step(plan: Plan, graph: OpGraph, buffers: Mapping[str, torch.Te
                 if new not in g.buffers:
                     like = g.buffers[name]
                     activation(new, *like.shape, dt=like.dtype)
-            g.repeat(a, b, rename)
+            def hop_here(args: dict, p_scope=p_scope, scope=scope) -> dict:
+                """A copied task's args, its all-reduce's index that of this layer's."""
+                if "hop" not in args:
+                    return args
+                name = reduce_of_hop[args["hop"]]
+                return dict(args, hop=hops[scope + name[len(p_scope):]])
+
+            g.repeat(a, b, rename, args=hop_here)
             for op_name, n in p_phases:
                 op_name = scope + op_name[len(p_scope):] if op_name.startswith(p_scope) else op_name
                 step.tasks_per_op[op_name] = step.tasks_per_op.get(op_name, 0) + n
@@ -479,14 +499,6 @@ def argmax_in_lm_head(plan: Plan, argmax: str, next_token: str) -> bool:
     return next_token == "argmax" and any(argmax in c.fuse for c in plan.choices.values())
 
 
-def _check_flag_words(ar: OpNode | None, spec) -> None:
-    """Tiles that sum over the ranks take a word of the all-reduce's flags each; it has
-    ``n`` (:func:`meta_buffers`)."""
-    if ar is not None and len(op_tiles(spec)) > ar.dims["n"]:
-        raise ValueError(f"{len(op_tiles(spec))} tasks would sum {ar.name} over the ranks, a flag word each; its "
-                         f"flags hold {ar.dims['n']} (smaller tiles or fewer row blocks)")
-
-
 def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activation, dtype, eps,
                   max_seq: int, next_token: str, first_rope: str | None) -> None:
     """One linear op and what is fused into it: split-K partials and their reduce, full
@@ -542,7 +554,7 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             epilogue["res"] = next(t for t in add.inputs if t not in node.outputs)
         epilogue["out"] = activation(out_name, M, out_cols)
         if ar is not None:  # the tiles (split-K: the reduces) store their partials, then sum them over the ranks
-            epilogue.update(res=ar.inputs[1], total=activation(ar.outputs[0], M, N), flags=ar.buffers["flags"],
+            epilogue.update(res=ar.inputs[1], total=activation(ar.outputs[0], M, N), recv=ar.buffers["recv"],
                             peers=ar.buffers["peers"])
     flags = dict(residual=add is not None, silu_mul=silu is not None)
     if ar is not None:
@@ -558,7 +570,6 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
         if choice.split_k == 1:
             spec = (make_op("qkv_rope_kv", batch=M, **heads, **norm_kw, **tiles, **gemv, **run) if rope is not None
                     else make_op("linear", M=M, N=N, K=K, **flags, **norm_kw, **tiles, **gemv, **run))
-            _check_flag_words(ar, spec)
             add_op(node.name, spec, **bind, **epilogue)
         else:
             # Split-K: the partials, then reduce tiles that run the epilogue (RoPE's too).
@@ -570,7 +581,6 @@ def _lower_linear(node: OpNode, choice, nodes: dict[str, OpNode], add_op, activa
             red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **red_tiles)
                    if rope is not None else
                    make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **red_tiles))
-            _check_flag_words(ar, red)
             ws = activation(f"{node.name}.ws", choice.split_k, M, part.constexprs["WS_N"])
             add_op(node.name, part, **bind, ws=ws)
             add_op(node.name, red, ws=ws, **epilogue)

@@ -326,7 +326,7 @@ def _finalist(graph: OpGraph, choices: dict[str, OpChoice], device: DeviceSpec, 
 
 
 def own_all_reduces(plan: Plan, graph: OpGraph, device: DeviceSpec) -> Plan | None:
-    """``plan`` with every all-reduce that a projection's tiles run (each tile meeting the
+    """``plan`` with every all-reduce that a projection's tiles run (each tile pushing to the
     ranks and summing its own box) moved to tiles of its own, the rest unchanged, simulated
     anew; None when it has no such all-reduce. The two ways trade places with the batch
     (docs/PERFORMANCE.md, tensor parallelism), closer than the cost model tells apart, so

@@ -94,11 +94,11 @@ class OpSpec:
     #: declares what any of them may touch: the last to arrive may do the team's work).
     team: Callable[[dict], object] | None = field(default=None, compare=False, repr=False)
     #: operand roles holding such counters: zero between launches (or, for the ranks'
-    #: flags, counting them), zeroed again by Megakernel.reset() after a failed one.
+    #: flags and pushed words, counting them), zeroed again by Megakernel.reset() after a
+    #: failed one.
     sync_operands: tuple[str, ...] = ()
     #: operand roles read on every rank of a tensor-parallel step, each at its own rank's
-    #: copy of a symmetric buffer (:mod:`mk.tasks.all_reduce`): the task meets its peers
-    #: first. The VM hands a run each rank's tensor of the role under ``"@" + role``.
+    #: copy (:mod:`mk.tasks.all_reduce`): the task waits for its peers' part first. The VM hands a run each rank's tensor of the role under ``"@" + role``.
     peer_operands: tuple[str, ...] = ()
     #: tiles(rows) -> the descriptor args of every task of one whole op, in the order a
     #: graph should add them (:func:`op_tiles`); ``rows`` for ops whose spec leaves the

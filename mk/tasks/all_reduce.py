@@ -2,42 +2,48 @@
 and the next token chosen over every rank's share of the vocabulary.
 
 Tensor parallelism splits a layer's O and down projections by their input columns, so
-each rank (GPU) ends them holding a partial sum of the layer's output. Every rank writes
-its partial into symmetric memory (one buffer on every rank, each copy at its own address,
-all addresses known to all ranks: ``peers`` holds each rank's base of the workspace the
-buffers are cut from), and a tile of the all-reduce, on every rank, adds the same tile of
-every rank's partial to the residual, in rank order, so that every rank's residual stream
-stays bit-identical.
+each rank (GPU) ends them holding a partial sum of the layer's output. A tile of the
+all-reduce, on every rank, adds the same tile of every rank's partial to the residual, in
+rank order, so that every rank's residual stream stays bit-identical.
 
-Ranks meet per tile, by flags. After its local wait (this rank's partial tile is written)
-a task sets the tile's flag in its own symmetric memory to the launch's number + 1 with a
-system-scope release (what it observed written becomes visible to the peers first), then
-polls every rank's flag until each shows that number: a round of polls is one
-system-scope acquire load a rank, each in its own thread, so that all are in flight
-together (one thread's acquires would each wait for the one before, a link round trip
-apiece; a relaxed round then one system-scope fence cost more still, the fence waiting on
-the whole memory system), and a block barrier passes what each thread acquired to the
-others. Then the task loads the peers' tiles past L1. Every poll is bounded like the
-megakernel's own waits: a dead or stuck peer ends the launch with an error naming the
-peer, on every rank.
+The partials travel as pushes (:func:`exchange_box`). Each rank stores its partial box
+into its own slot of every rank's ``recv`` buffer in symmetric memory (one buffer on every
+rank, each copy at its own address, all addresses known to all ranks: ``peers`` holds each
+rank's base of the workspace the buffers are cut from). Each value goes as one 64-bit word
+that carries the launch's number + 1 in its high half: the word vouches for itself, so the
+stores need no fence and the ranks no flags. Then the rank polls only its own memory until
+every slot's words of the box carry that tag, and sums them. A hop is one write across the
+link. Pulling instead (a flag published with a system-scope release, the peers' flags
+polled with acquires across the link, then their partials read) took two to three times as
+long a hop: about 5 µs against 1.5-2 over two H200s, 7-8 against 2.2-3 over four. Every
+poll is bounded like the megakernel's own waits: a dead or stuck peer ends the launch with
+an error naming the peer, on every rank.
 
-A buffer is never rewritten while a peer still reads it: each layer has its own partial
-buffers and flags, and a rank ends a step only in the choice of its token over the ranks
-(:func:`argmax_ranks_tile`, which the lowering requires of a tensor-parallel step), after
-every peer has published its candidate, so has read all it reads of this rank's partials
-that step (each row's candidate depends on all its layers). The flags count launches, so a
-kernel reset after a failed launch (which restarts the count) zeroes them (they are the ops'
-sync operands); every rank's launch failed with it.
+Two ``recv`` buffers serve a step's all-reduces in turn (:func:`mk.models.blocks.tp_keys`),
+and the words carry their own tag (:func:`hop_tag`: the launch and the all-reduce's index in
+the step), so a word left by the all-reduce two before, or by an earlier launch, never
+passes for this one's. Nor is a word overwritten before it is read: a rank pushes an
+all-reduce's words only once it holds the whole sum, for the same rows, of the one before,
+which needed every peer's words of it, each pushed once that peer had read all of its own
+words of the one before that (the rows' norm needs the whole sum). Across launches, a rank
+ends a step only in the choice of its token over the ranks (:func:`argmax_ranks_tile`,
+which the lowering requires of a tensor-parallel step), after every peer has published its
+candidate, so has read every word of the step. A kernel reset after a
+failed launch (which restarts the launch count) zeroes ``recv`` (a sync operand), so no
+word of a failed launch passes for one of a later launch with the same number; a
+tensor-parallel model stops at its first failed step (its ranks' counts would part).
 
 A projection's tiles may run the all-reduce themselves (``linear`` / ``linear_reduce`` with
-``all_reduce``; :func:`all_reduce_box`): each stores its partial, meets the ranks on its own
-flag and sums its box, so the all-reduce adds no dependency phase.
+``all_reduce``; :func:`ranks_sum_tail`): each stores its partial, pushes it and sums its
+box, so the all-reduce adds no dependency phase.
 
 The LM head's vocabulary is split too: each rank folds its rows' argmax into ``best``
 (:func:`mk.tasks.argmax.argmax_tile_into`); :func:`argmax_publish_tile` moves it, with its
 global index, into symmetric memory, and :func:`argmax_ranks_tile` takes the largest over
 the ranks (the lowest index on ties, as torch.argmax) and appends the token, the same on
-every rank.
+every rank. The ranks meet for it by flags (:func:`meet_ranks`): a row's flag is set to the
+launch's number + 1 with a system-scope release once its candidate is published, and every
+rank's flag polled with system-scope acquires, a rank a thread.
 """
 
 from __future__ import annotations
@@ -59,8 +65,13 @@ from .argmax import argmax_unpack, argmax_unpack_ref
 #: Polls a second under the interpreter (whose waits count polls, not time).
 INTERPRETER_POLLS_PER_S = 10_000
 
-#: Widest column block of one all-reduce tile.
-MAX_BLOCK_N = 1024
+#: Tags a launch's all-reduces take (:func:`hop_tag`): at most HOP_SPACE - 1 a step.
+HOP_SPACE = 1024
+_HOP_SPACE = tl.constexpr(HOP_SPACE)
+
+#: Widest column block of one all-reduce tile, and the most words (rows x columns) it holds.
+MAX_BLOCK_N = 64
+TILE_WORDS = 512
 
 #: Threads a block-wide vote covers (the most a block has): one element of the vote a thread.
 VOTES = tl.constexpr(1024)
@@ -140,36 +151,115 @@ def meet_ranks(flag_ptr, peers_ptr, rank, ok, epoch, timeout, error_ptr, worker,
 
 
 @jit
-def all_reduce_tile(part_ptr, res_ptr, out_ptr, peers_ptr, rank, pid_n, M, N,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr):
-    """out[:, tile] = res[:, tile] + sum over ranks q (in order) of rank q's part[:, tile]
-    (float32 ``[M, N]``, the same offset in each rank's symmetric workspace). Call after
-    :func:`meet_ranks` on the tile's flag."""
-    all_reduce_box(part_ptr, res_ptr, out_ptr, peers_ptr, rank, 0, M, pid_n * BLOCK_N, (pid_n + 1) * BLOCK_N, N,
-                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WORLD=WORLD, RESIDUAL=RESIDUAL)
+def hop_tag(epoch, hop):
+    """The tag of all-reduce ``hop`` (0, 1, ... in a step's order, below :data:`HOP_SPACE`)
+    of launch ``epoch``: its own in the step (two all-reduces that take turns in one buffer
+    must not pass for each other: a word left by the one before would be taken as this
+    one's), counted modulo 2**32, never 0 (the words' value before any launch)."""
+    return ((tl.zeros([], tl.int64) + epoch) * _HOP_SPACE + hop + 1) & 0xFFFFFFFF
 
 
 @jit
-def all_reduce_box(part_ptr, res_ptr, out_ptr, peers_ptr, rank, r0, r1, c0, c1, N,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr):
-    """:func:`all_reduce_tile` over rows [r0, r1) and columns [c0, c1) (at most BLOCK_M and
-    BLOCK_N of them; row stride N): the sum a linear tile that meets the other ranks adds
-    itself (``linear`` with ``all_reduce``). ``part_ptr``: a buffer's base, 16-byte aligned
-    (as the megakernel's operands and the symmetric workspace's buffers are)."""
+def _words(vals, tag):
+    """float32 ``vals`` as 64-bit words that carry ``tag``: the tag in the high half, the
+    value's bits in the low (a word is stored and loaded whole, so its tag vouches for its
+    value)."""
+    bits = vals.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return ((tl.zeros([], tl.int64) + tag) << 32) | bits
+
+
+@jit
+def push_box(vals, recv_ptr, peers_ptr, rank, offs, mask, slot, tag, WORLD: tl.constexpr, ALIGN: tl.constexpr):
+    """Store ``vals`` (this rank's partial of a box: float32 at ``offs`` of a ``[M, N]``
+    tensor) as words carrying ``tag`` (:func:`_words`) into rank ``rank``'s slot of every
+    rank's ``recv`` (``[world, M, N]`` int64, symmetric; ``slot`` = M * N, ``ALIGN`` the
+    bytes a slot's start is aligned to): plain stores, no fence (each word vouches for
+    itself)."""
+    words = _words(vals, tag)
+    for q in tl.static_range(WORLD):
+        tl.store(_peer(recv_ptr + rank * slot, peers_ptr, rank, q, ALIGN=ALIGN) + offs, words, mask=mask)
+
+
+@jit
+def gather_box(acc, recv_ptr, offs, mask, slot, tag, ok, timeout, error_ptr, worker, task,
+               WORLD: tl.constexpr, USE_TIMER: tl.constexpr):
+    """``acc`` + every rank's values of the box at ``offs`` in this rank's own ``recv``
+    (rank order: the same bits on every rank), each rank's once all of its words carry
+    ``tag``; polled, bounded like the megakernel's waits. Returns (the sum, ok): ok 0 when
+    a peer's words did not come within ``timeout`` (ns on a GPU, polls under the
+    interpreter), or a worker of this launch failed (the error buffer then names the worker,
+    the task, event -2 - q for the peer q, and the oldest tag its words showed and the one
+    expected).
+
+    A poll's verdict is one reduction over the box that folds in the clock and the error
+    word, each thread's: where the box spans the block's warps the reduction is the whole
+    block's (every warp leaves the poll together), and where warps hold copies of a small box
+    each warp polls on its own copy, with no block barrier in the loop (a warp that left
+    must not meet the barrier of one that polls on). After the loop one block-wide vote
+    decides for all threads."""
+    tag = tl.zeros([], tl.int64) + tag
+    for q in tl.static_range(WORLD):
+        if ok != 0:
+            ptr = recv_ptr + q * slot + offs
+            polls = tl.zeros([], dtype=tl.int32)
+            waited = tl.zeros([], dtype=tl.int64)
+            failed = tl.zeros([], dtype=tl.int32)
+            if USE_TIMER:
+                start = _globaltimer()
+            # (Volatile: every poll reads the words again, from memory the peer writes.)
+            w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
+            polling = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
+            while polling != 0:
+                w = tl.load(ptr, mask=mask, other=tag << 32, volatile=True)
+                polls += 1
+                if polls % 16 == 0:
+                    failed = tl.load(error_ptr, volatile=True)
+                if USE_TIMER:
+                    waited = _globaltimer() - start
+                else:
+                    waited = polls.to(tl.int64)
+                go = (waited < timeout) & (failed == 0)
+                polling = tl.max(tl.where((((w >> 32) & 0xFFFFFFFF) != tag) & go, 1, 0))
+            late = tl.max(tl.where(((w >> 32) & 0xFFFFFFFF) != tag, 1, 0))
+            if tl.max(tl.full([VOTES], late, tl.int32), axis=0) != 0:  # the block's verdict
+                ok = 0
+                seen = tl.min(tl.where(mask, (w >> 32) & 0xFFFFFFFF, tag))
+                seen = tl.min(tl.full([VOTES], seen, tl.int64), axis=0)
+                failed = tl.max(tl.full([VOTES], failed, tl.int32), axis=0)
+                record_timeout(error_ptr, failed, worker, task, -2 - q, seen.to(tl.int32), tag.to(tl.int32))
+            else:
+                acc += (w & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    return acc, ok
+
+
+@jit
+def exchange_box(part_ptr, res_ptr, out_ptr, recv_ptr, peers_ptr, rank, r0, r1, c0, c1, M, N, tag, ok, timeout,
+                 error_ptr, worker, task, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr,
+                 RESIDUAL: tl.constexpr, USE_TIMER: tl.constexpr, ALIGN: tl.constexpr):
+    """One box (rows [r0, r1), columns [c0, c1), at most BLOCK_M x BLOCK_N; float32 ``[M, N]``
+    tensors) of ``out = res + sum over ranks of part``: this rank's partial pushed to every
+    rank (:func:`push_box`), every rank's gathered from its own ``recv``
+    (:func:`gather_box`), in rank order. Returns ok (0: a peer did not come, or ``ok`` was
+    0 and the task did nothing)."""
     rows = r0 + tl.arange(0, BLOCK_M)
     cols = c0 + tl.arange(0, BLOCK_N)
     mask = (rows < r1)[:, None] & ((cols < c1) & (cols < N))[None, :]
     offs = rows[:, None] * N + cols[None, :]
-    if RESIDUAL:
-        acc = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
-        # (Volatile: a peer's copy is read once a step, never from a cache of an earlier step's.
-        # Its base is a buffer's in the peer's workspace, 16-byte aligned as this rank's is:
-        # said so, the loads are 128-bit.)
-        acc += tl.load(_peer(part_ptr, peers_ptr, rank, q, ALIGN=16) + offs, mask=mask, other=0.0, volatile=True)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    ok = ok + tl.zeros([], dtype=tl.int32)
+    if ok != 0:
+        # (From L2, .cg: other SMs wrote the partial and the residual, and this SM's L1 may
+        # hold the same addresses from an earlier step.)
+        part = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        push_box(part, recv_ptr, peers_ptr, rank, offs, mask, M * N, tag, WORLD=WORLD, ALIGN=ALIGN)
+        if RESIDUAL:
+            acc = tl.load(res_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc, ok = gather_box(acc, recv_ptr, offs, mask, M * N, tag, ok, timeout, error_ptr, worker, task,
+                             WORLD=WORLD, USE_TIMER=USE_TIMER)
+        if ok != 0:
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return ok
 
 
 @jit
@@ -196,78 +286,87 @@ def argmax_ranks_tile(shared_ptr, peers_ptr, next_ids_ptr, pos_ptr, tokens_ptr, 
 
 
 @jit
-def _all_reduce_kernel(part_ptr, res_ptr, out_ptr, flags_ptr, peers_ptr, error_ptr, rank, M, N, epoch, timeout,
+def _all_reduce_kernel(part_ptr, res_ptr, out_ptr, recv_ptr, peers_ptr, error_ptr, rank, M, N, epoch, timeout,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORLD: tl.constexpr, RESIDUAL: tl.constexpr,
-                       USE_TIMER: tl.constexpr):
+                       USE_TIMER: tl.constexpr, ALIGN: tl.constexpr):
     pid_n = tl.program_id(0)
-    ok = meet_ranks(flags_ptr + pid_n, peers_ptr, rank, 1, epoch, timeout, error_ptr, 0, pid_n, WORLD=WORLD,
-                    USE_TIMER=USE_TIMER)
-    if ok != 0:
-        all_reduce_tile(part_ptr, res_ptr, out_ptr, peers_ptr, rank, pid_n, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                        WORLD=WORLD, RESIDUAL=RESIDUAL)
+    exchange_box(part_ptr, res_ptr, out_ptr, recv_ptr, peers_ptr, rank, 0, M, pid_n * BLOCK_N, (pid_n + 1) * BLOCK_N,
+                 M, N, hop_tag(epoch, 0), 1, timeout, error_ptr, 0, pid_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, WORLD=WORLD,
+                 RESIDUAL=RESIDUAL, USE_TIMER=USE_TIMER, ALIGN=ALIGN)
 
 
-def all_reduce(part: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, peers: torch.Tensor, rank: int, *,
+def all_reduce(part: torch.Tensor, out: torch.Tensor, recv: torch.Tensor, peers: torch.Tensor, rank: int, *,
                residual: torch.Tensor | None = None, epoch: int = 0, timeout_s: float = 10.0) -> torch.Tensor:
     """``out = residual + sum over ranks of part`` (each float32 ``[M, N]``), as one launch on
-    every rank at once (:func:`all_reduce_tile`). ``part`` and ``flags`` (int32, one per
-    column block, ``epoch`` on every rank before this call) lie in a symmetric workspace
-    whose base on each rank ``peers`` (int64 ``[world]``, on the device) lists; with one
-    rank that is just this rank's own. Raises RuntimeError naming the peer that did not
-    arrive within ``timeout_s``."""
+    every rank at once (:func:`exchange_box`). ``recv`` (int64 ``[world, M, N]``) lies in a
+    symmetric workspace whose base on each rank ``peers`` (int64 ``[world]``, on the
+    device) lists; with one rank that is just this rank's own. Launch ``epoch`` (0, 1, ...)
+    of the ranks' launches on one ``recv`` (zeroed on every rank before the first): two
+    launches in a row on one ``recv`` need every rank past the first (a peer's next words
+    could overwrite ones this rank has not read yet). Raises RuntimeError naming the peer
+    that did not arrive within ``timeout_s``."""
     check_tensor("part", part, ndim=2, dtype=(torch.float32,))
-    if part.data_ptr() % 16:
-        raise ValueError(f"all_reduce: part must start 16-byte aligned (its peers' copies are read 16 bytes at a "
-                         f"time), it starts at {part.data_ptr():#x}")
     M, N = part.shape
     check_tensor("out", out, shape=(M, N), dtype=(torch.float32,))
     if residual is not None:
         check_tensor("residual", residual, shape=(M, N), dtype=(torch.float32,))
-    block_n = all_reduce_block_n(N)
-    check_tensor("flags", flags, ndim=1, dtype=(torch.int32,))
-    if flags.shape[0] < cdiv(N, block_n):
-        raise ValueError(f"all_reduce: flags holds {flags.shape[0]} words, the {cdiv(N, block_n)} tiles need one each")
-    error, timeout, gpu = _launch_setup("all_reduce", peers, rank, timeout_s, part=part, out=out, flags=flags)
-    world = peers.shape[0]
-    _all_reduce_kernel[(cdiv(N, block_n),)](part, part if residual is None else residual, out, flags, peers, error,
-                                            rank, M, N, epoch, timeout, BLOCK_M=max(1, 1 << (M - 1).bit_length()),
-                                            BLOCK_N=block_n, WORLD=world, RESIDUAL=residual is not None,
-                                            USE_TIMER=gpu)
+    check_tensor("recv", recv, shape=(peers.shape[0] if peers.dim() == 1 else None, M, N), dtype=(torch.int64,))
+    error, timeout, gpu = _launch_setup("all_reduce", peers, rank, timeout_s, part=part, out=out, recv=recv)
+    world, block_n = peers.shape[0], all_reduce_block_n(M, N)
+    _all_reduce_kernel[(cdiv(N, block_n),)](part, part if residual is None else residual, out, recv, peers, error,
+                                            rank, M, N, epoch, timeout, BLOCK_M=_pow2(M), BLOCK_N=block_n,
+                                            WORLD=world, RESIDUAL=residual is not None, USE_TIMER=gpu,
+                                            ALIGN=slot_align(M, N))
     _raise_missed(error, "all_reduce", rank, timeout_s)
     return out
 
 
 @jit
-def _meetings_kernel(flag_ptr, peers_ptr, error_ptr, rank, meetings, timeout, WORLD: tl.constexpr,
-                     USE_TIMER: tl.constexpr):
+def _hops_kernel(recv_ptr, peers_ptr, error_ptr, rank, hops, timeout, WORLD: tl.constexpr, COLS: tl.constexpr,
+                 USE_TIMER: tl.constexpr):
+    # Hop h exchanges program p's COLS words in recv half h % 2: a peer can be one hop ahead
+    # of this rank (it has this rank's words of hop h), never two (it needs them of h + 1).
     pid = tl.program_id(0)
+    width = tl.num_programs(0) * COLS
+    cols = pid * COLS + tl.arange(0, COLS)[None, :]
+    mask = cols < width
     ok = tl.full([], 1, tl.int32)
-    for i in range(meetings):
-        ok = meet_ranks(flag_ptr + pid, peers_ptr, rank, ok, i, timeout, error_ptr, pid, i, WORLD=WORLD,
-                        USE_TIMER=USE_TIMER)
+    for h in range(hops):
+        half = recv_ptr + (h % 2) * WORLD * width
+        push_box(tl.zeros([1, COLS], dtype=tl.float32), half, peers_ptr, rank, cols, mask, width, h + 1,
+                 WORLD=WORLD, ALIGN=16)
+        _, ok = gather_box(tl.zeros([1, COLS], dtype=tl.float32), half, cols, mask, width, h + 1, ok, timeout,
+                           error_ptr, pid, h, WORLD=WORLD, USE_TIMER=USE_TIMER)
 
 
-def rank_meetings(flags: torch.Tensor, peers: torch.Tensor, rank: int, meetings: int, *, programs: int = 1,
-                  timeout_s: float = 10.0) -> torch.Tensor:
-    """Launch ``meetings`` meetings of the ranks one after another (:func:`meet_ranks`) in each
-    of ``programs`` programs at once, program p on ``flags[p]`` (int32 words of a symmetric
-    workspace that hold 0 on every rank before), on every rank at once: what one hop
-    between GPUs costs, alone or among others, for calibration
-    (:func:`mk.planner.calibrate.measure_link`). Returns the launch's error buffer without
-    waiting for it (timing wraps the launch alone); :func:`check_meetings` reads it."""
-    check_tensor("flags", flags, ndim=1, dtype=(torch.int32,))
-    if not 1 <= programs <= flags.shape[0]:
-        raise ValueError(f"rank_meetings: programs must be in [1, {flags.shape[0]}] (a flag each), got {programs}")
-    error, timeout, gpu = _launch_setup("rank_meetings", peers, rank, timeout_s, flags=flags)
-    _meetings_kernel[(programs,)](flags, peers, error, rank, meetings, timeout, WORLD=peers.shape[0],
-                                  USE_TIMER=gpu)
+#: Words a program of :func:`rank_hops` exchanges a hop.
+HOP_COLS = 16
+
+
+def rank_hops(recv: torch.Tensor, peers: torch.Tensor, rank: int, hops: int, *, programs: int = 1,
+              timeout_s: float = 10.0) -> torch.Tensor:
+    """Launch ``hops`` exchanges among the ranks one after another (:func:`push_box` then
+    :func:`gather_box` of :data:`HOP_COLS` words) in each of ``programs`` programs at once,
+    on every rank at once: what one hop of a sum over the GPUs costs, alone or among others,
+    for calibration (:func:`mk.planner.calibrate.measure_link`). ``recv``: int64 words of a
+    symmetric workspace, zero on every rank before, at least 2 x world x programs x
+    HOP_COLS of them. Returns the launch's error buffer without waiting for it (timing
+    wraps the launch alone); :func:`check_hops` reads it."""
+    world = peers.shape[0] if peers.dim() == 1 else 0
+    check_tensor("recv", recv, ndim=1, dtype=(torch.int64,))
+    need = 2 * world * programs * HOP_COLS
+    if programs < 1 or recv.shape[0] < need:
+        raise ValueError(f"rank_hops: {programs} program(s) over {world} ranks need recv of {need} words (2 x world "
+                         f"x programs x {HOP_COLS}), it holds {recv.shape[0]}")
+    error, timeout, gpu = _launch_setup("rank_hops", peers, rank, timeout_s, recv=recv)
+    _hops_kernel[(programs,)](recv, peers, error, rank, hops, timeout, WORLD=world, COLS=HOP_COLS, USE_TIMER=gpu)
     return error
 
 
-def check_meetings(error: torch.Tensor, rank: int, timeout_s: float = 10.0) -> None:
+def check_hops(error: torch.Tensor, rank: int, timeout_s: float = 10.0) -> None:
     """Raise RuntimeError naming the peer this rank waited for in vain during
-    :func:`rank_meetings` (launched with ``timeout_s``), and the meeting."""
-    _raise_missed(error, "rank_meetings", rank, timeout_s, meeting=True)
+    :func:`rank_hops` (launched with ``timeout_s``), and the hop."""
+    _raise_missed(error, "rank_hops", rank, timeout_s, hop=True)
 
 
 def _launch_setup(op: str, peers, rank: int, timeout_s: float, **tensors) -> tuple[torch.Tensor, int, bool]:
@@ -282,13 +381,13 @@ def _launch_setup(op: str, peers, rank: int, timeout_s: float, **tensors) -> tup
     return torch.zeros(8, dtype=torch.int32, device=peers.device), timeout, gpu
 
 
-def _raise_missed(error: torch.Tensor, op: str, rank: int, timeout_s: float, meeting: bool = False) -> None:
+def _raise_missed(error: torch.Tensor, op: str, rank: int, timeout_s: float, hop: bool = False) -> None:
     """Raise RuntimeError naming the peer a launch of ``op`` waited for in vain (the words
-    :func:`meet_ranks` records), if it did."""
+    :func:`gather_box` records), if it did."""
     if int(error[0]):
-        at = f" at meeting {int(error[2])}" if meeting else ""
+        at = f" at hop {int(error[2])}" if hop else ""
         raise RuntimeError(f"{op}: rank {rank} waited {timeout_s} s{at} for rank {-2 - int(error[3])}: "
-                           f"its flag showed {int(error[4])}, expected {int(error[5])}")
+                           f"its words showed tag {int(error[4])}, expected {int(error[5])}")
 
 
 def all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,21 +398,35 @@ def all_reduce_ref(parts: list[torch.Tensor], residual: torch.Tensor | None = No
     return acc
 
 
-def all_reduce_block_n(n: int) -> int:
-    """Columns of one all-reduce tile: a power of two, at most MAX_BLOCK_N."""
-    return min(MAX_BLOCK_N, max(16, 1 << (n - 1).bit_length()))
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def all_reduce_block_n(rows: int, n: int) -> int:
+    """Columns of one all-reduce tile: a power of two, at most MAX_BLOCK_N, and at most
+    TILE_WORDS words with the rows: a tile's poll reloads its whole box, and small boxes
+    spread the pushes over more programs (one hop over two H200s, a row of 8192 columns:
+    1.8 µs in tiles of 64 columns, 2.3 in tiles of 1024; eight rows: 2.1 µs and 9.5)."""
+    return min(MAX_BLOCK_N, max(16, TILE_WORDS // _pow2(rows)), max(16, _pow2(n)))
+
+
+def slot_align(rows: int, n: int) -> int:
+    """Bytes every rank's slot of a ``[world, rows, n]`` int64 ``recv`` starts aligned to,
+    the buffer's start 16-byte aligned (as the symmetric workspace's buffers are)."""
+    return 16 if rows * n % 2 == 0 else 8
 
 
 def all_reduce_cost(rows: int, n: int, world: int) -> TaskCost:
-    """Bytes and flops of one all-reduce on one rank: every rank's partial read (world - 1
-    of them over the GPU link), the residual read and the sum written."""
-    return TaskCost(rows * n * 4 * (world + 1), rows * n * 4, rows * n * world)
+    """Bytes and flops of one all-reduce on one rank: the partial and the residual read, the
+    partial pushed to every rank as 8-byte words (:func:`all_reduce_remote_bytes` of them
+    over the GPU link), every rank's words read back and the sum written."""
+    words = rows * n * 8 * world
+    return TaskCost(rows * n * 4 * 2 + words, rows * n * 4 + words, rows * n * world)
 
 
-def all_reduce_link_share(world: int) -> float:
-    """The part of :func:`all_reduce_cost`'s bytes read that crosses the GPU link (the peers'
-    partials)."""
-    return (world - 1) / (world + 1)
+def all_reduce_remote_bytes(rows: int, n: int, world: int) -> int:
+    """What one rank's all-reduce sends over the GPU link: its partial's words, to each peer."""
+    return rows * n * 8 * (world - 1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,43 +434,50 @@ def all_reduce_link_share(world: int) -> float:
 # run each rank's tensor under "@role", rank order).
 # ---------------------------------------------------------------------------------------
 
-_MEET_CALL = ("ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
-              "USE_TIMER=USE_TIMER)\n")
-_MEET = "ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n" + _MEET_CALL
+_MEET = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+         "ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
+         "USE_TIMER=USE_TIMER)\n")
+#: A task's box summed over the ranks: the tag is its all-reduce's in the launch (every
+#: rank's launch of one step has one number; :func:`hop_tag`), the task's index names it
+#: in a timeout.
+_EXCHANGE = ("ok = exchange_box({part}, {res}, {out}, recv, peers, rank, {r0}, {r1}, {c0}, {c1}, M, N, "
+             "hop_tag(epoch, hop), "
+             "ok, timeout, error_ptr, worker, w3, BLOCK_M={bm}, BLOCK_N={bn}, WORLD=WORLD, RESIDUAL={residual}, "
+             "USE_TIMER=USE_TIMER, ALIGN=AR_ALIGN)")
 
 #: What a task that sums its box over the ranks itself (``linear`` / ``linear_reduce`` with
 #: ``all_reduce``) binds besides its own operands, and the import its body needs.
-RANKS_SUM_OPERANDS = ("res", "total", "flags", "peers")
-RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import all_reduce_box, meet_ranks"
+RANKS_SUM_OPERANDS = ("res", "total", "recv", "peers")
+RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import exchange_box, hop_tag"
 
 
-def ranks_sum_tail(rows: int, cols: int, tasks_n: int, world: int) -> tuple[str, dict]:
+def ranks_sum_tail(rows: int, cols: int, tasks_n: int, world: int, M: int, N: int) -> tuple[str, dict]:
     """The end of a task body (and its constexprs) that, its float32 partial of a box of
-    ``rows`` x ``cols`` (task (pid_m, pid_n) of ``tasks_n`` a row block) stored into out in
-    symmetric memory, meets the ranks on its word of flags and writes ``total = res + every
-    rank's partial`` of its box (rank order: the same bits on every rank; :func:`all_reduce_box`)."""
-    body = ("\n" + _MEET_CALL.format(flag="flags + pid_m * AR_TASKS_N + pid_n") +
-            "if ok != 0:\n"
-            "    all_reduce_box(out, res, total, peers, rank, pid_m * AR_ROWS, tl.minimum(M, pid_m * AR_ROWS + AR_ROWS), "
-            "pid_n * AR_COLS, pid_n * AR_COLS + AR_COLS, N, BLOCK_M=AR_BLOCK_M, BLOCK_N=AR_BLOCK_N, WORLD=WORLD, "
-            "RESIDUAL=1)")
-    return body, dict(WORLD=world, AR_ROWS=rows, AR_COLS=cols, AR_TASKS_N=tasks_n,
-                      AR_BLOCK_M=1 << (rows - 1).bit_length(), AR_BLOCK_N=1 << (cols - 1).bit_length())
+    ``rows`` x ``cols`` (task (pid_m, pid_n) of ``tasks_n`` a row block, of an ``[M, N]``
+    output) stored into out, pushes it to every rank and writes ``total = res + every
+    rank's partial`` of its box (rank order: the same bits on every rank;
+    :func:`exchange_box`)."""
+    body = ("\ntl.debug_barrier()  # (the partial, stored by all the block's threads, read back whole)\n" +
+            _EXCHANGE.format(part="out", res="res", out="total", r0="pid_m * AR_ROWS",
+                             r1="tl.minimum(M, pid_m * AR_ROWS + AR_ROWS)", c0="pid_n * AR_COLS",
+                             c1="pid_n * AR_COLS + AR_COLS", bm="AR_BLOCK_M", bn="AR_BLOCK_N", residual=1))
+    return body, dict(WORLD=world, AR_ROWS=rows, AR_COLS=cols, AR_TASKS_N=tasks_n, AR_ALIGN=slot_align(M, N),
+                      AR_BLOCK_M=_pow2(rows), AR_BLOCK_N=_pow2(cols))
 
 
-def ranks_sum_ref(b: dict, box: tuple[int, int, int, int], word: int, parts: list[torch.Tensor]) -> None:
+def ranks_sum_ref(b: dict, box: tuple[int, int, int, int], parts: list[torch.Tensor]) -> None:
     """VM: :func:`ranks_sum_tail`'s sum of ``box`` (r0, r1, c0, c1) given every rank's float32
-    partial of it (the task stores its own rank's into out itself), and its flag word."""
+    partial of it (the task stores its own rank's into out itself)."""
     r0, r1, c0, c1 = box
     total = as_2d(b["total"])
     total[r0:r1, c0:c1] = all_reduce_ref(parts, as_2d(b["res"])[r0:r1, c0:c1]).to(total.dtype)
-    as_2d(b["flags"])[0, word] += 1
 
 
-def ranks_sum_regions(bind: dict, box: tuple[int, int, int, int], word: int) -> list[Region]:
-    """What :func:`ranks_sum_tail` writes besides the partial: the box of total, the flag."""
+def ranks_sum_regions(bind: dict, box: tuple[int, int, int, int]) -> list[Region]:
+    """What :func:`ranks_sum_tail` writes besides the partial: the box of total (its words
+    in the ranks' ``recv`` are synchronisation, ordered by their tags, not by the graph)."""
     r0, r1, c0, c1 = box
-    return [Region(bind["total"], r0, r1, c0, c1), Region(bind["flags"], 0, 1, word, word + 1)]
+    return [Region(bind["total"], r0, r1, c0, c1)]
 
 
 def _check_rank(op: str, bufs: dict, a: dict, role: str) -> None:
@@ -371,12 +491,15 @@ def _check_rank(op: str, bufs: dict, a: dict, role: str) -> None:
 @register("all_reduce")
 def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n: int | None = None,
                   num_warps: int = 4) -> OpSpec:
-    """One column block of ``out = res + sum over ranks of part`` (float32 ``[M, N]``).
+    """One column block of ``out = res + sum over ranks of part`` (float32 ``[M, N]``;
+    :func:`exchange_box`).
 
-    Operands: part (symmetric), res (with ``residual``), out, flags int32 (symmetric, one
-    word per column block), peers int64 ``[world]``. Args: pid_n, rank."""
+    Operands: part, res (with ``residual``), out, recv int64 ``[world, M, N]`` (symmetric:
+    each rank's words of the partial, tagged with the launch and ``hop``), peers int64
+    ``[world]``. Args: pid_n, rank, hop (the all-reduce's index in the step, below
+    :data:`HOP_SPACE`)."""
     check_sizes("all_reduce", M=M, N=N, world=world)
-    block_n = check_pow2("all_reduce", "block_n", block_n or all_reduce_block_n(N))
+    block_n = check_pow2("all_reduce", "block_n", block_n or all_reduce_block_n(M, N))
     tiles = cdiv(N, block_n)
 
     def cols(a):
@@ -390,7 +513,6 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
         res = operand_view("all_reduce", "res", b["res"], M, N)[:, c0:c1] if residual else None
         out = operand_view("all_reduce", "out", b["out"], M, N)
         out[:, c0:c1] = all_reduce_ref(parts, res).to(out.dtype)
-        as_2d(b["flags"])[0, a["pid_n"]] += 1
 
     def reads(a, bind):
         c0, c1 = cols(a)
@@ -398,20 +520,19 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
 
     def writes(a, bind):
         c0, c1 = cols(a)
-        return [Region(bind["out"], 0, M, c0, c1), Region(bind["flags"], 0, 1, a["pid_n"], a["pid_n"] + 1)]
+        return [Region(bind["out"], 0, M, c0, c1)]
 
-    body = (_MEET.format(flag="flags + pid_n") +
-            "if ok != 0:\n"
-            "    all_reduce_tile(part, res, out, peers, rank, pid_n, M, N, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
-            "WORLD=WORLD, RESIDUAL=RESIDUAL)")
-    operands = ("part",) + (("res",) if residual else ()) + ("out", "flags", "peers")
-    return OpSpec(name="all_reduce", operands=operands, args=("pid_n", "rank"),
-                  body=body if residual else body.replace("(part, res, out", "(part, part, out"),
-                  imports=("from mk.tasks.all_reduce import all_reduce_tile, meet_ranks",),
-                  constexprs={"M": M, "N": N, "BLOCK_M": max(1, 1 << (M - 1).bit_length()), "BLOCK_N": block_n,
-                              "WORLD": world, "RESIDUAL": int(residual)},
+    body = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n" +
+            _EXCHANGE.format(part="part", res="res" if residual else "part", out="out", r0=0, r1="M",
+                             c0="pid_n * BLOCK_N", c1="pid_n * BLOCK_N + BLOCK_N", bm="BLOCK_M", bn="BLOCK_N",
+                             residual="RESIDUAL"))
+    operands = ("part",) + (("res",) if residual else ()) + ("out", "recv", "peers")
+    return OpSpec(name="all_reduce", operands=operands, args=("pid_n", "rank", "hop"), body=body,
+                  imports=("from mk.tasks.all_reduce import exchange_box, hop_tag",),
+                  constexprs={"M": M, "N": N, "BLOCK_M": _pow2(M), "BLOCK_N": block_n, "WORLD": world,
+                              "RESIDUAL": int(residual), "AR_ALIGN": slot_align(M, N)},
                   num_warps=num_warps, waits_in_body=True, run=run, reads=reads, writes=writes,
-                  peer_operands=("part",), sync_operands=("flags",),
+                  peer_operands=("part",), sync_operands=("recv",),
                   tiles=lambda _: [{"pid_n": n} for n in range(tiles)])
 
 

@@ -103,6 +103,40 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces):
         assert torch.equal(program.graph.buffers[last], programs[0].graph.buffers[last]), (name, rank)
 
 
+@pytest.mark.parametrize("all_reduces", ["as planned", "own"])
+def test_every_all_reduce_of_a_lowered_step_has_its_own_tag(all_reduces):
+    from mk.models.blocks import decode_graph
+    from mk.planner.device import DeviceSpec
+    from mk.planner.lower import lower_decode_step, meta_buffers
+    from mk.planner.search import search
+
+    # Layers past the second are the layer before's tasks copied: their all-reduces must
+    # still take their own index in the step (the words' tag), not the copied one's.
+    shape = ModelShape("t", hidden=256, intermediate=512, layers=5, heads=8, kv_heads=4, head_dim=32, vocab=512)
+    graph = decode_graph(shape.shard(2), 1, 64)
+    plan = _all_reduces(search(graph, DeviceSpec.preset("h200"), beam_width=2)[0], all_reduces)
+    bufs = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in meta_buffers(graph, 64).items()}
+    step = lower_decode_step(plan, graph, bufs, eps=1e-5, rank=1)
+    hops = {}  # by the all-reduce's sum (its own tiles' out, a projection's fused tail's total)
+    for t in step.graph.tasks:
+        if "hop" in t.args:
+            hops.setdefault(t.bind.get("total", t.bind.get("out")), set()).add(t.args["hop"])
+    assert len(hops) == 2 * shape.layers + 1 and all(len(h) == 1 for h in hops.values()), hops
+    assert sorted(h for (h,) in hops.values()) == list(range(2 * shape.layers + 1))
+
+
+def test_consecutive_sums_over_the_ranks_push_into_different_buffers():
+    from mk.models.blocks import decode_graph
+
+    # A peer may push an all-reduce's words while this rank still reads the one before's
+    # (never the one two before): two buffers, in turn, and only the token's choice between
+    # a step's last all-reduce and the next step's first, which share one.
+    graph = decode_graph(ModelShape.preset("llama-3-8b").shard(2), 1, 64)
+    recvs = [n.buffers["recv"] for n in graph.nodes if n.kind == "all_reduce"]
+    assert len(recvs) == 2 * 32 + 1 and len(set(recvs)) == 2
+    assert all(a != b for a, b in zip(recvs, recvs[1:])) and recvs[0] == recvs[-1]
+
+
 def test_a_model_that_does_not_split_is_refused_naming_the_size():
     shape = ModelShape.preset("llama-3-8b")
     with pytest.raises(ValueError, match="8 key/value heads do not split over tp=16"):
@@ -139,69 +173,79 @@ def test_the_plan_command_shows_one_rank_s_share(capsys):
     assert "llama-3-8b/tp2" in text and "all_reduce" in text
 
 
-@pytest.mark.parametrize("world, late", [(2, (1,)), (4, (2,)), (4, (2, 3))])
-def test_the_all_reduce_sums_every_rank_and_names_a_peer_that_never_arrives(world, late):
-    from mk.tasks.all_reduce import all_reduce, all_reduce_ref
+def _words(values: torch.Tensor, tag: int) -> torch.Tensor:
+    """Float32 ``values`` as the all-reduce pushes them: 64-bit words, ``tag`` in the high half."""
+    return (tag << 32) | (values.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
 
-    # The ranks' symmetric workspaces on the CPU: [partial sums | flags] each; every peer has
-    # published its tile (flag 1 = launch 0 + 1), so rank 0's launch meets them and sums
-    # every rank's partial in rank order. The next launch: every peer but those ``late``
-    # comes, and the error names the first of them (not the first peer, not one that came).
+
+@pytest.mark.parametrize("world, late", [(2, (1,)), (4, (2,)), (4, (2, 3))])
+def test_the_all_reduce_pushes_sums_every_rank_and_names_a_peer_that_never_arrives(world, late):
+    from mk.tasks.all_reduce import HOP_SPACE, all_reduce, all_reduce_ref
+
+    # The ranks' receive buffers on the CPU (each its rank's "workspace"): every peer has
+    # pushed its partial of launch 0 (tag 1) into rank 0's, so rank 0's launch sums every
+    # rank's partial in rank order, and pushes its own into its slot of every rank's.
     M, N = 3, 100
-    ws = [torch.zeros(M * N + 64, dtype=torch.float32) for _ in range(world)]
-    parts = [w[:M * N].view(M, N) for w in ws]
-    flags = [w[M * N:].view(torch.int32) for w in ws]
-    for p in parts:
-        p.copy_(torch.randn(M, N))
-    peers = torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64)
+    recv = [torch.zeros(world, M, N, dtype=torch.int64) for _ in range(world)]
+    parts = [torch.randn(M, N) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in recv], dtype=torch.int64)
     res, out = torch.randn(M, N), torch.empty(M, N)
     for q in range(1, world):
-        flags[q][0] = 1
-    all_reduce(parts[0], out, flags[0], peers, 0, residual=res)
-    assert torch.equal(out, all_reduce_ref(parts, res)) and int(flags[0][0]) == 1
+        recv[0][q] = _words(parts[q], 1)
+    all_reduce(parts[0], out, recv[0], peers, 0, residual=res)
+    assert torch.equal(out, all_reduce_ref(parts, res))
+    for q in range(world):
+        assert torch.equal(recv[q][0], _words(parts[0], 1)), q
+    # The next launch: every peer pushes launch 1's words but those ``late``, one of whose
+    # words is still launch 0's: the whole box waits, and the error names the first of them.
     for q in range(1, world):
-        flags[q][0] = 1 if q in late else 2
-    with pytest.raises(RuntimeError, match=f"rank 0 waited 0.01 s for rank {late[0]}: its flag showed 1, expected 2"):
-        all_reduce(parts[0], out, flags[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
+        recv[0][q] = _words(parts[q], HOP_SPACE + 1)
+        if q in late:
+            recv[0][q, 2, 99] = _words(parts[q][2, 99], 1)
+    with pytest.raises(RuntimeError, match=f"rank 0 waited 0.01 s for rank {late[0]}: its words showed tag 1, "
+                                           f"expected {HOP_SPACE + 1}"):
+        all_reduce(parts[0], out, recv[0], peers, 0, residual=res, epoch=1, timeout_s=0.01)
 
 
-def test_the_all_reduce_refuses_a_partial_that_does_not_start_16_byte_aligned():
+def test_the_all_reduce_refuses_a_receive_buffer_of_another_shape():
     from mk.tasks.all_reduce import all_reduce
 
-    # Its peers' copies are read 16 bytes at a time: a partial 4 bytes into a workspace
-    # would be misaligned on the GPU. Refused before any work, naming the address.
-    ws = torch.zeros(2 * 64 + 1 + 16, dtype=torch.float32)
-    part, flags = ws[1:129].view(2, 64), ws[129:].view(torch.int32)
-    peers = torch.tensor([ws.data_ptr()] * 2, dtype=torch.int64)
+    # Each rank's words of the whole [M, N] partial, a slot a rank: a buffer with a slot too
+    # few would take a peer's words past its end. Refused before any work.
+    recv = torch.zeros(1, 2, 64, dtype=torch.int64)
+    peers = torch.tensor([recv.data_ptr()] * 2, dtype=torch.int64)
     out = torch.full((2, 64), 7.0)
-    with pytest.raises(ValueError, match="part must start 16-byte aligned"):
-        all_reduce(part, out, flags, peers, 0)
-    assert torch.equal(out, torch.full((2, 64), 7.0)) and not flags.any()
+    with pytest.raises(ValueError, match=r"recv must have shape \(2, 2, 64\), got \(1, 2, 64\)"):
+        all_reduce(torch.randn(2, 64), out, recv, peers, 0)
+    assert torch.equal(out, torch.full((2, 64), 7.0)) and not recv.any()
 
 
-def test_the_link_calibration_s_meetings_wait_for_every_meeting_of_the_peer():
-    from mk.tasks.all_reduce import check_meetings, rank_meetings
+def test_the_link_calibration_s_hops_wait_for_every_word_of_the_peer():
+    from mk.tasks.all_reduce import HOP_COLS, check_hops, rank_hops
 
-    # Two ranks' flag words on the CPU: rank 1 has held 5 meetings, so rank 0's 5 pass.
-    flags = [torch.zeros(16, dtype=torch.int32) for _ in range(2)]
-    peers = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
-    flags[1][0] = 5
-    check_meetings(rank_meetings(flags[0][:1], peers, 0, 5), 0)
-    assert int(flags[0][0]) == 5
-    # Rank 1 stopped after 3: rank 0's fourth meeting runs out, naming it.
-    flags[0][0], flags[1][0] = 0, 3
-    error = rank_meetings(flags[0][:1], peers, 0, 5, timeout_s=0.01)
-    with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s at meeting 3 for rank 1: its flag showed 3, "
-                                           "expected 4"):
-        check_meetings(error, 0, 0.01)
-    # Three programs at once, each on its own flag: the third's peer stopped after 2.
-    flags[0][:3], flags[1][:3] = 0, torch.tensor([5, 5, 2], dtype=torch.int32)
-    error = rank_meetings(flags[0][:3], peers, 0, 5, programs=3, timeout_s=0.01)
-    with pytest.raises(RuntimeError, match="at meeting 2 for rank 1: its flag showed 2, expected 3"):
-        check_meetings(error, 0, 0.01)
-    assert flags[0][:2].tolist() == [5, 5]
-    with pytest.raises(ValueError, match=r"programs must be in \[1, 3\] \(a flag each\), got 4"):
-        rank_meetings(flags[0][:3], peers, 0, 5, programs=4)
+    # Two ranks' receive words on the CPU, two halves a hop uses in turn ([half, rank,
+    # programs x HOP_COLS] words): rank 1 has pushed its (zero) words of hops 0 and 1 into
+    # rank 0's, so rank 0's two hops pass, and push its words into rank 1's.
+    recv = [torch.zeros(2 * 2 * 3 * HOP_COLS, dtype=torch.int64) for _ in range(2)]
+    peers = torch.tensor([r.data_ptr() for r in recv], dtype=torch.int64)
+    one = recv[0][:4 * HOP_COLS].view(2, 2, HOP_COLS)
+    one[0, 1], one[1, 1] = 1 << 32, 2 << 32
+    check_hops(rank_hops(recv[0], peers, 0, 2, timeout_s=0.01), 0, 0.01)
+    assert recv[1][:4 * HOP_COLS].view(2, 2, HOP_COLS)[1, 0].tolist() == [2 << 32] * HOP_COLS
+    # A third hop finds half 0 still at hop 0: rank 1 stopped after 2.
+    error = rank_hops(recv[0], peers, 0, 3, timeout_s=0.01)
+    with pytest.raises(RuntimeError, match="rank 0 waited 0.01 s at hop 2 for rank 1: its words showed tag 1, "
+                                           "expected 3"):
+        check_hops(error, 0, 0.01)
+    # Three programs at once, each on its own words: the third's peer stopped after 1.
+    recv[0].zero_()
+    three = recv[0].view(2, 2, 3 * HOP_COLS)
+    three[0, 1], three[1, 1, :2 * HOP_COLS] = 1 << 32, 2 << 32
+    error = rank_hops(recv[0], peers, 0, 2, programs=3, timeout_s=0.01)
+    with pytest.raises(RuntimeError, match="at hop 1 for rank 1: its words showed tag 0, expected 2"):
+        check_hops(error, 0, 0.01)
+    with pytest.raises(ValueError, match=r"4 program\(s\) over 2 ranks need recv of 256 words"):
+        rank_hops(recv[0], peers, 0, 5, programs=4)
 
 
 def _prefill_rank(rank: int, tp: int, init: str, config_dict: dict, prompts: list, out: dict) -> None:
@@ -300,25 +344,27 @@ def test_an_embedding_share_gives_its_rows_and_zeros_for_the_other_ranks_tokens(
     assert torch.equal(g.buffers["out"], want)
 
 
-def test_a_kernel_reset_zeroes_the_ranks_flags_and_a_peer_s_timeout_names_the_rank():
-    # The flags count launches; a reset after a failed launch restarts the count, so it must
-    # zero them too, or the next launch would take a peer's old flag for its arrival.
+def test_a_kernel_reset_zeroes_the_pushed_words_and_a_peer_s_timeout_names_the_rank():
+    # The words carry the launch's number + 1; a reset after a failed launch restarts the
+    # count, so it must zero them too, or a later launch would take an old word for its own.
     from mk.persistent.graph import TaskGraph
     from mk.persistent.runtime import Megakernel, MegakernelTimeout
     from mk.tasks import make_op, op_tiles
 
     g = TaskGraph()
     for name, t in (("part", torch.randn(2, 40)), ("res", torch.randn(2, 40)), ("out", torch.zeros(2, 40)),
-                    ("flags", torch.zeros(40, dtype=torch.int32)), ("peers", torch.zeros(1, dtype=torch.int64))):
+                    ("recv", torch.zeros(1, 2, 40, dtype=torch.int64)), ("peers", torch.zeros(1, dtype=torch.int64))):
         g.buffer(name, t)
+    g.buffers["peers"][0] = g.buffers["recv"].data_ptr()
     spec = make_op("all_reduce", M=2, N=40, world=1)
-    g.add_tiles(spec, [dict(t, rank=0) for t in op_tiles(spec)], part="part", res="res", out="out", flags="flags",
-                peers="peers")
+    g.add_tiles(spec, [dict(t, rank=0, hop=0) for t in op_tiles(spec)], part="part", res="res", out="out",
+                recv="recv", peers="peers")
     kernel = Megakernel(lower(g, num_workers=1))
     kernel.run()
-    assert torch.equal(g.buffers["out"], g.buffers["res"] + g.buffers["part"]) and int(g.buffers["flags"][0]) == 1
+    assert torch.equal(g.buffers["out"], g.buffers["res"] + g.buffers["part"])
+    assert torch.equal(g.buffers["recv"][0], _words(g.buffers["part"], 1))
     kernel.reset()
-    assert int(g.buffers["flags"][0]) == 0
+    assert not g.buffers["recv"].any()
     assert "waited on rank 1 of the tensor-parallel step, saw 3 of 4" in str(MegakernelTimeout(0, 0, "all_reduce#0",
                                                                                                -3, 3, 4))
 
@@ -351,12 +397,13 @@ def test_a_rank_s_step_build_reports_the_time_its_shared_buffers_took():
                          ids=["rows-tile", "tma-run-of-3", "split-k-reduce"])
 def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, tma, split):
     from mk.persistent.graph import TaskGraph
-    from mk.persistent.runtime import Megakernel
+    from mk.persistent.runtime import Megakernel, MegakernelTimeout
     from mk.tasks import make_op, op_tiles
 
     # Rank 0's O projection whose tiles (split-K: whose reduce tiles) also all-reduce
-    # (all_reduce=2), run by the interpreter; rank 1 (two CPU "workspaces": [partial | flags]
-    # each) has stored its partial and published every task's flag for launch 0.
+    # (all_reduce=2), run by the interpreter, as the step's fourth all-reduce (hop 3, tag
+    # 4 in launch 0); rank 1 has pushed its partial into rank 0's receive buffer (two CPU
+    # "workspaces"), and a stale word of the hop before stands in one slot until then.
     N, K = 80, 32
     g = TaskGraph()
     if split == 1:
@@ -369,26 +416,32 @@ def test_a_projection_sums_its_columns_over_the_ranks_in_its_own_tiles(M, run, t
                      dtype=torch.float32)
         g.buffer("ws", torch.full((split, M, first.constexprs["WS_N"]), torch.nan))
         inputs = dict(ws="ws")
-    tasks = len(op_tiles(op))
-    ws = [torch.zeros(M * N + N, dtype=torch.float32) for _ in range(2)]
-    parts = [w[:M * N].view(M, N) for w in ws]
-    flags = [w[M * N:].view(torch.int32) for w in ws]
+    recv = [torch.zeros(2, M, N, dtype=torch.int64) for _ in range(2)]
     x, w = [torch.randn(M, K) for _ in range(2)], [torch.randn(N, K) for _ in range(2)]
-    parts[1].copy_(x[1] @ w[1].T)
-    flags[1][:tasks] = 1
+    parts = [x[q] @ w[q].T for q in range(2)]
+    recv[0][1] = _words(parts[1], 4)
     res = torch.randn(M, N)
-    for name, t in (("x", x[0]), ("w", w[0]), ("out", parts[0]), ("res", res), ("total", torch.full((M, N), torch.nan)),
-                    ("flags", flags[0]), ("peers", torch.tensor([b.data_ptr() for b in ws], dtype=torch.int64))):
+    for name, t in (("x", x[0]), ("w", w[0]), ("out", torch.full((M, N), torch.nan)), ("res", res),
+                    ("total", torch.full((M, N), torch.nan)), ("recv", recv[0]),
+                    ("peers", torch.tensor([r.data_ptr() for r in recv], dtype=torch.int64))):
         g.buffer(name, t)
     if first is not None:
         for a in op_tiles(first):
             g.add(first, x="x", w="w", ws="ws", **a)
     for a in op_tiles(op):
-        g.add(op, **inputs, out="out", res="res", total="total", flags="flags", peers="peers", rank=0, **a)
+        g.add(op, **inputs, out="out", res="res", total="total", recv="recv", peers="peers", rank=0, hop=3, **a)
     Megakernel(lower(g, num_workers=1)).run()
-    assert rel_err(parts[0], x[0] @ w[0].T) < 1e-5
-    assert torch.equal(g.buffers["total"], (res + parts[0]) + parts[1])  # rank order: every rank's bits
-    assert flags[0][:tasks].tolist() == [1] * tasks and not flags[0][tasks:].any()
+    mine = g.buffers["out"]
+    assert rel_err(mine, parts[0]) < 1e-5
+    assert torch.equal(g.buffers["total"], (res + mine) + parts[1])  # rank order: every rank's bits
+    for q in range(2):  # its words, as it stored its partial, in its slot of both ranks' buffers
+        assert torch.equal(recv[q][0], _words(mine, 4)), q
+    # The hop before's words (tag 3) do not pass for this one's: the tile waits them out.
+    recv[0][1] = _words(parts[1], 3)
+    g.buffers["total"].fill_(torch.nan)
+    kernel = Megakernel(lower(g, num_workers=1), interpret_polls=50)
+    with pytest.raises(MegakernelTimeout, match="waited on rank 1 of the tensor-parallel step, saw 3 of 4"):
+        kernel.run()
 
 
 def test_a_tensor_parallel_model_refuses_sampling_before_any_work():

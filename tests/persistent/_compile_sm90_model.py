@@ -4,6 +4,7 @@ sm_90 in bfloat16 without a GPU. Run by tests/tasks/test_decode_ops.py in a subp
 because the interpreter switch is read when Triton decorates kernels."""
 
 import os
+import re
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
@@ -98,32 +99,52 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("append_token", batch=B, max_seq=S, from_best=True), next_ids="ids", pos="pos", tokens="tokens",
         best="best")
     # Tensor parallelism: O projections whose tiles (whole-K; split-K: the reduces) sum their
-    # columns over two ranks, meeting them through flags in (here: stand-in) symmetric memory.
+    # columns over two ranks, pushing their words into (here: stand-in) symmetric memory.
     for name, t in (("part", z(B, H, dt=torch.float32)), ("total", z(B, H, dt=torch.float32)),
-                    ("flags", z(H, dt=torch.int32)), ("peers", z(2, dt=torch.int64)),
+                    ("recv", z(2, B, H, dt=torch.int64)), ("peers", z(2, dt=torch.int64)),
                     ("wso", z(2, B, H, dt=torch.float32))):
         g.buffer(name, t)
-    ranks = dict(res="h1", total="total", flags="flags", peers="peers", rank=0)
+    ranks = dict(res="h1", total="total", recv="recv", peers="peers", rank=0, hop=0)
     add(make_op("linear", M=B, N=H, K=HQ * D, block_n=16, tma_stages=3, tiles_per_task=2, all_reduce=2, dtype=BF16),
         x="attn", w="wo", out="part", **ranks)
     add(make_op("linear_partial", M=B, N=H, K=HQ * D, split_k=2, dtype=BF16), x="attn", w="wo", ws="wso")
     add(make_op("linear_reduce", M=B, N=H, K=HQ * D, split_k=2, all_reduce=2, dtype=BF16), ws="wso", out="part",
         **ranks)
-    # ... and an all-reduce in tiles of its own, its peers' rows read 16 bytes at a time.
-    add(make_op("all_reduce", M=B, N=H, world=2), part="part", res="h1", out="total", flags="flags", peers="peers",
-        rank=0)
+    # ... and an all-reduce in tiles of its own.
+    add(make_op("all_reduce", M=B, N=H, world=2), part="part", res="h1", out="total", recv="recv", peers="peers",
+        rank=0, hop=1)
     return g
 
 
-def all_reduce_graph(B=2, H=256) -> TaskGraph:
-    g = TaskGraph()
-    for name, t in (("part", torch.zeros(B, H)), ("res", torch.zeros(B, H)), ("total", torch.zeros(B, H)),
-                    ("flags", torch.zeros(H, dtype=torch.int32)), ("peers", torch.zeros(2, dtype=torch.int64))):
-        g.buffer(name, t)
-    op = make_op("all_reduce", M=B, N=H, world=2)
-    g.add_tiles(op, [dict(t, rank=0) for t in op_tiles(op)], part="part", res="res", out="total", flags="flags",
-                peers="peers")
-    return g
+def standalone_all_reduce_ptx(block_m: int = 8, block_n: int = 64, num_warps: int = 4) -> str:
+    """The standalone all-reduce's kernel (the megakernel's tiles run the same device code)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from mk.tasks.all_reduce import _all_reduce_kernel
+
+    sig = {"part_ptr": "*fp32", "res_ptr": "*fp32", "out_ptr": "*fp32", "recv_ptr": "*i64", "peers_ptr": "*i64",
+           "error_ptr": "*i32", "rank": "i32", "M": "i32", "N": "i32", "epoch": "i32", "timeout": "i64"}
+    cx = dict(BLOCK_M=block_m, BLOCK_N=block_n, WORLD=2, RESIDUAL=1, USE_TIMER=1, ALIGN=16)
+    src = triton.compiler.ASTSource(fn=_all_reduce_kernel, signature={**sig, **{k: "constexpr" for k in cx}},
+                                    constexprs=cx, attrs={(k,): [["tt.divisibility", 16]] for k in range(5)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def loops(ptx: str) -> list[list[str]]:
+    """The lines of each loop of ``ptx``: from a label to a branch back to it."""
+    lines = ptx.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(\$L__BB\d+_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i + 1) < i:
+            found.append(lines[labels[m.group(1)]:i + 1])
+    return found
 
 
 def main() -> None:
@@ -137,14 +158,26 @@ def main() -> None:
     # Attention's bf16 dots on the tensor cores (mma.sync or wgmma), the acquire of the waits,
     # the arrival count of the one-phase attention and its merge's loads from L2.
     # The LM head's argmax words: 64-bit atomic max, and the append's exchange.
-    # The ranks' meeting: a system-scope release of the task's flag, system-scope acquire polls.
+    # The sums over the ranks: every rank's words polled with volatile loads.
     for needle in ("mma", "ld.global.acquire.gpu", "atom.global.acq_rel.gpu", "ld.global.cg", "max.s64", "exch.b64",
-                   "ld.global.acquire.sys", "atom.global.sys.release.exch"):
+                   "ld.volatile.global"):
         assert needle in ptx, f"{needle} missing from the compiled megakernel"
-    # An all-reduce alone: its peers' partials read 16 bytes at a time (volatile, 128-bit),
-    # though the peers' table hides their alignment from the compiler.
-    ptx = compile_for_target(lower(all_reduce_graph(), num_workers=2), num_warps=4).asm["ptx"]
-    assert "ld.volatile.global.v4" in ptx, "the all-reduce reads its peers' partials 4 bytes at a time"
+    # An all-reduce: its words pushed whole (64-bit stores) and polled with volatile 64-bit
+    # loads, with no fence anywhere (each word vouches for itself).
+    ptx = standalone_all_reduce_ptx()
+    for needle in ("st.global.b64", "ld.volatile.global.b64"):
+        assert needle in ptx, f"{needle} missing from the compiled all-reduce"
+    for needle in ("fence", "membar"):
+        assert needle not in ptx, f"the compiled all-reduce has a {needle}"
+    # A box smaller than the block (one row of 16 words, 4 warps): every warp holds a copy and
+    # polls it on its own, so the poll loop must hold no block barrier (a warp that left it
+    # would meet the barrier of a warp still polling).
+    # (The megakernel's warps are its widest op's: 4 or 8.)
+    for block_n, warps in ((16, 4), (32, 4), (16, 8), (32, 8)):
+        polls = [body for body in loops(standalone_all_reduce_ptx(1, block_n, warps))
+                 if any("ld.volatile.global.b64" in x for x in body)]
+        assert polls and not any("bar.sync" in x for body in polls for x in body), \
+            f"the poll loop of a 1 x {block_n} box in {warps} warps holds a block barrier"
     print("ok")
 
 

@@ -267,10 +267,10 @@ def weight_streaming(s: "LinearShape", K: int, tma_stages: int, dtype, double_bu
     return tma, double_buffer, bool(preload_weights and double_buffer and s.bm == 1)
 
 
-def _ranks_box(s: "LinearShape", a: dict) -> tuple[tuple[int, int, int, int], int]:
-    """Task ``a``'s box (r0, r1, c0, c1) and flag word when it sums over the ranks."""
+def _ranks_box(s: "LinearShape", a: dict) -> tuple[int, int, int, int]:
+    """Task ``a``'s box (r0, r1, c0, c1) when it sums over the ranks."""
     r0, r1, _, _, c0, c1 = s.tile(a)
-    return (r0, r1, c0, c1), a["pid_m"] * s.tasks_n + a["pid_n"]
+    return r0, r1, c0, c1
 
 
 #: A full-K tile's L2 weight prefetch, issued by the dispatch loop before the task's wait.
@@ -305,12 +305,12 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     team (:attr:`OpSpec.team`): they all write best's rows, in any order.
 
     ``all_reduce`` = world > 0: one rank's share of a tensor-parallel projection whose task
-    also sums its columns over the ranks. It stores its float32 partial into out (symmetric
-    memory), meets the other ranks on its word of flags (:func:`mk.tasks.all_reduce.meet_ranks`)
-    and writes ``total = res + every rank's partial`` (rank order, the same bits on every
-    rank; :func:`mk.tasks.all_reduce.all_reduce_box`): the all-reduce with no phase of its
-    own. Operands res, total ``[M, N]``, flags int32 (a word a task, row-major), peers int64
-    ``[world]`` besides; arg rank.
+    also sums its columns over the ranks. It stores its float32 partial into out, pushes it
+    to every rank's recv and writes ``total = res + every rank's partial`` once theirs have
+    come (rank order, the same bits on every rank; :func:`mk.tasks.all_reduce.exchange_box`):
+    the all-reduce with no phase of its own. Operands res, total ``[M, N]``, recv int64
+    ``[world, M, N]`` (symmetric), peers int64 ``[world]`` besides; args rank and hop (the
+    all-reduce's index in the step, :func:`mk.tasks.all_reduce.hop_tag`).
     """
     s = LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      prefetch_k, dtype, tiles_per_task)
@@ -339,7 +339,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                               "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     if all_reduce:  # the task's columns summed over the ranks, once its partial is stored
-        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce)
+        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce, M, N)
         body += ranks_body
     prefetch = FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
@@ -358,7 +358,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             _check_rank("linear", b, a, "x")
             parts = [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T for x, w in zip(b["@x"], b["@w"])]
             s.store(b, a, parts[a["rank"]], False)
-            ranks_sum_ref(b, *_ranks_box(s, a), parts)
+            ranks_sum_ref(b, _ranks_box(s, a), parts)
             return
         h = prologue_ref(as_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
         s.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T, residual)
@@ -382,16 +382,16 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             r0, r1 = s.tile(a)[:2]
             regs.append(Region(bind["best"], 0, 1, r0, r1))
         if all_reduce:
-            regs += ranks_sum_regions(bind, *_ranks_box(s, a))
+            regs += ranks_sum_regions(bind, _ranks_box(s, a))
         return regs
 
     preload_src = ("w_first = linear_weights_first(w, pid_n, N, 0, K, K, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)"
                    if preload else "")
     constexprs["PRELOAD"] = int(preload)
-    return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
+    return OpSpec(name="linear", operands=operands, args=("pid_m", "pid_n") + (("rank", "hop") if all_reduce else ()),
                   body=body, prefetch=prefetch, preload=preload_src, waits_in_body=s.task_waits(tma),
                   team=(lambda a: a["pid_m"]) if argmax else None,
-                  sync_operands=("best",) if argmax else ("flags",) if all_reduce else (),
+                  sync_operands=("best",) if argmax else ("recv",) if all_reduce else (),
                   # (The VM computes every rank's partial from their x and w; the GPU reads their stores.)
                   peer_operands=("x", "w") if all_reduce else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
@@ -506,7 +506,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     narrower, each partial tile then reduced by several tasks (a multiple of block_n).
     ``all_reduce`` = world > 0: the sum is one rank's partial of a tensor-parallel projection,
     which the task then sums over the ranks as :func:`linear_op`'s tiles do (operands res,
-    total, flags, peers besides; arg rank).
+    total, recv, peers besides; args rank, hop).
     """
     s = LinearShape("linear_reduce", M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
                      0, dtype)
@@ -523,7 +523,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul), NORM_SQ=int(norm_sq),
                       WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0, PART_BLOCK_N=part_bn)
     if all_reduce:
-        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce)
+        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce, M, N)
         body += ranks_body
         constexprs.update(ranks_constexprs)
 
@@ -532,7 +532,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
             _check_rank("linear_reduce", b, a, "ws")
             parts = [s.reduce(dict(b, ws=ws), a, norm_sq, eps) for ws in b["@ws"]]
             s.store(b, a, parts[a["rank"]], False)
-            ranks_sum_ref(b, *_ranks_box(s, a), parts)
+            ranks_sum_ref(b, _ranks_box(s, a), parts)
             return
         s.store(b, a, s.reduce(b, a, norm_sq, eps), residual)
 
@@ -544,13 +544,13 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
         return regs
 
     def writes(a, bind):
-        return s.out_regions(a, bind) + (ranks_sum_regions(bind, *_ranks_box(s, a)) if all_reduce else [])
+        return s.out_regions(a, bind) + (ranks_sum_regions(bind, _ranks_box(s, a)) if all_reduce else [])
 
-    return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n") + (("rank",) if all_reduce else ()),
+    return OpSpec(name="linear_reduce", operands=operands, args=("pid_m", "pid_n") + (("rank", "hop") if all_reduce else ()),
                   body=body, imports=("from mk.tasks.linear import linear_splitk_reduce_tile",)
                   + ((RANKS_SUM_IMPORT,) if all_reduce else ()),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=writes,
-                  sync_operands=("flags",) if all_reduce else (), peer_operands=("ws",) if all_reduce else (),
+                  sync_operands=("recv",) if all_reduce else (), peer_operands=("ws",) if all_reduce else (),
                   tiles=lambda _: s.task_args())
 
 
