@@ -433,7 +433,7 @@ class DecoderModel:
             t0 = time.perf_counter()
             plan, graph = self.plan(batch, key[2], progress=progress)
             plan_s = time.perf_counter() - t0
-            dec = self._decoders[key] = self._build_decoder(plan, graph, batch, next_token)
+            dec = self._decoders[key] = self._build_agreed(plan, graph, batch, next_token)
             dec.build["plan_s"] = plan_s
         return self._decoders[key]
 
@@ -486,6 +486,41 @@ class DecoderModel:
         build = dict(lower_s=t1 - t0 - share_s, compile_s=t2 - t1) | ({"share_s": share_s} if self.tp > 1 else {})
         return _Decoder(step, kernel, state, build=build, shared=shared)
 
+    def _build_agreed(self, plan, graph, batch: int, next_token: str) -> _Decoder:
+        """:meth:`_build_decoder` on every rank, which then check together that each built
+        it, and built the same schedule (a collective under tensor parallelism: every rank
+        reaches it, its own build failed or not). The ranks' projection tiles wait on one
+        another's words, so their queues must hold those tiles in one order, or two workers
+        can each wait on a tile queued behind the other's (a mixed pair of GPUs, with other
+        SM counts, would deal other queues); such ranks are refused, naming them, before any
+        launch."""
+        import torch.distributed as dist
+
+        dec, failed = None, None
+        try:
+            dec = self._build_decoder(plan, graph, batch, next_token)
+        except Exception as e:
+            if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
+                raise
+            failed = e
+        if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
+            return dec  # (ranks simulated in one process, as the tests' VM runs them, build alike)
+        program = None if failed else dec.kernel.program
+        mine = None if failed else (program.schedule_digest(skip_args=("rank",)), program.num_workers)
+        everyone = [None] * self.tp
+        dist.all_gather_object(everyone, mine)
+        if failed is not None:
+            raise failed
+        if None in everyone:
+            failed_on = [r for r, m in enumerate(everyone) if m is None]
+            raise RuntimeError(f"building the decode step failed on rank(s) {failed_on}; their errors name the cause")
+        odd = [r for r, m in enumerate(everyone) if m[0] != everyone[0][0]]
+        if odd:
+            raise RuntimeError(f"rank(s) {odd} built another schedule of the decode step than rank 0 (workers by "
+                               f"rank: {[m[1] for m in everyone]}): the ranks of a tensor-parallel model must run "
+                               f"one schedule; use GPUs of one kind, with one calibration")
+        return dec
+
     def tp_buffers(self, graph) -> dict[str, torch.Tensor]:
         """The buffers a tensor-parallel step of ``graph`` shares with the other ranks
         (partial sums, flags, the next token's candidates, and ``tp.peers``: every rank's
@@ -523,14 +558,7 @@ class DecoderModel:
             return self._time_decoder(self._build_decoder(plan, graph, batch, "argmax"), graph)
         # Each rank compiles the plan on its own, for as long as that takes: a step launched
         # before its peers could join it would wait past the watchdog's bound.
-        dec, failed = None, None
-        try:
-            dec = self._build_decoder(plan, graph, batch, "argmax")
-        except Exception as e:
-            failed = e
-        if not self._ranks_agree(failed is None):
-            raise failed or RuntimeError("plan_mode='measure': building a plan failed on another rank; its error "
-                                         "names the cause")
+        dec, failed = self._build_agreed(plan, graph, batch, "argmax"), None
         try:
             seconds = self._time_decoder(dec, graph)
         except Exception as e:

@@ -298,6 +298,23 @@ class Program:
                 "max_waits": self.max_waits, "desc_words": self.desc_words,
                 "variants": [spec.key for spec, _ in self.variants], **self.meta}
 
+    def schedule_digest(self, skip_args: tuple[str, ...] = ()) -> str:
+        """A hash of what a launch executes, in the order it does: every worker's queue of
+        descriptors (each task's op, waits, signal, buffer slots and args), the buffers'
+        names, the ops' variants and the events' counts; not addresses. Args named in
+        ``skip_args`` are left out (a rank's own index: ranks of one tensor-parallel step
+        must run the same schedule, and differ only there)."""
+        desc = self.desc.cpu().clone()
+        for opcode, (spec, _) in enumerate(self.variants):
+            for a in skip_args:
+                if a in spec.args:
+                    desc[desc[:, 0] == opcode, self.arg_base + spec.args.index(a)] = 0
+        h = hashlib.sha256(desc.numpy().tobytes())
+        h.update(self.queue_starts.cpu().numpy().tobytes())
+        h.update(repr((self.buffer_names, [(spec.key, str(dtypes)) for spec, dtypes in self.variants],
+                       self.event_counts)).encode())
+        return h.hexdigest()[:32]
+
     def to_json(self) -> str:
         return json.dumps({**self.summary(), "queues": self.queues,
                            "tasks": [{"name": t.name, "op": t.op.key, "args": t.args, "bind": t.bind,

@@ -325,6 +325,63 @@ def test_a_rank_that_loaded_another_config_is_refused_on_every_rank(tmp_path):
     assert all("rank(s) [1] loaded another model or config than rank 0" in said[r] for r in range(2)), said
 
 
+def _unlike_steps(rank, init, config_dict, case, queue):
+    import torch.distributed as dist
+
+    from mk.persistent.runtime import Megakernel
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        model = Llama.from_config(LlamaConfig.from_dict(config_dict), device="cpu", max_batch_size=1,
+                                  max_seq_len=16, tp=2)
+        if rank == 1 and case == "another schedule":  # rank 1 halves one projection's tiles of rank 0's plan
+            from dataclasses import replace
+
+            agreed = model.plan
+
+            def other_plan(batch, kv_len=None, **kw):
+                plan, graph = agreed(batch, kv_len, **kw)
+                name = next(n for n, c in plan.choices.items() if c.block_n >= 32)
+                halved = replace(plan.choices[name], block_n=plan.choices[name].block_n // 2)
+                return replace(plan, choices={**plan.choices, name: halved}), graph
+            model.plan = other_plan
+        if rank == 1 and case == "a failed build":
+            def refuse(self, program):
+                raise RuntimeError("no kernel on rank 1")
+            Megakernel.__init__ = refuse
+        model.prepare(1, 6)
+        queue.put((rank, "built"))
+    except RuntimeError as e:
+        queue.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["alike", "another schedule", "a failed build"])
+def test_ranks_that_built_unlike_decode_steps_are_refused_on_every_rank(tmp_path, case):
+    # The ranks' projection tiles wait on one another's words: queued in other orders they
+    # can wait on each other for ever. Every rank compares the schedules it built, and one
+    # rank's failed build ends every rank's call (none waits in a collective for it).
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_unlike_steps, args=(r, f"file://{tmp_path}/rendezvous",
+                                                     CASES["llama-tp2"][1].to_dict(), case, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    said = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if case == "alike":
+        assert said == {0: "built", 1: "built"}, said
+    elif case == "another schedule":
+        assert all("rank(s) [1] built another schedule of the decode step than rank 0" in said[r] for r in range(2)), said
+    else:
+        assert said[1] == "no kernel on rank 1", said
+        assert "building the decode step failed on rank(s) [1]" in said[0], said
+
+
 def test_an_embedding_share_gives_its_rows_and_zeros_for_the_other_ranks_tokens():
     # The kernel's own code (the interpreter), rank 1 of 2: ids in [4, 8) are its rows.
     from mk.persistent.graph import TaskGraph

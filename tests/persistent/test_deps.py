@@ -249,3 +249,28 @@ def test_lowered_dependencies_are_cached_by_the_graphs_structure(tmp_path, monke
     assert len(list(cache_dir("deps").glob("*.pkl"))) == 2 and other.task_waits != first.task_waits
     files[0].write_bytes(b"not a pickle")
     assert lower(graph(1), num_workers=3).task_waits == first.task_waits
+
+
+def test_a_schedule_digest_follows_queues_and_args_except_those_skipped():
+    # Ranks of a tensor-parallel step compare their schedules by it (they differ only in
+    # their own index): the same lowering gives the same digest, other queues or another
+    # argument another, and a skipped argument none.
+    import torch
+
+    from mk.persistent.graph import TaskGraph, lower
+    from mk.tasks import make_op, op_tiles
+
+    def program(rank, schedule="round_robin"):
+        g = TaskGraph()
+        g.buffer("ids", torch.tensor([1, 5, 7, 4, 0], dtype=torch.int32))
+        g.buffer("table", torch.randn(4, 48)), g.buffer("out", torch.zeros(5, 48))
+        spec = make_op("embedding", rows=5, vocab=4, hidden=48, ranks=2, block_h=16)
+        g.add_tiles(spec, [dict(t, rank=rank) for t in op_tiles(spec)], ids="ids", table="table", out="out")
+        return lower(g, num_workers=2, schedule=schedule)
+
+    first = program(0)
+    assert first.schedule_digest() == program(0).schedule_digest()
+    assert first.schedule_digest() != program(1).schedule_digest()
+    assert first.schedule_digest(skip_args=("rank",)) == program(1).schedule_digest(skip_args=("rank",))
+    zigzag = program(0, "zigzag")
+    assert zigzag.queues != first.queues and zigzag.schedule_digest() != first.schedule_digest()
