@@ -88,19 +88,22 @@ class _OneGpu:
     def __init__(self, folder: Path):
         self.folder, self.run, self.figures = folder, None, None
 
+    def _launch(self, gpu: int) -> subprocess.Popen:
+        return _launch(ONE_GPU_8B, 1, self.folder / "one.json", gpu=gpu)
+
     def start(self, ranks: int) -> None:
         """Before a TP run over ``ranks`` GPUs: start on the last GPU where that run leaves it
         free; where it does not, finish a run started before."""
         if ranks < GPUS:
             if self.run is None and self.figures is None:
-                self.run = _launch(ONE_GPU_8B, 1, self.folder / "one.json", gpu=GPUS - 1)
+                self.run = self._launch(GPUS - 1)
         elif self.run is not None:
             self.result()
 
     def result(self) -> tuple[dict, Path]:
         """(figures, folder of its logits)."""
         if self.figures is None:
-            run, self.run = self.run or _launch(ONE_GPU_8B, 1, self.folder / "one.json", gpu=0), None
+            run, self.run = self.run or self._launch(0), None
             self.figures = _finish(run, self.folder / "one.json")
         return self.figures, self.folder
 
