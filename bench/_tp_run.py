@@ -7,7 +7,8 @@ SPEC is JSON: ``shape`` (a key of SHAPES or TP_SHAPES), ``batches``, ``new`` (to
 timed generation decodes after a ``prompt``-token prompt), ``peer_batches`` (the batches the
 gpt-fast-style torch.compile peer is timed at), ``check`` (greedy tokens on a float32 cache
 and exact prefill, and the bf16 model's prefill logits), ``link`` (calibrate the GPU link),
-``ablate`` (time the step with the all-reduces in tiles of their own too),
+``ablate`` (time the step with the all-reduces in tiles of their own too), ``measure`` (time
+the plan every rank's measurement picks, ``plan_mode="measure"``, where it is not the predicted one),
 or instead ``first_token``: a checkpoint folder, from ``from_pretrained`` to the first token.
 Every rank draws the same random model and keeps its share. Rank 0 writes the figures to
 OUT (JSON) and the last prompt token's logits beside it (OUT + ".logits.pt"; with exact
@@ -71,7 +72,7 @@ def _first_token(spec: dict, world: int) -> dict:
 def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     """tokens/s and time to first token through generate (median of 3), the step's own time
     launched back to back, and the memory a generation adds; with ``ablate`` under TP, the
-    step's time with its all-reduces in tiles of their own."""
+    step's time with its all-reduces in tiles of their own; with ``measure``, the measured plan's."""
     prompt, new = spec["prompt"], spec["new"]
     prompts = _prompts(batch, prompt, model.config.vocab_size)
     model.generate(prompts, max_new_tokens=new)  # plan, compile, warm
@@ -107,10 +108,26 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     if own is not None:
         # The same step with the projections' all-reduces in tiles of their own, as the
         # planner could have had them: what summing in the projections' tiles gains.
-        own_dec = model._build_decoder(own, graph, batch, "argmax")
+        own_dec = model._build_agreed(own, graph, batch, "argmax")
         row["kernel_ms_all_reduces_own_tiles"] = _kernel_ms(own_dec, batch, spec, world)
         del own_dec
         _progress(f"batch {batch}: the all-reduces in own tiles timed")
+    if world > 1 and spec.get("measure"):
+        # The plan every rank's timing of rank 0's candidates picks: what the cost model's
+        # ranking leaves on the table.
+        mode, model.plan_mode = model.plan_mode, "measure"
+        try:
+            measured, graph = model.plan(batch, plan.kv_len)
+        finally:
+            model.plan_mode = mode
+        row["measured_plan_is_predicted"] = measured.choices == plan.choices and measured.schedule == plan.schedule
+        if row["measured_plan_is_predicted"]:
+            row["kernel_ms_measured_plan"] = row["kernel_ms_per_step"]
+        else:
+            measured_dec = model._build_agreed(measured, graph, batch, "argmax")
+            row["kernel_ms_measured_plan"] = _kernel_ms(measured_dec, batch, spec, world)
+            del measured_dec
+        _progress(f"batch {batch}: the measured plan timed")
     return row
 
 
