@@ -456,6 +456,10 @@ class DecoderModel:
         from mk.persistent.runtime import Megakernel
 
         t0 = time.perf_counter()
+        # First the collective part (every rank, before anything that may fail on one rank
+        # alone: see _build_agreed).
+        shared = self.tp_buffers(graph)
+        share_s = time.perf_counter() - t0
         S = self.max_seq_len
         i32 = dict(dtype=torch.int32, device=self.device)
         state = {"ids": torch.zeros(batch, **i32), "pos": torch.zeros(batch, **i32),
@@ -466,9 +470,6 @@ class DecoderModel:
         for L in range(self.config.num_hidden_layers):
             kn, vn = cache_keys(L)
             bufs[kn], bufs[vn] = self.k_cache[L, :batch], self.v_cache[L, :batch]
-        t_share = time.perf_counter()
-        shared = self.tp_buffers(graph)
-        share_s = time.perf_counter() - t_share
         bufs.update(shared)
 
         def compile_for(workers):  # the queues of the plan's schedule, as the planner simulated them
@@ -523,8 +524,9 @@ class DecoderModel:
 
     def tp_buffers(self, graph) -> dict[str, torch.Tensor]:
         """The buffers a tensor-parallel step of ``graph`` shares with the other ranks
-        (partial sums, flags, the next token's candidates, and ``tp.peers``: every rank's
-        workspace base), zeroed: on CUDA cut from one symmetric-memory workspace
+        (partial sums, the two buffers every rank pushes its partials' words into, the next
+        token's candidates and their flags, and ``tp.peers``: every rank's workspace base),
+        zeroed: on CUDA cut from one symmetric-memory workspace
         (:func:`mk.persistent.symmetric.symmetric_workspace`, a collective call: every rank
         makes it together); on the CPU plain tensors, for the VM's simulated ranks
         (:func:`mk.persistent.vm.run_vm_ranks`). Empty for one rank."""

@@ -72,7 +72,18 @@ def symmetric_workspace(meta: dict[str, torch.Tensor], device: torch.device, *, 
     total = max(-(-total // ALIGN) * ALIGN, ALIGN)
     if hasattr(symm_mem, "enable_symm_mem_for_group"):  # (older releases ask for it first)
         symm_mem.enable_symm_mem_for_group(group.group_name)
-    buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    buf, failed = None, None
+    try:
+        buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    except Exception as e:  # (out of memory on one rank: every rank leaves here, none waits in the rendezvous)
+        failed = e
+    ok = torch.tensor([int(failed is None)], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if failed is not None:
+        raise failed
+    if not ok.item():
+        raise RuntimeError("symmetric_workspace: allocating the workspace failed on another rank; its error names "
+                           "the cause")
     handle = symm_mem.rendezvous(buf, group.group_name)
     buf.zero_()
     torch.cuda.synchronize(device)

@@ -469,8 +469,9 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             hc = _find(state.choices, host) if host is not None else None
             if (hc is not None and (node.kind, nodes[host].kind) in SUPPORTED_FUSIONS and node.kind != "rmsnorm"
                     and (node.kind != "argmax" or hc.split_k == 1)
-                    # (a word of the all-reduce's flags a task, whole-K or reduce: with one row block
-                    # of at most 16 rows and tiles of 16 columns or more, fewer than its N words)
+                    # (a tile's tail polls its whole box of every rank's pushed words, whole-K or
+                    # reduce: one row block of at most 16 rows; tiles of 16 columns or more, the
+                    # limit the GPU runs measured, set when each task had a flag word)
                     and (node.kind != "all_reduce"
                          or (nodes[host].dims["M"] <= DOT_MIN and reduce_width(nodes[host], hc) >= DOT_MIN))
                     and _whole_heads(node, nodes[host], hc)):
