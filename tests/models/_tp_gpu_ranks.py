@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -27,13 +28,24 @@ config = LlamaConfig.tiny(vocab_size=512, hidden_size=256, intermediate_size=512
                           num_attention_heads=8, num_key_value_heads=4, head_dim=32)
 kw = dict(seed=3, dtype=torch.float32, kv_dtype=torch.float32, prefill_precision="exact", max_batch_size=2,
           max_seq_len=512)
+_T0 = time.perf_counter()
 model = Llama.from_config(config, tp=world, **kw)
 rank = model.rank
+
+
+def passed(what: str) -> None:
+    """Rank 0 says on stderr which case has passed, and when: a run cut short by its time
+    limit then shows how far it got (slow, or stuck in a case)."""
+    if rank == 0:
+        print(f"[ranks {time.perf_counter() - _T0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 prompts = [[(7 * t + 3) % 512 for t in range(20)], [(11 * t + 5) % 512 for t in range(13)]]
 got = model.generate(prompts, max_new_tokens=24)
 if rank == 0:
     want = Llama.from_config(config, device=model.device, **kw).generate(prompts, max_new_tokens=24)
     assert got == want, (got, want)
+passed("tokens equal one GPU's")
 # Other lengths (other plan buckets) replace the batch's step; its workspace goes with it.
 free = []
 for _ in range(4):
@@ -43,6 +55,7 @@ for _ in range(4):
     torch.cuda.synchronize()
     free.append(torch.cuda.mem_get_info(model.device)[0])
 assert free[-1] >= free[0] - 8 * 2**20, f"free memory fell by {(free[0] - free[-1]) / 2**20:.1f} MiB over the rounds"
+passed("steps replaced, their workspaces released")
 # Every family (Qwen2's biases, Qwen3's q / k head norms, Mistral's window) decodes over the
 # ranks as on one GPU (the VM tests' configs).
 from tests.models.test_tp import CASES  # noqa: E402
@@ -56,6 +69,7 @@ for name, (cls, fam_config, tp) in CASES.items():
     if rank == 0:
         fam_want = cls.from_config(fam_config, device=model.device, **fam_kw).generate(fam_prompts, max_new_tokens=16)
         assert fam_got == fam_want, (name, fam_got, fam_want)
+    passed(f"{name} decodes as on one GPU")
 # bf16, fast prefill: a prompt's chunk runs eagerly once, then as captured CUDA graphs, one
 # between each two of its sums over the ranks (NCCL, outside the graphs); the replay gives
 # the eager run's logits, close to exact ones. The model stays alive to the end: a graph
@@ -68,6 +82,7 @@ assert len(chunk.graphs) == 2 * config.num_hidden_layers + 2, len(chunk.graphs)
 assert torch.equal(eager, replayed), float((eager - replayed).abs().max())
 exact = model.logits(prompts[:1])
 assert float((replayed - exact).abs().max() / exact.abs().max()) < 0.1
+passed("prefill graphs replayed")
 # Measured planning: every rank times rank 0's candidates together (the sums over the
 # ranks in the projections' tiles and in tiles of their own among them) and runs the
 # fastest; the tokens are the predicted plan's.
@@ -84,6 +99,7 @@ assert mine and all(json.loads(t)["measured_s"] for t in mine), mine
 picks = [None] * world
 dist.all_gather_object(picks, mine)
 assert all(p == picks[0] for p in picks), "the ranks measured different picks"
+passed("measured planning agrees")
 del measured
 if user_cache is None:
     del os.environ["MK_CACHE_DIR"]
