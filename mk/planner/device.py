@@ -40,6 +40,10 @@ CALIBRATED_FIELDS = ("dram_bandwidth", "bf16_flops", "tma_worker_bandwidth", "wo
                      "task_overhead_s", "wait_overhead_s", "launch_overhead_s")
 #: The GPU link's constants, which calibration measures under torchrun (several ranks).
 LINK_FIELDS = ("link_bandwidth", "link_latency_s", "link_crowd_s")
+#: What the stored link constants timed: hops of the all-reduce's pushed words. A file's
+#: link constants stamped otherwise (or not at all: measured from meetings of flags and
+#: peer reads, the all-reduce before) price another protocol, and are not loaded.
+LINK_METHOD = "pushed-words"
 
 # Shared memory the driver reserves per block on sm_80 and later
 # (cudaDevAttrReservedSharedMemoryPerBlock). It is not in the opt-in per-block limit nor
@@ -545,7 +549,10 @@ def calibration_path(name: str) -> Path:
 
 
 def load_calibration_file(name: str) -> dict[str, Any] | None:
-    """The stored calibration constants for device ``name``, or None if none are stored."""
+    """The stored calibration constants for device ``name`` (as
+    :meth:`DeviceSpec.with_calibration` takes them), or None if none are stored. Link
+    constants measured by another method than :data:`LINK_METHOD` are left out, with a
+    warning that says how to measure them again."""
     path = calibration_path(name)
     if not path.exists():
         return None
@@ -555,6 +562,13 @@ def load_calibration_file(name: str) -> dict[str, Any] | None:
         raise ValueError(f"calibration file {path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"calibration file {path} must hold a JSON object")
+    method = data.pop("link_method", None)
+    if method != LINK_METHOD and any(f in data for f in LINK_FIELDS):
+        warnings.warn(f"calibration file {path} holds GPU link constants measured for another all-reduce "
+                      f"({method or 'flags and peer reads'}); the planner uses its preset's until "
+                      f"`torchrun --nproc-per-node N -m mk calibrate` measures the link again", RuntimeWarning,
+                      stacklevel=2)
+        data = {k: v for k, v in data.items() if k not in LINK_FIELDS}
     return data
 
 
@@ -570,6 +584,8 @@ def save_calibration(spec: DeviceSpec, *, link: bool = False) -> Path:
     before = {} if link else {f: v for f, v in (load_calibration_file(spec.name) or {}).items() if f in LINK_FIELDS}
     data = {"name": spec.name, **{f: getattr(spec, f) for f in CALIBRATED_FIELDS + (LINK_FIELDS if link else ())},
             **before}
+    if any(f in data for f in LINK_FIELDS):
+        data["link_method"] = LINK_METHOD
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file

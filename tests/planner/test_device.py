@@ -278,6 +278,31 @@ def test_calibration_save_load_round_trip(tmp_path, monkeypatch):
     assert load_calibration_file(base.name) == stored
 
 
+def test_a_link_measured_for_the_earlier_all_reduce_is_not_loaded(tmp_path, monkeypatch):
+    # A file written before the all-reduce pushed its words holds the link as meetings of
+    # flags (no method stamp): those figures price another protocol. They are left out with
+    # a warning naming the command that measures the link again, and a later calibration on
+    # one GPU does not carry them on.
+    import json
+
+    monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
+    base = PRESETS["h200"]
+    path = calibration_path(base.name)
+    path.parent.mkdir(parents=True)
+    old = {"name": base.name, "wait_overhead_s": 0.9e-6, "link_bandwidth": 79e9, "link_latency_s": 2.4e-6,
+           "link_crowd_s": 5e-9}
+    path.write_text(json.dumps(old))
+    with pytest.warns(RuntimeWarning, match="-m mk calibrate` measures the link again"):
+        stored = load_calibration_file(base.name)
+    assert stored == {"name": base.name, "wait_overhead_s": 0.9e-6}
+    with pytest.warns(RuntimeWarning):
+        save_calibration(base.with_calibration(stored))
+    assert "link_bandwidth" not in json.loads(path.read_text())
+    # Stamped with today's method, they load.
+    path.write_text(json.dumps({**old, "link_method": "pushed-words"}))
+    assert load_calibration_file(base.name) == old
+
+
 def test_with_calibration_partial_and_errors():
     base = PRESETS["l20"]
     cal = base.with_calibration({"wait_overhead_s": 1e-6})
