@@ -173,6 +173,8 @@ class DecoderModel:
             raise ValueError("plan_mode='measure' under tensor parallelism times the plans on the ranks' GPUs "
                              "together (CUDA tensors, torch.distributed initialized); on the CPU the ranks plan by "
                              "prediction")
+        if tp > 1:
+            self._check_ranks_alike()
         self.weights = self._pack(weights)
         c = config
         cache_shape = (c.num_hidden_layers, max_batch_size, self.shape.kv_heads, max_seq_len, c.head_dim)
@@ -192,6 +194,25 @@ class DecoderModel:
         #: (plan_s, lower_s, compile_s) is reported by the request that paid it
         #: (:attr:`last_stats`, or :meth:`prepare`'s return).
         self.build_stats: dict = {}
+
+    def _check_ranks_alike(self) -> None:
+        """Refuse, on every rank, ranks of one tensor-parallel model built with other options
+        (a collective where torch.distributed is set up; ranks simulated in one process, as
+        the tests' VM runs them, are alike by construction). Their collectives pair up only
+        where every rank cuts its prefill into the same chunks and plans the same steps."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        mine = {"dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "max_batch_size": self.max_batch_size,
+                "max_seq_len": self.max_seq_len, "prefill_precision": self.prefill_precision,
+                "prefill_workspace": self.prefill_workspace, "plan_mode": self.plan_mode}
+        everyone = [None] * self.tp
+        dist.all_gather_object(everyone, mine)
+        odd = sorted({k for other in everyone for k in mine if other[k] != everyone[0][k]})
+        if odd:
+            raise ValueError("the ranks of a tensor-parallel model must be built alike; they differ in "
+                             + "; ".join(f"{k} (by rank: {[other[k] for other in everyone]})" for k in odd))
 
     # ------------------------------------------------------------------ construction
 

@@ -325,6 +325,37 @@ def test_a_rank_that_loaded_another_config_is_refused_on_every_rank(tmp_path):
     assert all("rank(s) [1] loaded another model or config than rank 0" in said[r] for r in range(2)), said
 
 
+def _unlike_options(rank, init, config_dict, queue):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        Llama.from_config(LlamaConfig.from_dict(config_dict), device="cpu", max_batch_size=1,
+                          max_seq_len=16 if rank == 0 else 32, tp=2)
+        queue.put((rank, "built"))
+    except ValueError as e:
+        queue.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_built_with_other_options_are_refused_on_every_rank(tmp_path):
+    # Other cache lengths plan other steps and cut prefill into other chunks: their
+    # collectives would not pair up.
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_unlike_options, args=(r, f"file://{tmp_path}/rendezvous",
+                                                       CASES["llama-tp2"][1].to_dict(), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    said = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert all("they differ in max_seq_len (by rank: [16, 32])" in said[r] for r in range(2)), said
+
+
 def _unlike_steps(rank, init, config_dict, case, queue):
     import torch.distributed as dist
 
