@@ -296,96 +296,81 @@ def test_prefill_over_ranks_gives_the_whole_model_s_logits(tmp_path):
             assert rel_err(torch.from_numpy(logits)[b, :len(ids)], want) < 1e-4, (rank, precision, b)
 
 
-def _mismatched(rank, init, config_dict, queue):
+def _on_gloo_rank(rank, init, body, args, queue):
+    """One of two gloo processes: ``body(rank, *args)``'s result, or its refusal's message."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        config = LlamaConfig.from_dict({**config_dict, "rms_norm_eps": 1e-5 if rank == 0 else 1e-6})
-        Llama.from_config(config, device="cpu", max_batch_size=1, max_seq_len=8, tp=2)
-        queue.put((rank, "loaded"))
-    except ValueError as e:
+        queue.put((rank, body(rank, *args)))
+    except (ValueError, RuntimeError) as e:
         queue.put((rank, str(e)))
     finally:
         dist.destroy_process_group()
 
 
-def test_a_rank_that_loaded_another_config_is_refused_on_every_rank(tmp_path):
+def _two_gloo_ranks(tmp_path, body, *args, timeout: int = 120) -> dict[int, str]:
+    """What each of two processes said (:func:`_on_gloo_rank`), by rank; every wait bounded."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_mismatched, args=(r, f"file://{tmp_path}/rendezvous",
-                                                   CASES["llama-tp2"][1].to_dict(), queue)) for r in range(2)]
+    procs = [ctx.Process(target=_on_gloo_rank, args=(r, f"file://{tmp_path}/rendezvous", body, args, queue))
+             for r in range(2)]
     for p in procs:
         p.start()
-    said = dict(queue.get(timeout=120) for _ in procs)
+    said = dict(queue.get(timeout=timeout) for _ in procs)
     for p in procs:
         p.join(timeout=60)
+    return said
+
+
+def _load_with_own_eps(rank, config_dict):
+    config = LlamaConfig.from_dict({**config_dict, "rms_norm_eps": 1e-5 if rank == 0 else 1e-6})
+    Llama.from_config(config, device="cpu", max_batch_size=1, max_seq_len=8, tp=2)
+    return "loaded"
+
+
+def test_a_rank_that_loaded_another_config_is_refused_on_every_rank(tmp_path):
+    said = _two_gloo_ranks(tmp_path, _load_with_own_eps, CASES["llama-tp2"][1].to_dict())
     assert all("rank(s) [1] loaded another model or config than rank 0" in said[r] for r in range(2)), said
 
 
-def _unlike_options(rank, init, config_dict, queue):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        Llama.from_config(LlamaConfig.from_dict(config_dict), device="cpu", max_batch_size=1,
-                          max_seq_len=16 if rank == 0 else 32, tp=2)
-        queue.put((rank, "built"))
-    except ValueError as e:
-        queue.put((rank, str(e)))
-    finally:
-        dist.destroy_process_group()
+def _build_with_own_cache_length(rank, config_dict):
+    Llama.from_config(LlamaConfig.from_dict(config_dict), device="cpu", max_batch_size=1,
+                      max_seq_len=16 if rank == 0 else 32, tp=2)
+    return "built"
 
 
 def test_ranks_built_with_other_options_are_refused_on_every_rank(tmp_path):
     # Other cache lengths plan other steps and cut prefill into other chunks: their
     # collectives would not pair up.
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_unlike_options, args=(r, f"file://{tmp_path}/rendezvous",
-                                                       CASES["llama-tp2"][1].to_dict(), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    said = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    said = _two_gloo_ranks(tmp_path, _build_with_own_cache_length, CASES["llama-tp2"][1].to_dict())
     assert all("they differ in max_seq_len (by rank: [16, 32])" in said[r] for r in range(2)), said
 
 
-def _unlike_steps(rank, init, config_dict, case, queue):
-    import torch.distributed as dist
-
+def _prepare_a_step(rank, config_dict, case):
     from mk.persistent.runtime import Megakernel
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    try:
-        model = Llama.from_config(LlamaConfig.from_dict(config_dict), device="cpu", max_batch_size=1,
-                                  max_seq_len=16, tp=2)
-        if rank == 1 and case == "another schedule":  # rank 1 halves one projection's tiles of rank 0's plan
-            from dataclasses import replace
+    model = Llama.from_config(LlamaConfig.from_dict(config_dict), device="cpu", max_batch_size=1, max_seq_len=16,
+                              tp=2)
+    if rank == 1 and case == "another schedule":  # rank 1 halves one projection's tiles of rank 0's plan
+        from dataclasses import replace
 
-            agreed = model.plan
+        agreed = model.plan
 
-            def other_plan(batch, kv_len=None, **kw):
-                plan, graph = agreed(batch, kv_len, **kw)
-                name = next(n for n, c in plan.choices.items() if c.block_n >= 32)
-                halved = replace(plan.choices[name], block_n=plan.choices[name].block_n // 2)
-                return replace(plan, choices={**plan.choices, name: halved}), graph
-            model.plan = other_plan
-        if rank == 1 and case == "a failed build":
-            def refuse(self, program):
-                raise RuntimeError("no kernel on rank 1")
-            Megakernel.__init__ = refuse
-        model.prepare(1, 6)
-        queue.put((rank, "built"))
-    except RuntimeError as e:
-        queue.put((rank, str(e)))
-    finally:
-        dist.destroy_process_group()
+        def other_plan(batch, kv_len=None, **kw):
+            plan, graph = agreed(batch, kv_len, **kw)
+            name = next(n for n, c in plan.choices.items() if c.block_n >= 32)
+            halved = replace(plan.choices[name], block_n=plan.choices[name].block_n // 2)
+            return replace(plan, choices={**plan.choices, name: halved}), graph
+        model.plan = other_plan
+    if rank == 1 and case == "a failed build":
+        def refuse(self, program):
+            raise RuntimeError("no kernel on rank 1")
+        Megakernel.__init__ = refuse
+    model.prepare(1, 6)
+    return "built"
 
 
 @pytest.mark.parametrize("case", ["alike", "another schedule", "a failed build"])
@@ -393,17 +378,7 @@ def test_ranks_that_built_unlike_decode_steps_are_refused_on_every_rank(tmp_path
     # The ranks' projection tiles wait on one another's words: queued in other orders they
     # can wait on each other for ever. Every rank compares the schedules it built, and one
     # rank's failed build ends every rank's call (none waits in a collective for it).
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_unlike_steps, args=(r, f"file://{tmp_path}/rendezvous",
-                                                     CASES["llama-tp2"][1].to_dict(), case, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    said = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    said = _two_gloo_ranks(tmp_path, _prepare_a_step, CASES["llama-tp2"][1].to_dict(), case, timeout=300)
     if case == "alike":
         assert said == {0: "built", 1: "built"}, said
     elif case == "another schedule":
