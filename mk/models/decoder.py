@@ -195,14 +195,22 @@ class DecoderModel:
         #: (:attr:`last_stats`, or :meth:`prepare`'s return).
         self.build_stats: dict = {}
 
-    def _check_ranks_alike(self) -> None:
-        """Refuse, on every rank, ranks of one tensor-parallel model built with other options
-        (a collective where torch.distributed is set up; ranks simulated in one process, as
-        the tests' VM runs them, are alike by construction). Their collectives pair up only
-        where every rank cuts its prefill into the same chunks and plans the same steps."""
+    @property
+    def _ranks_joined(self) -> bool:
+        """Whether torch.distributed joins this model's ranks (several, each a process); not
+        for ranks simulated in one process, as the tests' VM runs them, which plan and build
+        alike by construction."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        return self.tp > 1 and dist.is_available() and dist.is_initialized()
+
+    def _check_ranks_alike(self) -> None:
+        """Refuse, on every rank, ranks of one tensor-parallel model built with other options
+        (a collective where :attr:`_ranks_joined`). Their collectives pair up only where
+        every rank cuts its prefill into the same chunks and plans the same steps."""
+        import torch.distributed as dist
+
+        if not self._ranks_joined:
             return
         mine = {"dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype), "max_batch_size": self.max_batch_size,
                 "max_seq_len": self.max_seq_len, "prefill_precision": self.prefill_precision,
@@ -392,7 +400,7 @@ class DecoderModel:
         graph = decode_graph(self.shape, batch, kv_len)
         import torch.distributed as dist
 
-        together = self.tp > 1 and dist.is_available() and dist.is_initialized()
+        together = self._ranks_joined
         if self.plan_mode == "measure":
             if self.tp > 1 and not together:
                 raise RuntimeError("plan_mode='measure' under tensor parallelism times the plans on every rank at "
@@ -518,17 +526,15 @@ class DecoderModel:
         launch."""
         import torch.distributed as dist
 
+        if not self._ranks_joined:
+            return self._build_decoder(plan, graph, batch, next_token)
         dec, failed = None, None
         try:
             dec = self._build_decoder(plan, graph, batch, next_token)
         except Exception as e:
-            if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
-                raise
             failed = e
-        if self.tp == 1 or not (dist.is_available() and dist.is_initialized()):
-            return dec  # (ranks simulated in one process, as the tests' VM runs them, build alike)
-        program = None if failed else dec.kernel.program
-        mine = None if failed else (program.schedule_digest(skip_args=("rank",)), program.num_workers)
+        mine = None if failed else (dec.kernel.program.schedule_digest(skip_args=("rank",)),
+                                    dec.kernel.program.num_workers)
         everyone = [None] * self.tp
         dist.all_gather_object(everyone, mine)
         if failed is not None:
@@ -581,7 +587,8 @@ class DecoderModel:
             return self._time_decoder(self._build_decoder(plan, graph, batch, "argmax"), graph)
         # Each rank compiles the plan on its own, for as long as that takes: a step launched
         # before its peers could join it would wait past the watchdog's bound.
-        dec, failed = self._build_agreed(plan, graph, batch, "argmax"), None
+        dec = self._build_agreed(plan, graph, batch, "argmax")
+        failed = None
         try:
             seconds = self._time_decoder(dec, graph)
         except Exception as e:

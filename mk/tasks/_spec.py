@@ -98,7 +98,8 @@ class OpSpec:
     #: failed one.
     sync_operands: tuple[str, ...] = ()
     #: operand roles read on every rank of a tensor-parallel step, each at its own rank's
-    #: copy (:mod:`mk.tasks.all_reduce`): the task waits for its peers' part first. The VM hands a run each rank's tensor of the role under ``"@" + role``.
+    #: copy (:mod:`mk.tasks.all_reduce`): the task waits for its peers' part first. The VM
+    #: hands a run each rank's tensor of the role under ``"@" + role``.
     peer_operands: tuple[str, ...] = ()
     #: tiles(rows) -> the descriptor args of every task of one whole op, in the order a
     #: graph should add them (:func:`op_tiles`); ``rows`` for ops whose spec leaves the

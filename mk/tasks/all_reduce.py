@@ -10,9 +10,9 @@ The partials travel as pushes (:func:`exchange_box`). Each rank stores its parti
 into its own slot of every rank's ``recv`` buffer in symmetric memory (one buffer on every
 rank, each copy at its own address, all addresses known to all ranks: ``peers`` holds each
 rank's base of the workspace the buffers are cut from). Each value goes as one 64-bit word
-that carries the launch's number + 1 in its high half: the word vouches for itself, so the
-stores need no fence and the ranks no flags. Then the rank polls only its own memory until
-every slot's words of the box carry that tag, and sums them. A hop is one write across the
+that carries the all-reduce's tag in its high half (:func:`hop_tag`): the word vouches for
+itself, so the stores need no fence and the ranks no flags. Then the rank polls only its
+own memory until every slot's words of the box carry that tag, and sums them. A hop is one write across the
 link. Pulling instead (a flag published with a system-scope release, the peers' flags
 polled with acquires across the link, then their partials read) took two to three times as
 long a hop: about 5 µs against 1.5-2 over two H200s, 7-8 against 2.2-3 over four. Every
@@ -451,18 +451,17 @@ RANKS_SUM_OPERANDS = ("res", "total", "recv", "peers")
 RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import exchange_box, hop_tag"
 
 
-def ranks_sum_tail(rows: int, cols: int, tasks_n: int, world: int, M: int, N: int) -> tuple[str, dict]:
+def ranks_sum_tail(rows: int, cols: int, world: int, M: int, N: int) -> tuple[str, dict]:
     """The end of a task body (and its constexprs) that, its float32 partial of a box of
-    ``rows`` x ``cols`` (task (pid_m, pid_n) of ``tasks_n`` a row block, of an ``[M, N]``
-    output) stored into out, pushes it to every rank and writes ``total = res + every
+    ``rows`` x ``cols`` (task (pid_m, pid_n) of an ``[M, N]`` output) stored into out, pushes it to every rank and writes ``total = res + every
     rank's partial`` of its box (rank order: the same bits on every rank;
     :func:`exchange_box`)."""
     body = ("\ntl.debug_barrier()  # (the partial, stored by all the block's threads, read back whole)\n" +
             _EXCHANGE.format(part="out", res="res", out="total", r0="pid_m * AR_ROWS",
                              r1="tl.minimum(M, pid_m * AR_ROWS + AR_ROWS)", c0="pid_n * AR_COLS",
                              c1="pid_n * AR_COLS + AR_COLS", bm="AR_BLOCK_M", bn="AR_BLOCK_N", residual=1))
-    return body, dict(WORLD=world, AR_ROWS=rows, AR_COLS=cols, AR_TASKS_N=tasks_n, AR_ALIGN=slot_align(M, N),
-                      AR_BLOCK_M=_pow2(rows), AR_BLOCK_N=_pow2(cols))
+    return body, dict(WORLD=world, AR_ROWS=rows, AR_COLS=cols, AR_ALIGN=slot_align(M, N), AR_BLOCK_M=_pow2(rows),
+                      AR_BLOCK_N=_pow2(cols))
 
 
 def ranks_sum_ref(b: dict, box: tuple[int, int, int, int], parts: list[torch.Tensor]) -> None:

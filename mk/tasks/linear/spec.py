@@ -339,7 +339,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             body = s.run_body(norm, "0, K", "linear_store_epilogue", f"{res}, out, M, N, N_OUT, N_OUT",
                               "HAS_RESIDUAL, SILU_MUL", wait=s.waits_in_body(tma))
     if all_reduce:  # the task's columns summed over the ranks, once its partial is stored
-        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce, M, N)
+        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, all_reduce, M, N)
         body += ranks_body
     prefetch = FULL_K_PREFETCH
     constexprs = {**s.constexprs(), "HAS_NORM": int(norm), "HAS_RESIDUAL": int(residual), "SILU_MUL": int(silu_mul),
@@ -523,7 +523,7 @@ def linear_reduce_op(M: int, N: int, K: int, split_k: int, *, block_m: int | Non
     constexprs.update(SPLIT_K=split_k, HAS_RESIDUAL=int(residual), SILU_MUL=int(silu_mul), NORM_SQ=int(norm_sq),
                       WS_N=s.ws_cols(norm_sq), EPS=float(eps) if norm_sq else 0.0, PART_BLOCK_N=part_bn)
     if all_reduce:
-        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, s.tasks_n, all_reduce, M, N)
+        ranks_body, ranks_constexprs = ranks_sum_tail(s.bm, s.bn * s.run, all_reduce, M, N)
         body += ranks_body
         constexprs.update(ranks_constexprs)
 
