@@ -134,10 +134,12 @@ def _chain_graph_op(config: ChainConfig):
 
 
 def _phase_rows(config: ChainConfig, workers: int, device: DeviceSpec):
-    """The phases of one layer as (waves, task bytes, x bytes a task re-reads, busy workers,
-    tma, the ring's least seconds per weight byte, a task's exposed chunk seconds) - what the
-    cost model sees (:func:`mk.planner.cost.phase_costs`)."""
-    from .cost import _x_task_bytes, exposed_chunk_seconds, op_bytes_flops, op_phases, ring_seconds_per_byte
+    """The phases of one layer as rows of (waves, task bytes, x bytes a task re-reads, busy
+    workers, tma, the ring's least seconds per weight byte, a task's exposed chunk seconds),
+    a row for each of a phase's groups of waves (:func:`mk.planner.cost.wave_groups`; the
+    phase's one wait on its first) - what the cost model sees
+    (:func:`mk.planner.cost.phase_costs`)."""
+    from .cost import _x_task_bytes, exposed_chunk_seconds, op_bytes_flops, op_phases, ring_seconds_per_byte, wave_groups
 
     node, choice = _chain_graph_op(config)
     nbytes, _ = op_bytes_flops(node, choice)
@@ -145,10 +147,10 @@ def _phase_rows(config: ChainConfig, workers: int, device: DeviceSpec):
     for i, (tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
         task_bytes = max(phase_bytes, 0) / tasks
         first = i == 0  # the weights' stream
-        rows.append((math.ceil(tasks / workers), task_bytes, _x_task_bytes(node, choice) if first else 0,
-                     min(tasks, workers), config.tma_stages > 0,
-                     ring_seconds_per_byte(node, choice, device) if first else 0.0,
-                     exposed_chunk_seconds(node, choice, device, task_bytes) if first else 0.0))
+        for j, (waves, busy) in enumerate(wave_groups(tasks, workers)):
+            rows.append((waves, task_bytes, _x_task_bytes(node, choice) if first else 0, busy, config.tma_stages > 0,
+                         ring_seconds_per_byte(node, choice, device) if first else 0.0,
+                         exposed_chunk_seconds(node, choice, device, task_bytes) if first else 0.0, j == 0))
     return rows
 
 
@@ -156,9 +158,9 @@ def fit_constants(t: Timings, device: DeviceSpec) -> dict[str, float]:
     """The cost-model constants that the timings imply.
 
     launch = the one-task spread minus one bare task (the spread's slope). The chains fit
-    ``per layer = sum over its phases of [wait + waves x (task + max(bytes / (bandwidth / busy),
-    (bytes + x re-read) / worker rate of the path, bytes x the ring's least seconds a byte)
-    + the exposed chunk seconds)]``:
+    ``per layer = sum over its phases of [wait + sum over its waves of (task + max(bytes /
+    (bandwidth / busy), (bytes + x re-read) / worker rate of the path, bytes x the ring's
+    least seconds a byte) + the exposed chunk seconds)]``:
     a least-squares fit of task, wait and the two inverse worker rates, repeated until the
     set of worker-limited phases settles. The ring's limits (load latency, chunk overhead,
     exposed chunk time) are ``device``'s, not fitted. A worker rate no chain
@@ -179,9 +181,10 @@ def fit_constants(t: Timings, device: DeviceSpec) -> dict[str, float]:
         A, b, now = [], [], []
         for ch in t.chains:
             row, rhs = [0.0, 0.0, 0.0, 0.0], (ch.seconds - launch) / ch.layers
-            for waves, task_bytes, reread, busy, tma, ring_s, exposed in _phase_rows(ch.config, t.workers, device):
+            for waves, task_bytes, reread, busy, tma, ring_s, exposed, waits in _phase_rows(ch.config, t.workers,
+                                                                                             device):
                 row[0] += waves
-                row[1] += 1
+                row[1] += waits
                 rhs -= waves * exposed
                 # The fixed limits of a task's stream: DRAM's share, and what the ring delivers.
                 fixed = max(task_bytes * busy / t.copy_Bps, task_bytes * ring_s)

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from mk.planner.cost import (OpChoice, estimate_op, estimate_step, idle_wait_ops, naive_plan, op_tasks,
-                             phase_costs)
+                             phase_costs, wave_groups)
 from mk.planner.device import DeviceSpec
 from mk.models.blocks import ModelShape, decode_graph
 
@@ -52,6 +52,19 @@ def test_more_tasks_than_workers_balance_and_few_tasks_are_capped():
     split = estimate_op(down, OpChoice(block_n=16, block_k=256, split_k=4), H200, workers=132)
     assert split.tasks == 256 * 4 + 256 and split.bytes > narrow.bytes
     assert op_tasks(g.node("l0.attention"), OpChoice(kv_splits=4)) == 8 * 4  # the last split of a group merges it
+
+
+def test_a_last_partial_wave_shares_dram_among_its_own_workers():
+    """Workers that never cap their own stream (DRAM the only limit) move an op's bytes in
+    bytes / bandwidth however its tasks fall into waves: a last wave of fewer tasks streams
+    each faster. (Priced as a full wave, 448 tasks on 264 workers cost 18% more.)"""
+    assert wave_groups(448, 264) == ((1, 264), (1, 184))
+    assert wave_groups(528, 264) == ((2, 264),) and wave_groups(100, 264) == ((1, 100),) and wave_groups(0, 8) == ()
+    uncapped = replace(H200, tma_worker_bandwidth=1e15, worker_bandwidth=1e15)
+    up = decode_graph(ModelShape.preset("llama-3-8b").shard(2), batch=1, kv_len=64).node("l0.gate_up")
+    for workers in (100, 224, 264, 448):  # 5, 2, 2 and 1 waves of 32-row register tiles
+        e = estimate_op(up, OpChoice(block_n=32, block_k=256), uncapped, workers=workers)
+        assert e.tasks == 448 and e.memory_s == pytest.approx(e.bytes / H200.dram_bandwidth, rel=1e-9), workers
 
 
 def test_batch_8_costs_little_more_than_batch_1_with_wide_tiles():
