@@ -139,7 +139,8 @@ def _phase_rows(config: ChainConfig, workers: int, device: DeviceSpec):
     a row for each of a phase's groups of waves (:func:`mk.planner.cost.wave_groups`; the
     phase's one wait on its first) - what the cost model sees
     (:func:`mk.planner.cost.phase_costs`)."""
-    from .cost import _x_task_bytes, exposed_chunk_seconds, op_bytes_flops, op_phases, ring_seconds_per_byte, wave_groups
+    from .cost import (_x_task_bytes, exposed_chunk_seconds, op_bytes_flops, op_phases, ring_seconds_per_byte,
+                       wave_groups)
 
     node, choice = _chain_graph_op(config)
     nbytes, _ = op_bytes_flops(node, choice)
