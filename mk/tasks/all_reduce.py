@@ -434,7 +434,9 @@ def all_reduce_remote_bytes(rows: int, n: int, world: int) -> int:
 # run each rank's tensor under "@role", rank order).
 # ---------------------------------------------------------------------------------------
 
-_MEET = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+#: A task body's dependency waits, first (the ops here wait in their bodies).
+_TASK_WAIT = "ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+_MEET = (_TASK_WAIT +
          "ok = meet_ranks({flag}, peers, rank, ok, epoch, timeout, error_ptr, worker, w3, WORLD=WORLD, "
          "USE_TIMER=USE_TIMER)\n")
 #: A task's box summed over the ranks: the tag is its all-reduce's in the launch (every
@@ -446,7 +448,8 @@ _EXCHANGE = ("ok = exchange_box({part}, {res}, {out}, recv, peers, rank, {r0}, {
              "USE_TIMER=USE_TIMER, ALIGN=AR_ALIGN)")
 
 #: What a task that sums its box over the ranks itself (``linear`` / ``linear_reduce`` with
-#: ``all_reduce``) binds besides its own operands, and the import its body needs.
+#: ``all_reduce``) binds besides its own operands, and the import its body needs (an
+#: all-reduce tile's too).
 RANKS_SUM_OPERANDS = ("res", "total", "recv", "peers")
 RANKS_SUM_IMPORT = "from mk.tasks.all_reduce import exchange_box, hop_tag"
 
@@ -521,13 +524,13 @@ def all_reduce_op(M: int, N: int, world: int, *, residual: bool = True, block_n:
         c0, c1 = cols(a)
         return [Region(bind["out"], 0, M, c0, c1)]
 
-    body = ("ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n" +
+    body = (_TASK_WAIT +
             _EXCHANGE.format(part="part", res="res" if residual else "part", out="out", r0=0, r1="M",
                              c0="pid_n * BLOCK_N", c1="pid_n * BLOCK_N + BLOCK_N", bm="BLOCK_M", bn="BLOCK_N",
                              residual="RESIDUAL"))
     operands = ("part",) + (("res",) if residual else ()) + ("out", "recv", "peers")
     return OpSpec(name="all_reduce", operands=operands, args=("pid_n", "rank", "hop"), body=body,
-                  imports=("from mk.tasks.all_reduce import exchange_box, hop_tag",),
+                  imports=(RANKS_SUM_IMPORT,),
                   constexprs={"M": M, "N": N, "BLOCK_M": _pow2(M), "BLOCK_N": block_n, "WORLD": world,
                               "RESIDUAL": int(residual), "AR_ALIGN": slot_align(M, N)},
                   num_warps=num_warps, waits_in_body=True, run=run, reads=reads, writes=writes,
