@@ -12,6 +12,8 @@ raises a ``TypeError`` or ``ValueError`` that names it, before anything is writt
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import threading
 from typing import Sequence
 
@@ -224,6 +226,38 @@ def check_positive_int(name: str, value: object, *, maximum: int | None = None) 
         bound = f" and <= {maximum}" if maximum is not None else ""
         raise ValueError(f"{name} must be >= 1{bound}, got {value}")
     return value
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """A device mk's kernels can run on, given as a torch.device or a string ("cuda:0"); None
+    means :func:`default_device`. TypeError / ValueError naming ``name`` for anything else, a
+    device type other than cpu and cuda, or a GPU this process does not see."""
+    if device is None:
+        return default_device()
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"{name} must be a torch.device, a str or None, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name} {device!r} is not a device torch knows") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is {device}; mk kernels run on cuda (compiled) or cpu (interpreted)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"{name} is {device}, but this process sees {count} CUDA GPU(s)")
+    return device
+
+
+def check_real(name: str, value: object, *, positive: bool = False) -> float:
+    """A finite real number, >= 0 (> 0 with ``positive``): an epsilon, a frequency base, a
+    scaling factor. Returns it as a float; TypeError for anything else than a number (a bool
+    too), ValueError for nan, inf or a number out of range, naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
 
 
 def is_capturing(t: torch.Tensor) -> bool:

@@ -7,7 +7,9 @@ position later. Keeping the token history and the positions in device memory is 
 decode steps run back to back with no host work: the host reads ``tokens`` only when it
 wants to stream or check for EOS. A position whose successor would fall outside the
 history (``pos[b] + 1 >= max_seq``) records nothing and leaves ``pos[b]`` as it is, so a
-runaway loop can never write out of bounds.
+runaway loop can never write out of bounds. The standalone op (:func:`append_token`) and the
+references do the same for a position before the start (``pos[b] + 1 < 0``); the tile, inside
+the megakernel, trusts the positions its step wrote.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ def append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, stride_tokens, max_s
 
 @jit
 def append_token_kernel(next_ids_ptr, pos_ptr, tokens_ptr, stride_tokens, max_seq):
-    append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, tl.program_id(0), stride_tokens, max_seq)
+    b = tl.program_id(0)
+    # A position before the history's start would write into the previous row (or before the
+    # tensor): the standalone op cannot check positions on the host without waiting for the
+    # device, so such a sequence records nothing, as one past the end does.
+    if tl.load(pos_ptr + b) + 1 >= 0:
+        append_token_tile(next_ids_ptr, pos_ptr, tokens_ptr, b, stride_tokens, max_seq)
 
 
 def _check(next_ids, pos, tokens) -> None:
@@ -54,7 +61,9 @@ def append_token(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor
 
     Args:
         next_ids: int32/int64 ``[B]``, the tokens chosen this step.
-        pos: int32/int64 ``[B]``, the positions fed this step (advanced in place).
+        pos: int32/int64 ``[B]``, the positions fed this step (advanced in place); a sequence
+            whose ``pos[b] + 1`` falls outside ``[0, max_seq)`` records nothing and keeps its
+            position (no host check: that would wait for the device every step).
         tokens: int32/int64 ``[B, max_seq]``, contiguous: each sequence's history.
     """
     _check(next_ids, pos, tokens)
@@ -71,7 +80,7 @@ def append_token_ref(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Te
 def append_one_ref(next_ids: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, b: int) -> None:
     """Sequence b's step of :func:`append_token_ref` (in place)."""
     p = int(pos[b])
-    if p + 1 < tokens.shape[1]:
+    if 0 <= p + 1 < tokens.shape[1]:
         tokens[b, p + 1] = next_ids[b]
         pos[b] = p + 1
 

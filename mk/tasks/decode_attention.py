@@ -51,7 +51,8 @@ from ._dot import mma
 from .linear.prefetch import _prefetch_l2
 
 from ._cost import TaskCost
-from ._device import jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count
+from ._device import (jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count,
+                      supported_dtypes)
 from ._spec import OpSpec, Region, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 from ._team import last_to_arrive
 
@@ -548,6 +549,7 @@ def _launch_partials(q, k_cache, v_cache, seqlens, o_part, lse, scale, *, arriva
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
     num_splits = lse.shape[2]
+    seqlens = seqlens.contiguous()  # the kernels read seqlens[b] at offset b: a strided view is copied
     cfg = decode_attention_config(hq, hkv, d, q.element_size())
     strides = (q.stride(0), q.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -588,7 +590,8 @@ def decode_attention(
         k_cache, v_cache: ``[B, Hkv, S_max, D]`` in one dtype (q's or another: a float32 q
             meets a bf16 cache without being rounded), last dim contiguous;
             Hq must be a multiple of Hkv (query head h reads KV head h // (Hq / Hkv)).
-        seqlens: ``[B]`` int32/int64, valid cached positions per sequence, in ``[1, S_max]``.
+        seqlens: ``[B]`` int32/int64, valid cached positions per sequence, in ``[1, S_max]``
+            (a strided view is copied first).
         scale: score scale, default ``1 / sqrt(D)``.
         num_splits: KV splits (1..:data:`MAX_NUM_SPLITS`); default from
             :func:`decode_attention_num_splits` on the cache length S_max. With 1 the
@@ -646,18 +649,24 @@ def decode_attention_merge(o_part: torch.Tensor, lse: torch.Tensor, *, out: torc
                            dtype: torch.dtype | None = None) -> torch.Tensor:
     """Merge a split workspace (from :func:`decode_attention_partials`) into ``[B, Hq, D]``.
 
-    Writes into ``out`` when given, else into a new tensor of ``dtype`` (default float32).
+    Writes into ``out`` when given, else into a new tensor of ``dtype`` (default float32);
+    a ``dtype`` that is not out's is refused.
     """
     check_tensor("o_part", o_part, ndim=4, dtype=torch.float32, contiguous=False, last_dim_contiguous=True)
     batch, hq, num_splits, d = o_part.shape
     check_tensor("lse", lse, shape=(batch, hq, num_splits), dtype=torch.float32, contiguous=False)
     if num_splits > MAX_NUM_SPLITS:
         raise ValueError(f"o_part has {num_splits} splits, more than MAX_NUM_SPLITS={MAX_NUM_SPLITS}")
-    if out is None:
-        out = torch.empty((batch, hq, d), dtype=dtype or torch.float32, device=o_part.device)
-    else:
+    if out is not None:
         check_tensor("out", out, shape=(batch, hq, d), contiguous=False, last_dim_contiguous=True)
-    check_same_device(o_part=o_part, lse=lse, out=out)
+        check_same_device(o_part=o_part, lse=lse, out=out)
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(f"dtype {dtype} conflicts with out's {out.dtype}; give one of them")
+    else:
+        check_same_device(o_part=o_part, lse=lse)
+        if dtype is not None and dtype not in supported_dtypes(o_part):
+            raise TypeError(f"dtype must be one of {list(supported_dtypes(o_part))}, got {dtype!r}")
+        out = torch.empty((batch, hq, d), dtype=dtype or torch.float32, device=o_part.device)
     if out.numel() and num_splits:
         decode_attention_merge_kernel[(batch * hq,)](
             o_part, lse, out, hq, num_splits,

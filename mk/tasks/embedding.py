@@ -83,7 +83,7 @@ def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: boo
         table: ``[V, H]``, unit stride in the last dim (rows may be strided).
         check_values: False skips the id range check (no wait for the device), for a
             caller that checked the ids itself; an id outside ``[0, V)`` is then undefined.
-        vocab_start: the table is one tensor-parallel rank's share of the vocabulary, rows
+        vocab_start: an int >= 0: the table is one tensor-parallel rank's share of the vocabulary, rows
             ``[vocab_start, vocab_start + V)``: an id outside it gives a row of zeros (the
             ranks' outputs add up to the embedding); the check is then only ``id >= 0``.
 
@@ -93,6 +93,11 @@ def embedding(token_ids: torch.Tensor, table: torch.Tensor, *, check_values: boo
     check_tensor("token_ids", token_ids, dtype=ID_DTYPES)
     check_tensor("table", table, ndim=2, contiguous=False, last_dim_contiguous=True)
     check_same_device(token_ids=token_ids, table=table)
+    if vocab_start is not None:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+            raise TypeError(f"vocab_start must be None or an int, got {type(vocab_start).__name__}")
+        if vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0 (the first id of this rank's share), got {vocab_start}")
     vocab, hidden = table.shape
     ids = token_ids.reshape(-1)
     if check_values and ids.numel() and not is_capturing(ids):  # a value check would break graph capture

@@ -348,7 +348,7 @@ def qkv_rope_kv(
     if bias is not None:
         check_tensor("bias", bias, shape=(N,))
         check_same_device(x=x, bias=bias)
-    check_qk_norm(q_norm_weight, k_norm_weight, d, qk_norm_eps, x)
+    check_qk_norm(q_norm_weight, k_norm_weight, d, qk_norm_eps, x, eps_name="qk_norm_eps")
     if seqlens is not None:
         check_tensor("seqlens", seqlens, shape=(B,), dtype=(torch.int32, torch.int64))
     check_same_device(x=x, weight=weight, positions=positions, inv_freq=inv_freq, k_cache=k_cache,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import jit, check_same_device, check_tensor, supported_dtypes
+from ._device import jit, check_real, check_same_device, check_tensor, supported_dtypes
 from ._spec import OpSpec, Region, register, rows_given
 
 #: Widest chunk one program holds in registers; longer rows loop over chunks.
@@ -97,7 +97,7 @@ def rmsnorm(
     Args:
         x: ``[..., N]``, rows may be strided but the last dim must be contiguous.
         weight: ``[N]``.
-        eps: added to the mean square.
+        eps: added to the mean square, a finite number >= 0.
         residual: optional ``[..., N]`` added to x first (the sum is float32, then rounded
             to residual's dtype: a float32 residual stream may take a bf16 update).
         out_dtype: dtype of the normalised output (default x's): a float32 residual
@@ -112,8 +112,8 @@ def rmsnorm(
     if validate:
         check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
         check_tensor("weight", weight, shape=(x.shape[-1],))
-        if not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+        check_same_device(x=x, weight=weight)
+        check_real("eps", eps)
         if residual is not None:
             check_tensor("residual", residual, shape=tuple(x.shape), contiguous=False, last_dim_contiguous=True)
             check_same_device(x=x, residual=residual)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._device import jit, check_real, check_same_device, check_same_dtype, check_tensor, is_capturing
 from ._spec import OpSpec, Region, as_2d, check_sizes, check_tile, operand_view, register
 from .decode_attention import kv_length_at
 
@@ -73,14 +73,14 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping | None = No
 
     Computed in float64 and rounded once to float32 (Hugging Face computes in float32;
     the two differ by at most about one float32 ulp). Raises ValueError on an unknown
-    rope type or bad parameters.
+    rope type or bad parameters (TypeError where a number is not a number); theta and the
+    llama3 parameters must be finite and positive.
     """
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim must be an even int >= 2, got {head_dim!r}")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"theta must be a positive number, got {theta!r}")
+    theta = check_real("theta", theta, positive=True)
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    inv_freq = 1.0 / (float(theta) ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
 
     rope_type = _rope_type(rope_scaling)
     if rope_type == "llama3":
@@ -106,11 +106,9 @@ def _llama3_scale(inv_freq: torch.Tensor, rope_scaling: Mapping) -> torch.Tensor
     missing = [k for k in keys if k not in rope_scaling]
     if missing:
         raise ValueError(f"rope_scaling of type 'llama3' lacks {', '.join(missing)}")
-    factor, low, high, old_len = (float(rope_scaling[k]) for k in keys)
-    if not (factor > 0 and old_len > 0 and 0 < low < high):
-        raise ValueError(
-            "rope_scaling 'llama3' needs factor > 0, original_max_position_embeddings > 0 and "
-            f"0 < low_freq_factor < high_freq_factor; got {dict(rope_scaling)}")
+    factor, low, high, old_len = (check_real(f"rope_scaling[{k!r}]", rope_scaling[k], positive=True) for k in keys)
+    if not low < high:
+        raise ValueError(f"rope_scaling 'llama3' needs low_freq_factor < high_freq_factor, got {low} and {high}")
     wavelen = 2 * math.pi / inv_freq
     low_band = wavelen > old_len / low      # long wavelengths: stretched by factor
     high_band = wavelen < old_len / high    # short wavelengths: kept as they are
@@ -363,9 +361,12 @@ def _permute_head_axis(t: torch.Tensor, head_dim: int, dim: int, split: tuple[in
     return t.reshape(shape).transpose(dim + 1, dim + 2).reshape(t.shape).contiguous()
 
 
-def check_qk_norm(q_norm_weight, k_norm_weight, head_dim: int, eps, like: torch.Tensor) -> None:
+def check_qk_norm(q_norm_weight, k_norm_weight, head_dim: int, eps, like: torch.Tensor,
+                  eps_name: str = "norm_eps") -> None:
     """Per-head q/k norm weights: both None, or both ``[head_dim]`` on ``like``'s device, and
-    a non-negative eps; raises ValueError (TypeError for a non-tensor) otherwise."""
+    a finite eps >= 0 (checked with or without weights; named ``eps_name``); raises
+    ValueError (TypeError for a non-tensor or a non-number) otherwise."""
+    check_real(eps_name, eps)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight go together (Qwen3 norms both q and k)")
     if q_norm_weight is None:
@@ -373,8 +374,6 @@ def check_qk_norm(q_norm_weight, k_norm_weight, head_dim: int, eps, like: torch.
     check_tensor("q_norm_weight", q_norm_weight, shape=(head_dim,))
     check_tensor("k_norm_weight", k_norm_weight, shape=(head_dim,))
     check_same_device(q=like, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"the q/k norm eps must be a non-negative number, got {eps!r}")
 
 
 def _check_head_dim(name: str, t: torch.Tensor) -> int:

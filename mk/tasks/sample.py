@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._cost import TaskCost
-from ._device import check_tensor, default_device, interpreting, jit
+from ._device import check_device, check_same_device, check_tensor, default_device, interpreting, jit
 from ._spec import OpSpec, Region, operand_view, register
 from .argmax import (
     ArgmaxShape, argmax, argmax_block, argmax_block_c, argmax_partial_kernel, argmax_reduce_kernel,
@@ -399,7 +399,9 @@ def _check_counter(name: str, value: object) -> int:
 
 
 def _check_radix_bits(radix_bits: object) -> int:
-    if isinstance(radix_bits, bool) or radix_bits not in (1, 2, 4, 8):
+    if isinstance(radix_bits, bool) or not isinstance(radix_bits, int):
+        raise TypeError(f"radix_bits must be an int, got {type(radix_bits).__name__}")
+    if radix_bits not in (1, 2, 4, 8):
         raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
     return radix_bits
 
@@ -422,10 +424,10 @@ def gumbel_noise(seed: int, offset: int, rows: int, v: int, *, device: torch.dev
             raise ValueError(f"{name} must be an int >= 0, got {n!r}")
     if rows * v >= 2**31:
         raise ValueError(f"rows * v must be < 2**31, got {rows} * {v}")
-    device = torch.device(device) if device is not None else default_device()
+    device = check_device("device", device)
+    block_v = sample_block_v(v) if block_v is None else check_block_v(block_v)
     out = torch.empty(rows, v, dtype=torch.float32, device=device)
     if rows and v:
-        block_v = sample_block_v(v) if block_v is None else check_block_v(block_v)
         gumbel_noise_kernel[(triton.cdiv(v, block_v), rows)](out, v, out.stride(0), seed, offset,
                                                              BLOCK_V=block_v, num_warps=4)
     return out
@@ -482,7 +484,9 @@ def _filter(logits: torch.Tensor, t32: float, use_k: bool, k: int, use_p: bool, 
             )
 
 
-def _check_workspace(workspace: object, rows: int, n_chunks: int, radix_bits: int) -> dict[str, torch.Tensor]:
+def _check_workspace(workspace: object, logits: torch.Tensor, n_chunks: int,
+                     radix_bits: int) -> dict[str, torch.Tensor]:
+    rows = logits.shape[0]
     if not isinstance(workspace, dict):
         raise TypeError(f"workspace must be a dict from sample_workspace(), got {type(workspace).__name__}")
     shapes = {
@@ -495,6 +499,7 @@ def _check_workspace(workspace: object, rows: int, n_chunks: int, radix_bits: in
         if name not in workspace:
             raise ValueError(f"workspace lacks {name!r}; build it with sample_workspace()")
         check_tensor(f"workspace[{name!r}]", workspace[name], shape=shape, dtype=dtype)
+    check_same_device(logits=logits, **{f"workspace[{name!r}]": workspace[name] for name in shapes})
     return workspace
 
 
@@ -558,7 +563,7 @@ def sample(
     if workspace is None:
         ws = sample_workspace(rows, n_chunks, radix_bits, logits.device)
     else:
-        ws = _check_workspace(workspace, rows, n_chunks, radix_bits)
+        ws = _check_workspace(workspace, logits, n_chunks, radix_bits)
     _filter(logits, t32, use_k, top_k or 0, use_p, top_p or 1.0, block_v, radix_bits, ws, out)
     part_val, part_idx = ws["part_val"], ws["part_idx"]
     sample_gumbel_partial_kernel[(n_chunks, rows)](

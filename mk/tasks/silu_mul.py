@@ -90,13 +90,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, validate: bool = True) -> 
         check_tensor("up", up, shape=tuple(gate.shape), contiguous=False)
         check_same_dtype(gate=gate, up=up)
         check_same_device(gate=gate, up=up)
+        if gate.shape[-1] > 1 and (gate.stride(-1) not in (1, 2) or up.stride(-1) != gate.stride(-1)):
+            raise ValueError(f"gate and up need one last-dim stride, 1 or 2 (interleaved pairs), got "
+                             f"{gate.stride(-1)} and {up.stride(-1)}")
     n = gate.shape[-1]
     # reshape keeps a view where it can (it may copy strided leading dims: then stride 1).
     gate2, up2 = gate.reshape(-1, n), up.reshape(-1, n)
     col_stride = gate2.stride(-1) if n > 1 else 1
-    if validate and (col_stride not in (1, 2) or (n > 1 and up2.stride(-1) != col_stride)):
-        raise ValueError(f"gate and up need one last-dim stride, 1 or 2 (interleaved pairs), got "
-                         f"{gate.stride(-1)} and {up.stride(-1)}")
+    if n > 1 and up2.stride(-1) != col_stride:  # one of the two was copied: both contiguous
+        gate2, up2, col_stride = gate2.contiguous(), up2.contiguous(), 1
     out = torch.empty(gate2.shape, dtype=gate.dtype, device=gate.device)
     rows = gate2.shape[0]
     if rows and n:

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._device import (check_positive_int, check_same_device, check_same_dtype, check_tensor, enable_device_descriptors,
-                       jit, sm_count, smem_per_block, supported_dtypes, use_pdl)
+from .._device import (check_positive_int, check_real, check_same_device, check_same_dtype, check_tensor,
+                       enable_device_descriptors, jit, sm_count, smem_per_block, supported_dtypes, use_pdl)
 from .config import LinearConfig, _check_config, _tile_rows, linear_config, prefetch_lines
 from .prefetch import _pdl_enter, linear_prefetch_tile
 from .splitk import linear_partial_tile, linear_split_range, linear_splitk_reduce_tile
@@ -165,8 +165,7 @@ def linear(
     if bias is not None:
         check_tensor("bias", bias, shape=(N,))
         check_same_device(x=x, bias=bias)
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not norm_eps >= 0:
-        raise ValueError(f"norm_eps must be a non-negative number, got {norm_eps!r}")
+    check_real("norm_eps", norm_eps)
     check_positive_int("split_k", split_k)
     M = x.numel() // K
     pinned = config
