@@ -2,10 +2,11 @@
 
 Each benchmark times its op with pytest-benchmark (wall time of a CUDA-graph replay of
 many calls, so regressions show in `--benchmark-compare`) and records the event-timed
-per-call figure with `record(...)`. At the end of the session the records of each suite
-are written to ``bench/results/<suite>-<device>.json`` (the latest run of each suite and
-device; git keeps the earlier ones) together with the device, the Triton/torch versions,
-the commit, the date and the copy bandwidth of the same run.
+per-call figure with `record(...)`. With ``--save-results``, at the end of the session the
+records of each suite are written to ``bench/results/<suite>-<device>.json`` (the latest run
+of each suite and device; git keeps the earlier ones) together with the device, the
+Triton/torch versions, the commit, the date and the copy bandwidth of the same run; without
+it the checkout is left as it was and the records are printed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from _llama_shapes import SHAPES, shape_model
 HAS_CUDA = torch.cuda.is_available()
 RESULTS_DIR = Path(__file__).parent / "results"
 _records: dict[str, list[dict]] = defaultdict(list)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--save-results", action="store_true", default=False,
+                     help="write each suite's records to bench/results/<suite>-<device>.json (mk)")
 
 
 def pytest_configure(config):
@@ -82,10 +88,21 @@ def gpu_env() -> dict:
 
 
 @pytest.fixture(scope="session")
-def results_dir() -> Path:
-    """bench/results/, where result JSON and traces are kept."""
+def results_dir(request, tmp_path_factory) -> Path:
+    """Where traces are kept: bench/results/ with ``--save-results``, else a temporary folder."""
+    if not request.config.getoption("save_results"):
+        return tmp_path_factory.mktemp("results")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     return RESULTS_DIR
+
+
+def within_limit(gpu_env: dict, limits: dict[str, float], seconds: float, what: str) -> None:
+    """Assert that ``seconds`` stays under the wall-clock limit set for this run's device
+    (``limits``: by device slug, e.g. ``nvidia-h200``: a limit holds for the host it was set
+    on). Elsewhere the figure is recorded, not judged."""
+    limit = limits.get(gpu_env["device_slug"])
+    if limit is not None:
+        assert seconds < limit, f"{what} took {seconds * 1e3:.1f} ms (limit on {gpu_env['device']}: {limit * 1e3:.1f} ms)"
 
 
 @pytest.fixture
@@ -104,12 +121,18 @@ def pytest_sessionfinish(session, exitstatus):
     env = session.config._mk_gpu_env if hasattr(session.config, "_mk_gpu_env") else None
     if env is None:
         return
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     slug = env["device_slug"]
+    save = session.config.getoption("save_results")
+    if save:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for suite, rows in _records.items():
         path = RESULTS_DIR / f"{suite}-{slug}.json"
-        path.write_text(json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n")
-        print(f"\nmk: wrote {path}")
+        text = json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n"
+        if save:
+            path.write_text(text)
+            print(f"\nmk: wrote {path}")
+        else:
+            print(f"\nmk: {suite} on {env['device']} (not saved; --save-results writes {path.name}):\n{text}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,6 +6,9 @@
 - A plan from the cache: under 5 ms.
 - A new step (a (batch, planned length) never built on the machine): lowering, dependencies,
   queues and descriptors, under 1 s on the GPU machine's host.
+
+The limits hold on the host they were set on (an H200 machine's); on other machines the
+figures are recorded, not judged (:func:`conftest.within_limit`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from mk.planner.device import DeviceSpec
 from mk.models.blocks import ModelShape, decode_graph
 from mk.planner.search import search
 
+from conftest import within_limit
+
 pytestmark = pytest.mark.cpu
 
 
@@ -30,24 +35,25 @@ def _median_s(fn, runs: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[runs // 2]
-SEARCH_FLOOR_S = 1.0
+#: Wall-clock limits by the device whose host they were set on.
+SEARCH_LIMIT_S = {"nvidia-h200": 1.0}
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_search_time_llama_3_8b(benchmark, record, batch):
+def test_search_time_llama_3_8b(benchmark, record, gpu_env, batch):
     graph = decode_graph(ModelShape.preset("llama-3-8b"), batch, 1024)
     device = DeviceSpec.preset("h200")
     plans = benchmark.pedantic(lambda: search(graph, device), rounds=5, warmup_rounds=1)
     median = _median_s(lambda: search(graph, device), 5)
     record("planner", op="search", model="llama-3-8b", batch=batch, device="h200", ops=len(graph.nodes),
            median_s=median, predicted_step_ms=plans[0].predicted_s * 1e3)
-    assert median < SEARCH_FLOOR_S, f"search took {median * 1e3:.0f} ms (floor {SEARCH_FLOOR_S * 1e3:.0f} ms)"
+    within_limit(gpu_env, SEARCH_LIMIT_S, median, "the search")
 
 
-CACHE_FLOOR_S = 0.005
+CACHE_LIMIT_S = {"nvidia-h200": 0.005}
 
 
-def test_plan_from_cache_llama_3_8b(benchmark, record, tmp_path, monkeypatch):
+def test_plan_from_cache_llama_3_8b(benchmark, record, gpu_env, tmp_path, monkeypatch):
     from mk.planner.cache import cached_plan
 
     monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))
@@ -58,16 +64,16 @@ def test_plan_from_cache_llama_3_8b(benchmark, record, tmp_path, monkeypatch):
     assert hit
     median = _median_s(lambda: cached_plan(graph, device), 20)
     record("planner", op="cached_plan", model="llama-3-8b", batch=1, device="h200", median_s=median)
-    assert median < CACHE_FLOOR_S, f"a cached plan took {median * 1e3:.2f} ms (floor {CACHE_FLOOR_S * 1e3:.0f} ms)"
+    within_limit(gpu_env, CACHE_LIMIT_S, median, "a cached plan")
 
 
 #: Host time a request at a new (batch, planned length) may add: issue 38's ceiling, for the
 #: 8B shape on the GPU machine's host (this suite records the machine it runs on).
-NEW_STEP_FLOOR_S = 1.0
+NEW_STEP_LIMIT_S = {"nvidia-h200": 1.0}
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_new_step_llama_3_8b(record, tmp_path, monkeypatch, batch):
+def test_new_step_llama_3_8b(record, gpu_env, tmp_path, monkeypatch, batch):
     """A step never built on this machine: the plan from its cache, then lowering, the
     dependencies (none on disk), the queue simulation and the descriptors (meta buffers)."""
     from mk.planner.cache import cached_plan
@@ -93,4 +99,4 @@ def test_new_step_llama_3_8b(record, tmp_path, monkeypatch, batch):
     median = sorted(steps)[len(steps) // 2]
     record("planner", op="new_step", model="llama-3-8b", batch=batch, device="h200",
            tasks=len(lowered.step.graph.tasks), median_s=median, steps_s=steps, search_s=searches)
-    assert median < NEW_STEP_FLOOR_S, f"a new step took {median * 1e3:.0f} ms (floor {NEW_STEP_FLOOR_S * 1e3:.0f} ms)"
+    within_limit(gpu_env, NEW_STEP_LIMIT_S, median, "a new step")

@@ -15,30 +15,67 @@ Commands:
 
 Results go to stdout; what a command is doing goes to stderr (a status line and progress
 bars on a terminal, plain ``mk: ...`` lines elsewhere). Bad arguments or checkpoints are
-one ``mk: error: ...`` line and exit code 1, reported before any model is built.
+one ``mk: error: ...`` line, reported before any model is built.
+
+Exit codes: 0 done; 1 an error (one ``mk: error: ...`` line; ``generate``: also a float32
+model whose greedy tokens differ from the reference); 2 a command line argparse cannot
+read (an unknown flag, a value of the wrong type); 130 interrupted (Ctrl-C). No traceback
+is printed unless ``MK_DEBUG=1`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
+
+#: Exit code of a command interrupted by Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+#: What a command reports as ``mk: error: ...`` (a user's input, the machine, the checkpoint):
+#: MegakernelTimeout is a RuntimeError, torch's out-of-memory error too.
+USER_ERRORS = (ValueError, TypeError, RuntimeError, OSError, MemoryError)
+
+
+def _device_names() -> str:
+    from .planner.device import PRESETS
+
+    return ", ".join(sorted(PRESETS))
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one ``mk: warning: ...`` line on stderr (not Python's file:line form)."""
+    print(f"mk: warning: {message}", file=sys.stderr if file is None else file)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command (``argv``, default ``sys.argv[1:]``); returns the exit code: 0, or 1
-    after a one-line ``mk: error: ...`` on stderr."""
+    """Run one command (``argv``, default ``sys.argv[1:]``); returns the exit code (see the
+    module docstring): 0, 1 after a one-line ``mk: error: ...`` on stderr, 130 after Ctrl-C."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # (also while torch and Triton are imported)
+        print("\nmk: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
+    from . import __version__
+    from .models.blocks import MAX_BATCH
+
     parser = argparse.ArgumentParser(prog="python -m mk", description="mk: LLM decoding as one persistent Triton kernel")
+    parser.add_argument("--version", action="version", version=f"mk {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run each task op against its reference")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     plan = sub.add_parser("plan", help="search a plan for a model shape and print it")
     plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b, mistral-7b, qwen2.5-7b, "
                       "llama-3-70b, qwen3-8b) or a folder with config.json of any family mk runs")
-    plan.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    plan.add_argument("--kv-len", type=int, default=1024,
-                      help="the sequence length the step is planned for (its KV splits)")
-    plan.add_argument("--device", default=None, help="a device preset (h100, h200, a100, l40s, l20, rtx4090); "
-                      "default: the live GPU")
+    plan.add_argument("--batch", type=int, default=1, help=f"sequences decoded together, 1 to {MAX_BATCH}")
+    plan.add_argument("--kv-len", type=int, default=None,
+                      help=f"the sequence length the step is planned for (its KV splits); default {PLAN_KV_LEN}, or "
+                      f"the model's positions if it has fewer")
+    plan.add_argument("--device", default=None, help=f"a device preset ({_device_names()}; also h100, a100, 4090 "
+                      f"and torch's device names); default: the live GPU")
     plan.add_argument("--smem-budget", default=None, help="shared memory per block to plan for, e.g. 99KiB")
     plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the plan of one rank's share")
@@ -47,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="measure the planner's cost-model constants on the live GPU")
     cal.add_argument("--no-save", action="store_true", help="print the constants without saving them")
     gen = sub.add_parser(
-        "generate", help="generate tokens with a Llama through the megakernel",
-        description="Generate with a Llama through the megakernel. Row 0 is streamed to stdout as its tokens "
+        "generate", help="generate tokens with a model (Llama, Mistral, Qwen2, Qwen3) through the megakernel",
+        description="Generate through the megakernel, with a checkpoint of any family mk runs (Llama, Mistral, "
+        "Qwen2, Qwen3) or a small random Llama. Row 0 is streamed to stdout as its tokens "
         "arrive (its text after the prompt's, or with --chat the reply alone; without a tokenizer its ids); with "
         "--batch > 1 the other rows are printed when decoding ends. Then each row's ids, tokens/s and, when "
         "greedy, a check of the first tokens against the float32 torch reference.")
@@ -63,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     gen.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens only")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold, in (0, 1]")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampler")
-    gen.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded together "
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampler, in [0, 2**63)")
+    gen.add_argument("--batch", type=int, default=1, help=f"copies of the prompt decoded together, 1 to {MAX_BATCH} "
                      "(row 0 streams, the others print at the end)")
     gen.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                      help="KV-cache dtype (default: the weights'); float32 rounds nothing but the weights")
@@ -72,25 +110,45 @@ def main(argv: list[str] | None = None) -> int:
                      help="fast (default): bf16 matmul operands in prefill; exact: float32 activations")
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
     args = parser.parse_args(argv)
+    debug = os.environ.get("MK_DEBUG", "") not in ("", "0")
     try:
-        if args.command == "demo":
-            from .demo import run_demo
-
-            return run_demo(seed=args.seed)
-        if args.command == "plan":
-            return run_plan(args)
-        if args.command == "calibrate":
-            from .planner.calibrate import run_calibrate
-
-            return run_calibrate(save=not args.no_save)
-        if args.command == "generate":
-            from .generate import run_generate
-
-            return run_generate(args)
-    except (ValueError, TypeError, RuntimeError, OSError) as err:
-        print(f"mk: error: {err}", file=sys.stderr)
+        with warnings.catch_warnings():
+            if not debug:
+                warnings.showwarning = _show_warning
+            return _run(args)
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(f"mk: error: {_one_line(err)}", file=sys.stderr)
         return 1
-    return 0
+    except Exception as err:  # a bug of mk's: still one line, and how to see where
+        if debug:
+            raise
+        print(f"mk: internal error: {type(err).__name__}: {_one_line(err)} (set MK_DEBUG=1 for the traceback, and "
+              f"please report it)", file=sys.stderr)
+        return 1
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text
+
+
+def _run(args) -> int:
+    """The command ``args`` names; its exit code."""
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(seed=args.seed)
+    if args.command == "plan":
+        return run_plan(args)
+    if args.command == "calibrate":
+        from .planner.calibrate import run_calibrate
+
+        return run_calibrate(save=not args.no_save)
+    from .generate import run_generate
+
+    return run_generate(args)
 
 
 #: Positions of the model-shape presets (their config.json's max_position_embeddings):
@@ -99,12 +157,15 @@ PRESET_MAX_POSITIONS = {"llama-3.2-1b": 131072, "llama-3-8b": 8192, "mistral-7b"
                         "qwen3-8b": 40960, "llama-3-70b": 8192}
 #: A config.json without max_position_embeddings: Hugging Face's LlamaConfig default (and mk's).
 DEFAULT_MAX_POSITIONS = 2048
+#: ``plan --kv-len`` when none is given (at most the model's positions).
+PLAN_KV_LEN = 1024
 
 
 def run_plan(args) -> int:
     """``python -m mk plan``: shape + device -> the best plan, explained (or as JSON).
 
-    The shape, ``--batch``, ``--kv-len`` (1 to the model's positions) and the device are
+    The device, the shape, ``--batch`` (1 to :data:`~mk.models.blocks.MAX_BATCH`) and
+    ``--kv-len`` (1 to the model's positions; default :data:`PLAN_KV_LEN` or fewer) are
     checked before the search; without ``--device`` the live GPU is planned for, and a
     machine without one is told to name a preset."""
     from pathlib import Path
@@ -112,23 +173,10 @@ def run_plan(args) -> int:
     from .generate import Status
     from .planner.cache import cached_plan
     from .planner.device import PRESETS, DeviceSpec
-    from .models.blocks import ModelShape, decode_graph
+    from .models.blocks import MAX_BATCH, ModelShape, decode_graph
     from .models.auto import AutoConfig
     from .planner.search import Plan, search
 
-    folder = Path(args.model)
-    if folder.is_dir():
-        config = AutoConfig.from_pretrained(folder)
-        shape = config.to_model_shape(name=folder.name)
-        positions = config.max_position_embeddings
-    else:
-        shape = ModelShape.preset(args.model)
-        positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {args.batch}")
-    shape = shape.shard(args.tp)  # (names what does not split over the ranks)
-    if not 1 <= args.kv_len <= positions:
-        raise ValueError(f"--kv-len must be in [1, {positions}] (the positions of {shape.name}), got {args.kv_len}")
     if args.device:
         device = DeviceSpec.preset(args.device)
     else:
@@ -140,9 +188,27 @@ def run_plan(args) -> int:
         device = DeviceSpec.from_gpu()
     if args.smem_budget:
         device = device.with_smem_budget(args.smem_budget)
-    graph = decode_graph(shape, args.batch, args.kv_len)
+    if args.beam < 1:
+        raise ValueError(f"--beam must be >= 1, got {args.beam}")
+    if not 1 <= args.tp:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if not 1 <= args.batch <= MAX_BATCH:
+        raise ValueError(f"--batch must be in [1, {MAX_BATCH}] (sequences a decode step holds), got {args.batch}")
+    folder = Path(args.model)
+    if folder.is_dir():
+        config = AutoConfig.from_pretrained(folder)
+        shape = config.to_model_shape(name=folder.name)
+        positions = config.max_position_embeddings
+    else:
+        shape = ModelShape.preset(args.model)
+        positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
+    shape = shape.shard(args.tp)  # (names what does not split over the ranks)
+    kv_len = min(PLAN_KV_LEN, positions) if args.kv_len is None else args.kv_len
+    if not 1 <= kv_len <= positions:
+        raise ValueError(f"--kv-len must be in [1, {positions}] (the positions of {shape.name}), got {kv_len}")
+    graph = decode_graph(shape, args.batch, kv_len)
     status = Status()
-    status(f"planning {shape.name}, batch {args.batch}, length {args.kv_len} for {device.name}", bar=True)
+    status(f"planning {shape.name}, batch {args.batch}, length {kv_len} for {device.name}", bar=True)
     if args.no_cache:
         best = search(graph, device, beam_width=args.beam, progress=status.tty)[0]
     else:

@@ -16,7 +16,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_demo(seed: int = 0) -> int:
-    """Run each op once (after a warm-up), print its relative error and time; 0 if all pass."""
+    """Run each op once (after a warm-up), print its relative error and time; 0 if all pass.
+    ``seed`` (an int in [0, 2**63), the sampler's too) is checked before any op runs."""
+    from .tasks.sample import _check_counter
+
+    try:
+        _check_counter("seed", seed)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"--seed: {e}") from None
     torch.manual_seed(seed)
     dev, dt = default_device(), default_dtype()
     tol = 1e-5 if dt == torch.float32 else 2e-2

@@ -20,7 +20,9 @@ import time
 import torch
 
 from .models import AutoConfig, AutoModel, Llama, LlamaConfig, ReferenceLlama, greedy_generate
-from .tasks.sample import _check_temperature, _check_top_k, _check_top_p
+from .models.blocks import MAX_BATCH
+from .persistent.symmetric import SETUP_TIMEOUT_S, check_gpu_ranks, launch_env
+from .tasks.sample import _check_counter, _check_temperature, _check_top_k, _check_top_p
 
 #: The embedded default model: small enough for the interpreter, a real GQA Llama shape.
 DEFAULT_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -120,20 +122,23 @@ def _flag(flag: str, check, value):
 
 
 def _check_args(args) -> int:
-    """Every check that needs no model (flags, their ranges); returns max-new-tokens."""
+    """Every check that needs no model (flags, their ranges, torchrun's environment);
+    returns max-new-tokens."""
+    check_gpu_ranks("generate")  # (also reads WORLD_SIZE, RANK, LOCAL_RANK: each an int, in range)
     if args.prompt is not None and args.ids is not None:
         raise ValueError("give --prompt or --ids, not both")
     if args.chat and args.prompt is None:
         raise ValueError("--chat needs --prompt (the user message)")
     if args.ids is not None:
         _parse_ids(args.ids)
-    if args.batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if not 1 <= args.batch <= MAX_BATCH:
+        raise ValueError(f"--batch must be in [1, {MAX_BATCH}] (sequences a decode step holds), got {args.batch}")
     if args.check_steps < 0:
         raise ValueError(f"--check-steps must be >= 0, got {args.check_steps}")
     _flag("--temperature", _check_temperature, args.temperature)
     _flag("--top-k", _check_top_k, args.top_k)
     _flag("--top-p", _check_top_p, args.top_p)
+    _flag("--seed", lambda v: _check_counter("seed", v), args.seed)
     # The model goes to the GPU when there is one (mk.tasks.default_device).
     new = args.max_new_tokens
     if new is None:
@@ -152,6 +157,20 @@ def _check_checkpoint(folder: str) -> LlamaConfig:
     shards = sorted(set(_weight_files(folder).values())) or [os.path.join(folder, SINGLE_FILE)]
     _read_headers(shards)
     return config
+
+
+def _speed(stats: dict, rows: list[list[int]]) -> str:
+    """The request's times: the prefill, and a rate only where decode steps ran (the
+    prefill chooses each row's first token; the steps choose the rest)."""
+    prefill = f"prefill {stats.get('prefill_s', 0.0) * 1e3:.1f} ms"
+    launches, decode_s = max(len(r) for r in rows) - 1, stats.get("decode_s", 0.0)
+    if launches < 1:
+        return f"{prefill} (it chose the only new token); no decode step ran, so there is no rate to show"
+    if decode_s <= 0:
+        return f"{prefill}; decode {launches} steps, not timed"
+    decoded = sum(max(len(r) - 1, 0) for r in rows)
+    return (f"{prefill}; decode {launches} steps in {decode_s:.3f} s: {decoded / decode_s:.1f} tokens/s "
+            f"({decode_s / launches * 1e3:.2f} ms/step, one launch each)")
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -186,6 +205,8 @@ def run_generate(args) -> int:
     else:
         config = LlamaConfig(**DEFAULT_CONFIG)
     ids = _prompt_ids(args, tokenizer)
+    if not ids:
+        raise ValueError("the prompt is empty: its text gives no tokens")
     if any(not 0 <= i < config.vocab_size for i in ids):
         raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got {ids}")
     total = len(ids) + new
@@ -197,13 +218,15 @@ def run_generate(args) -> int:
               file=sys.stderr)
     kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     # Under torchrun: tensor parallelism over its processes, one GPU each; rank 0 prints.
-    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, rank, _ = launch_env()
     if tp > 1 and not args.model:
         raise ValueError("tensor parallelism (torchrun) needs a checkpoint: give --model")
-    if tp > 1 and int(os.environ.get("RANK", "0")) != 0:
+    if tp > 1 and rank != 0:
         sys.stdout = open(os.devnull, "w")
         status = Status(open(os.devnull, "w"))
     if args.model:
+        if tp > 1:
+            status(f"joining the other {tp - 1} rank(s) started by torchrun (at most {SETUP_TIMEOUT_S} s)")
         status(f"loading weights from {args.model}" + (f" (this rank's share of {tp})" if tp > 1 else ""))
         model = AutoModel.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total,
                                           kv_dtype=kv_dtype, progress=status.tty,
@@ -259,19 +282,22 @@ def run_generate(args) -> int:
         if b > 0 or text:   # row 0's ids line was streamed in ids mode
             shown = f"  {tokenizer.decode(r)!r}" if text and b > 0 else ""
             print(f"[{b}] {ids} -> {r}{shown}")
-    stats = model.last_stats
-    produced, steps = sum(len(r) for r in rows), max(len(r) for r in rows)
-    decode_s = stats.get("decode_s", 0.0)
-    print(f"prefill {stats.get('prefill_s', 0.0) * 1e3:.1f} ms; decode {steps} steps in {decode_s:.2f} s: "
-          f"{produced / max(decode_s, 1e-9):.1f} tokens/s ({decode_s / max(steps, 1) * 1e3:.2f} ms/step, one "
-          f"launch each)", flush=True)
+    stopped = [f"row {b} after {len(r)} of {new} tokens" for b, r in enumerate(rows) if finished[b]]
+    if stopped:
+        print(f"stopped at EOS ({', '.join(map(str, sorted(eos)))}): {', '.join(stopped)}")
+    print(_speed(model.last_stats, rows), flush=True)
     if tp > 1 and temperature == 0.0 and args.check_steps > 0:
         print("check: skipped under tensor parallelism (each rank holds its share of the weights)")
     elif temperature == 0.0 and args.check_steps > 0:
         got = rows[0][:args.check_steps]   # shorter when row 0 stopped at EOS
         check = len(got)
         status("checking the greedy tokens against the float32 torch reference")
-        want = greedy_generate(ReferenceLlama(config, model.hf_weights()), [ids], check)[0]
+        try:
+            want = greedy_generate(ReferenceLlama(config, model.hf_weights()), [ids], check)[0]
+        except FloatingPointError as e:  # nothing to compare against: never a match
+            status.clear()
+            print(f"check: failed: {e}")
+            return 1
         status.clear()
         same = sum(1 for a, b in zip(got, want) if a == b)
         print(f"check: first {check} greedy tokens {'match' if got == want else 'differ from'} the float32 "

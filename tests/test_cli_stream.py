@@ -137,6 +137,7 @@ def test_generate_prints_each_token_as_it_arrives(checkpoint, capsys, monkeypatc
         for a, b in zip(row0, row1):
             yield torch.tensor([a, b])
             seen.append(capsys.readouterr().out)   # what was printed before the next token is asked for
+        self.last_stats = {"prefill_s": 0.004, "decode_s": 0.06}
 
     monkeypatch.setattr(Llama, "prepare", prepare)
     monkeypatch.setattr(Llama, "stream", stream)
@@ -153,7 +154,10 @@ def test_generate_prints_each_token_as_it_arrives(checkpoint, capsys, monkeypatc
     rest = capsys.readouterr().out
     # Row 1 ends at its EOS (half an é: shown as U+FFFD).
     assert rest.startswith(f"\n[0] {prompt} -> {row0}\n[1] {prompt} -> {row1[:2]}  '\ufffd'\n")
-    assert "tokens/s" in rest and "check:" not in rest   # sampled: nothing to check
+    # The rate counts the tokens decode steps chose (the prefill chose each row's first): 6 + 1 in 0.06 s.
+    assert "stopped at EOS (1): row 1 after 2 of 7 tokens\n" in rest
+    assert "prefill 4.0 ms; decode 6 steps in 0.060 s: 116.7 tokens/s" in rest
+    assert "check:" not in rest   # sampled: nothing to check
 
 
 def test_max_new_tokens_zero_gives_the_prompts_back_as_the_api_does(capsys):
@@ -186,7 +190,10 @@ GENERATE_ERRORS = [
     (["--top-p", "0"], "--top-p: top_p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p: top_p must be in (0, 1]"),
     (["--top-k", "0"], "--top-k: top_k must be >= 1, got 0"),
-    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--batch", "0"], "--batch must be in [1, 64] (sequences a decode step holds), got 0"),
+    (["--batch", "1000000000000"], "--batch must be in [1, 64]"),
+    (["--seed", "-1", "--temperature", "1"], "--seed: seed must be in [0, 2**63), got -1"),
+    (["--seed", str(2**64)], "--seed: seed must be in [0, 2**63)"),
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
     (["--chat"], "--chat needs --prompt"),
     (["--chat", "--prompt", "hi"], "no tokenizer.json"),
@@ -213,7 +220,7 @@ def test_a_bad_checkpoint_is_reported_before_the_prompt_ids(tmp_path, checkpoint
     (tmp_path / "config.json").write_text("{not json")
     assert "invalid JSON" in error(tmp_path)
     # A vocabulary of 50: the default ids (up to 311) would not fit, but the weights are what is missing.
-    (tmp_path / "config.json").write_text(json.dumps({**DEFAULT_CONFIG, "vocab_size": 50}))
+    (tmp_path / "config.json").write_text(json.dumps({**DEFAULT_CONFIG, "vocab_size": 50, "model_type": "llama"}))
     assert "no weights" in error(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
     assert "not a readable safetensors file" in error(tmp_path)
@@ -235,7 +242,8 @@ def _no_template(checkpoint, tmp_path):
 PLAN_ERRORS = [
     (["--model", "llama-3-8b", "--device", "h200", "--kv-len", "0"], "--kv-len must be in [1, 8192]"),
     (["--model", "llama-3-8b", "--device", "h200", "--kv-len", "8193"], "--kv-len must be in [1, 8192]"),
-    (["--model", "llama-3.2-1b", "--device", "h200", "--batch", "0"], "--batch must be >= 1"),
+    (["--model", "llama-3.2-1b", "--device", "h200", "--batch", "0"], "--batch must be in [1, 64]"),
+    (["--model", "llama-3.2-1b", "--device", "h200", "--batch", "100000"], "--batch must be in [1, 64]"),
     (["--model", "llama-3.2-1b"], "name a device with --device (one of a100-sxm, h100-sxm, h200"),
 ]
 

@@ -10,6 +10,7 @@ every family offers the same API (:class:`~mk.models.decoder.DecoderModel`):
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 
 from .config import LlamaConfig, read_config_json
@@ -39,7 +40,10 @@ def family_of(d: Mapping, source: str = "config") -> type[DecoderModel]:
     if archs:
         known = [a for cls in FAMILIES.values() for a in cls.config_class.ARCHITECTURES]
         raise ValueError(f"{source}: architectures is {archs}; mk runs {known}")
-    return Llama  # a bare config of sizes: Llama's, as mk has always read them
+    # A bare config of sizes: Llama's, as transformers' LlamaConfig would read it; said once.
+    warnings.warn(f"{source} names no model_type or architectures: read as a Llama (model_type 'llama'); "
+                  f"add model_type to config.json to say which family it is", UserWarning, stacklevel=3)
+    return Llama
 
 
 class AutoConfig:
@@ -67,7 +71,9 @@ class AutoModel:
         for cls in FAMILIES.values():
             if type(config) is cls.config_class:
                 return cls.from_config(config, **kwargs)
-        raise ValueError(f"no family runs a {type(config).__name__}")
+        names = ", ".join(c.config_class.__name__ for c in FAMILIES.values())
+        got = "None" if config is None else type(config).__name__
+        raise TypeError(f"config must be the config of a family mk runs ({names}), got {got}")
 
 
 __all__ = ["AutoConfig", "AutoModel", "FAMILIES", "family_of"]

@@ -161,6 +161,12 @@ TP_PEERS, TP_SHARED, TP_FLAGS = "tp.peers", "tp.argmax", "tp.argmax.flags"
 TP_EMBED = "tp.embed"
 
 
+#: Sequences one decode step holds at most. Batches up to 16 run on the decode tiles
+#: (GEMV streams, 16-row tensor-core tiles), larger ones on the prefill's; the planner's
+#: search grows with the batch (batch 64: seconds on a CPU).
+MAX_BATCH = 64
+
+
 def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
     """The unfused ops of one decode step for ``batch`` sequences of ``kv_len`` cached tokens
     (the new token included), with the buffers each binds (see the module docstring). For
@@ -170,6 +176,8 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
     for name, v in (("batch", batch), ("kv_len", kv_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if batch > MAX_BATCH:
+        raise ValueError(f"batch must be at most {MAX_BATCH} (mk.models.blocks.MAX_BATCH), got {batch}")
     m, B, db, tp = model, batch, model.dtype_bytes, model.tp
     h, i, d, hq, hkv = m.hidden, m.intermediate, m.head_dim, m.heads, m.kv_heads
     g = OpGraph(m.name, batch, kv_len, db)

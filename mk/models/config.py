@@ -279,14 +279,33 @@ def parse_config_json(text: str, source: str) -> Any:
 
 def read_config_json(folder: str | os.PathLike) -> tuple[Any, str]:
     """``folder/config.json`` parsed, and its path; ValueError naming what is missing or bad."""
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
+    folder = check_folder(folder)
     path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no config.json in checkpoint folder {folder!r}")
-    with open(path, encoding="utf-8") as f:
-        return parse_config_json(f.read(), path), path
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"no config.json in checkpoint folder {folder!r}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # what the OS said: permission denied, an I/O error, a folder by that name
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    return parse_config_json(text, path), path
+
+
+def check_folder(folder: str | os.PathLike) -> str:
+    """``folder`` as a path string, once it is known to be a folder this process can list;
+    ValueError naming the folder and, where the OS refused, what it said."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"a checkpoint folder must be a path (str or os.PathLike), got {type(folder).__name__}")
+    folder = os.fspath(folder)
+    try:
+        os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder") from None
+    except OSError as e:
+        raise ValueError(f"checkpoint folder {folder!r}: cannot read it: {e.strerror or e}") from None
+    return folder
 
 
 def _check_positive_int(name: str, v: object) -> None:

@@ -20,12 +20,14 @@ the append task after the launch.
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Iterator
 
+import numpy as np
 import torch
 
 from mk.tasks import default_device, supported_dtypes
@@ -36,16 +38,16 @@ from mk.tasks.linear import interleave_gate_up, linear, tma_gemm_serves
 from mk.tasks.rmsnorm import rmsnorm
 from mk.tasks.rope import deinterleave_rotary, interleave_rotary, rope_inv_freq, rope_kv
 from mk.tasks.silu_mul import silu_mul
-from mk.tasks.sample import (_check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
+from mk.tasks.sample import (_check_counter, _check_temperature, _check_top_k, _check_top_p, gumbel_noise, sample,
                              scale_logits_ref)
 
-from mk.models.blocks import TP_PEERS, cache_keys, weight_key
+from mk.models.blocks import MAX_BATCH, TP_PEERS, cache_keys, weight_key
 from mk.planner.lower import StepCache
 from mk.persistent.runtime import MegakernelTimeout
 
 from .config import LlamaConfig
 from . import prefill as _prefill
-from .weights import load_weights, random_weights, tp_slices
+from .weights import expected_shapes, load_weights, random_weights, tp_slices
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
 #: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
@@ -81,6 +83,30 @@ class _Ranks:
         box = [obj if self.lead else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+@dataclass(frozen=True, repr=False)
+class StepPlan:
+    """What :meth:`DecoderModel.plan` returns: the :class:`~mk.planner.search.Plan`, the op
+    graph it was made for and the device it was planned on. Unpacks as ``plan, graph``;
+    shown (``repr``, ``print``) as the plan's explanation, a line per op."""
+
+    plan: object  # mk.planner.search.Plan
+    graph: object  # mk.planner.graph.OpGraph
+    device: object  # mk.planner.device.DeviceSpec
+
+    def __iter__(self):
+        return iter((self.plan, self.graph))
+
+    def __repr__(self) -> str:
+        from mk.planner.search import Plan
+
+        plan = self.plan
+        if not plan.estimates:  # (a plan read from the cache): each op's estimate, for the listing
+            plan = Plan.from_json(plan.to_json(), self.graph, self.device)
+        return plan.explain()
+
+    __str__ = __repr__
 
 
 @dataclass
@@ -141,17 +167,13 @@ class DecoderModel:
     config_class: ClassVar[type[LlamaConfig]] = LlamaConfig
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], *, device=None, dtype=None,
-                 max_batch_size: int = 8, max_seq_len: int = 4096, device_spec=None, name: str | None = None,
+                 max_batch_size: int = 8, max_seq_len: int | None = None, device_spec=None, name: str | None = None,
                  tokenizer=None, plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
                  prefill_workspace: int | None = None, tp: int = 1, rank: int = 0):
-        if type(config) is not self.config_class:
-            raise ValueError(f"{type(self).__name__} runs a {self.config_class.__name__}, got a "
-                             f"{type(config).__name__} (mk.models.AutoModel picks the family)")
+        self._check_config(config)
         name = config.MODEL_TYPE if name is None else name
         self.device, self.dtype, self.kv_dtype = _resolve_target(device, dtype, kv_dtype)
-        for what, v in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{what} must be an int >= 1, got {v!r}")
+        max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
         _check_plan_mode(plan_mode)
         self.config, self.name, self.tokenizer, self.plan_mode = config, name, tokenizer, plan_mode
         # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
@@ -226,7 +248,7 @@ class DecoderModel:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
-                        max_seq_len: int = 4096, progress: bool = True, device_spec=None,
+                        max_seq_len: int | None = None, progress: bool = True, device_spec=None,
                         plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
                         prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
         """Load ``folder`` (config.json + model.safetensors, or shards with an index).
@@ -247,10 +269,13 @@ class DecoderModel:
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         config = cls.config_class.from_pretrained(folder)
+        max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
+        _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
         if prefill_workspace is not None:  # refused before any weight is read
             _prefill.PrefillBudget.make(_prefill_per_token(config, dtype, prefill_precision), prefill_workspace)
+        _check_memory(config, device, dtype, kv_dtype, max_batch_size, max_seq_len, tp)
         t0 = time.perf_counter()
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress and rank == 0,
                                shard=tp_slices(config, tp, rank) if tp > 1 else None)
@@ -263,15 +288,20 @@ class DecoderModel:
 
     @classmethod
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
-                    max_seq_len: int = 4096, device_spec=None, name: str | None = None,
+                    max_seq_len: int | None = None, device_spec=None, name: str | None = None,
                     plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
                     prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
         """A model of any shape with random weights (deterministic for ``seed``); ``tp``: as
         :meth:`from_pretrained` (every rank draws the same model, keeping only its share)."""
+        cls._check_config(config)
+        _check_counter("seed", seed)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
+        max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
+        _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
+        _check_memory(config, device, dtype, kv_dtype, max_batch_size, max_seq_len, tp)
         weights = random_weights(config, seed=seed, device=device, dtype=dtype,
                                  shard=tp_slices(config, tp, rank) if tp > 1 else None)
         name = f"random-{config.MODEL_TYPE}" if name is None else name
@@ -279,6 +309,14 @@ class DecoderModel:
                    max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
                    kv_dtype=kv_dtype, prefill_precision=prefill_precision, prefill_workspace=prefill_workspace,
                    tp=tp, rank=rank)
+
+    @classmethod
+    def _check_config(cls, config) -> None:
+        """TypeError unless ``config`` is this family's config (an instance of :attr:`config_class`)."""
+        if type(config) is not cls.config_class:
+            got = type(config).__name__
+            raise TypeError(f"{cls.__name__} runs a {cls.config_class.__name__}, got {'None' if config is None else 'a ' + got}"
+                            + (" (mk.models.AutoModel picks the family)" if isinstance(config, LlamaConfig) else ""))
 
     def _pack(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Hugging Face tensors -> the megakernel's (fused QKV and its bias, interleaved
@@ -385,9 +423,10 @@ class DecoderModel:
         of :data:`PLAN_LENGTHS` at or above it, at most ``max_seq_len``."""
         return min(next((n for n in PLAN_LENGTHS if n >= tokens), self.max_seq_len), self.max_seq_len)
 
-    def plan(self, batch: int, kv_len: int | None = None, *, progress: bool = False):
+    def plan(self, batch: int, kv_len: int | None = None, *, progress: bool = False) -> "StepPlan":
         """The plan of one decode step at ``batch`` for sequences of up to ``kv_len`` tokens
-        (default ``max_seq_len``; cached on disk) and its op graph: the planner's best
+        (default ``max_seq_len``; cached on disk) and its op graph (a :class:`StepPlan`:
+        ``plan, graph = model.plan(...)``; shown, it explains the plan): the planner's best
         predicted plan, or with ``plan_mode="measure"`` the fastest of its top plans timed on
         this device (:func:`mk.planner.search.pick_measured`). Any plan decodes every length
         up to ``max_seq_len`` correctly; ``kv_len`` is what it is fastest for."""
@@ -395,6 +434,8 @@ class DecoderModel:
         from mk.models.blocks import decode_graph
 
         kv_len = self.max_seq_len if kv_len is None else kv_len
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
+            raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
         if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= self.max_seq_len:
             raise ValueError(f"kv_len must be an int in [1, max_seq_len={self.max_seq_len}], got {kv_len!r}")
         graph = decode_graph(self.shape, batch, kv_len)
@@ -418,7 +459,7 @@ class DecoderModel:
             text = [plan.to_json() if self.rank == 0 else None]
             dist.broadcast_object_list(text, src=0)
             plan = Plan.from_json(text[0])
-        return plan, graph
+        return StepPlan(plan, graph, self.device_spec)
 
     def prepare(self, batch: int, total_len: int, *, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, progress: bool = False) -> dict:
@@ -939,11 +980,15 @@ class DecoderModel:
         if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every must be an int >= 1, got {read_every!r}")
         temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+        _check_counter("seed", seed)
+        eos = self._eos_ids(eos_token_id)
         ids, lengths = self._check_prompts(input_ids, max_new_tokens)
         if max_new_tokens == 0:
             return
         next_token = self._next_token_rule(temperature, top_k, top_p)
-        eos = self._eos_ids(eos_token_id)
+        if self._ranks_joined and self.device.type != "cuda":
+            raise ValueError(f"decoding over {self.tp} processes runs one CUDA GPU a rank (the ranks' steps meet in "
+                             f"each other's GPU memory); on the CPU, tensor-parallel models prefill (logits) only")
         B = ids.shape[0]
         dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))
         phases = dec.unreported_build()
@@ -1010,10 +1055,15 @@ class DecoderModel:
             append_token(st["ids"], st["pos"], st["tokens"])
 
     def _eos_ids(self, eos_token_id) -> set[int]:
-        """``eos_token_id`` (an id, a list of ids, or None for the config's) as a set."""
+        """``eos_token_id`` (an id, a list of ids, or None for the config's) as a set;
+        TypeError naming it otherwise."""
         if eos_token_id is None:
             return set(self.config.eos_token_ids)
-        return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        ids = [eos_token_id] if not isinstance(eos_token_id, (list, tuple, set, frozenset)) else list(eos_token_id)
+        for t in ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+        return {int(t) for t in ids}
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
@@ -1112,7 +1162,10 @@ def _tp_setup(config: LlamaConfig, tp: int, device) -> tuple[int, object]:
         raise ValueError(f"rank(s) {odd} loaded another model or config than rank 0: every rank of a "
                          f"tensor-parallel model must load the same one")
     if device is None and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        from mk.persistent.symmetric import launch_env
+
+        local = launch_env()[2] if "LOCAL_RANK" in os.environ else rank % torch.cuda.device_count()
+        device = torch.device("cuda", local)
     return rank, device
 
 
@@ -1141,22 +1194,93 @@ def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = N
         return torch.mm(a, weight.t()).to(out_dtype)
 
 
+#: Integer dtypes a tensor of token ids may have.
+_ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
 def _rows(input_ids) -> list[list[int]]:
-    """Prompts as lists of ids: a [B, T] (or [T]) int tensor, a list of lists, or one list."""
+    """Prompts as lists of ids: a ``[B, T]`` (or ``[T]``) integer tensor or numpy array, a
+    list of id lists (or of 1-D tensors / arrays), or one list of ids. TypeError naming
+    ``input_ids`` for anything else: strings, floats, bools, None."""
+    if isinstance(input_ids, np.ndarray):
+        if input_ids.dtype.kind not in "iu":
+            raise TypeError(f"input_ids: a numpy array of token ids must have an integer dtype, got {input_ids.dtype}")
+        input_ids = torch.from_numpy(input_ids.astype(np.int64))
     if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype not in _ID_DTYPES:
+            raise TypeError(f"input_ids: a tensor of token ids must have an integer dtype, got {input_ids.dtype}")
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"input_ids must be an int tensor [B, T], got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a tensor [B, T] or [T], got shape {tuple(input_ids.shape)}")
         return [r.tolist() for r in input_ids.cpu()]
-    return [list(r) for r in input_ids] if input_ids and isinstance(input_ids[0], (list, tuple)) else [list(input_ids)]
+    if not isinstance(input_ids, (list, tuple)):
+        raise TypeError(f"input_ids must be a list of token ids, a list of such lists, or an integer tensor or numpy "
+                        f"array; got {type(input_ids).__name__}")
+    nested = [isinstance(r, (list, tuple, np.ndarray, torch.Tensor)) for r in input_ids]
+    if any(nested) and not all(nested):
+        raise TypeError("input_ids mixes token ids and lists of them: give one prompt (a list of ids) or a list of "
+                        "prompts")
+    rows = [_rows(r)[0] if isinstance(r, (np.ndarray, torch.Tensor)) else list(r) for r in input_ids] \
+        if input_ids and all(nested) else [list(input_ids)]
+    for b, r in enumerate(rows):
+        for i, t in enumerate(r):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"input_ids: prompt {b} holds {type(t).__name__} {t!r} at position {i}; token ids "
+                                f"are ints")
+        rows[b] = [int(t) for t in r]
+    return rows
+
+
+#: ``max_seq_len`` when none is given: this, or the model's positions if it has fewer.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def _check_sizes(config: LlamaConfig, max_batch_size, max_seq_len) -> int:
+    """``max_seq_len`` (default: :data:`DEFAULT_MAX_SEQ_LEN`, at most the model's positions),
+    once it and ``max_batch_size`` are ints the model can run: sequences of at most
+    ``max_position_embeddings`` tokens (its RoPE and training stop there), batches of at most
+    :data:`~mk.models.blocks.MAX_BATCH`."""
+    positions = config.max_position_embeddings
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, positions)
+    for what, v, top, why in (("max_batch_size", max_batch_size, MAX_BATCH, "sequences a decode step holds"),
+                              ("max_seq_len", max_seq_len, positions, "the model's max_position_embeddings")):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{what} must be an int, got {type(v).__name__} {v!r}")
+        if not 1 <= v <= top:
+            raise ValueError(f"{what} must be in [1, {top}] ({why}), got {v}")
+    return max_seq_len
+
+
+def _check_memory(config: LlamaConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                  max_batch_size: int, max_seq_len: int, tp: int = 1) -> None:
+    """MemoryError, before any weight is read, when this rank's weights and KV cache cannot fit
+    in what ``device`` has: free GPU memory, or the machine's memory for the CPU."""
+    weights = sum(int(np.prod(s)) for s in expected_shapes(config).values()) * dtype.itemsize // tp
+    kv = (2 * config.num_hidden_layers * max_batch_size * (config.num_key_value_heads // tp) * max_seq_len
+          * config.head_dim * kv_dtype.itemsize)
+    if device.type == "cuda":
+        have, where = torch.cuda.mem_get_info(device)[0], f"{device} has free"
+    else:
+        try:
+            have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+        except (ValueError, OSError, AttributeError):  # (no sysconf: nothing to check against)
+            return
+    if weights + kv > have:
+        gib = 2 ** 30
+        raise MemoryError(f"the model needs {(weights + kv) / gib:.1f} GiB (weights {weights / gib:.1f} GiB + KV cache "
+                          f"{kv / gib:.1f} GiB for max_batch_size={max_batch_size} x max_seq_len={max_seq_len}), "
+                          f"and {where} {have / gib:.1f} GiB: lower max_batch_size or max_seq_len")
 
 
 def _resolve_target(device, dtype, kv_dtype) -> tuple[torch.device, torch.dtype, torch.dtype]:
     """``(device, dtype, kv_dtype)`` with their defaults (the GPU if there is one; bf16 on
     CUDA, float32 on the CPU; the cache in ``dtype``), checked before any work."""
-    device = torch.device(device) if device is not None else default_device()
+    try:
+        device = torch.device(device) if device is not None else default_device()
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a device: {e}") from None
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     _check_target(device, dtype)
     kv_dtype = kv_dtype or dtype

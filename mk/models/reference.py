@@ -236,7 +236,8 @@ def greedy_generate(model: ReferenceLlama, prompts: Sequence[Sequence[int]] | to
 
     Each sequence decodes at its own position (``start_pos = its length so far``). Returns
     the ``max_new_tokens`` new tokens of each prompt (EOS does not stop it: the reference
-    is for comparing token streams of fixed length).
+    is for comparing token streams of fixed length). Raises FloatingPointError where the
+    logits a token is chosen from hold NaN or Inf: no token stream to compare against.
     """
     tokens, lengths = pad_prompts(prompts, device=model.device)
     B = tokens.shape[0]
@@ -245,12 +246,14 @@ def greedy_generate(model: ReferenceLlama, prompts: Sequence[Sequence[int]] | to
     if max_new_tokens <= 0:
         return out
     logits = model.forward(tokens, 0, cache, lengths)
-    nxt = logits[torch.arange(B, device=model.device), lengths - 1].argmax(-1)             # [B]
+    logits = logits[torch.arange(B, device=model.device), lengths - 1]
     for step in range(max_new_tokens):
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError(f"the reference's logits for new token {step} hold NaN or Inf")
+        nxt = logits.argmax(-1)                                                             # [B]
         for b in range(B):
             out[b].append(int(nxt[b]))
         if step + 1 == max_new_tokens:
             break
-        logits = model.forward(nxt[:, None], lengths + step, cache)
-        nxt = logits[:, 0].argmax(-1)
+        logits = model.forward(nxt[:, None], lengths + step, cache)[:, 0]
     return out

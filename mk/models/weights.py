@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .config import LlamaConfig
+from .config import LlamaConfig, check_folder
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -111,15 +111,16 @@ def shard_weights(weights: dict[str, torch.Tensor], slices: dict[str, tuple[int,
 
 def _weight_files(folder: str) -> dict[str, str]:
     """Tensor name -> safetensors file that holds it, from the index or the single file."""
-    if not os.path.isdir(folder):
-        raise ValueError(f"checkpoint folder {folder!r} does not exist or is not a folder")
+    folder = check_folder(folder)
     index_path = os.path.join(folder, INDEX_FILE)
-    if os.path.isfile(index_path):
+    if os.path.lexists(index_path):
         try:
             with open(index_path, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({e!r})") from None
+        except OSError as e:
+            raise ValueError(f"{index_path}: cannot read it: {e.strerror or e}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: weight_map must be an object")
         files = {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
@@ -129,7 +130,7 @@ def _weight_files(folder: str) -> dict[str, str]:
                                  f"from {folder!r}")
         return files
     single = os.path.join(folder, SINGLE_FILE)
-    if os.path.isfile(single):
+    if os.path.lexists(single):  # (an unreadable or dangling one is reported by _read_headers)
         return {}   # names come from the file's own header
     others = sorted(f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".safetensors")))
     hint = f" (found {others}; mk reads Hugging Face safetensors only)" if others else ""
@@ -140,6 +141,7 @@ def _read_headers(paths: list[str]) -> dict[str, dict[str, tuple[list[int], str]
     """File -> {tensor name: (shape, dtype)}, from the safetensors headers only (no data read)."""
     headers = {}
     for path in paths:
+        _check_readable(path)
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 headers[path] = {}
@@ -149,6 +151,34 @@ def _read_headers(paths: list[str]) -> dict[str, dict[str, tuple[list[int], str]
         except Exception as e:   # safetensors raises its own error type on truncated/corrupt files
             raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
     return headers
+
+
+def _check_readable(path: str) -> None:
+    """ValueError naming ``path`` and what the OS said (missing, permission denied, a folder)
+    when it cannot be opened for reading; safetensors' own errors do not tell these apart
+    from a corrupt file."""
+    try:
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+
+
+#: Tensors a checkpoint may hold that mk has no use for, and rightly so: rotary tables that
+#: older conversions saved (mk computes its own from the config).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _unused_tensors(names, config: LlamaConfig) -> list[str]:
+    """Names of a checkpoint's tensors that a model of ``config`` would not read, other than
+    :data:`_IGNORED_SUFFIXES` and a tied LM head's copy of the embedding (transformers ties
+    them on load too): a bias Llama does not have, a norm of another family. Running
+    without them would compute another model than the checkpoint describes."""
+    expected = expected_shapes(config)
+    allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    return sorted(n for n in names if n not in expected and n not in allowed and not n.endswith(_IGNORED_SUFFIXES))
 
 
 def load_weights(
@@ -168,14 +198,17 @@ def load_weights(
             as slices of the file, never whole.
 
     Returns:
-        ``{name: tensor}`` for exactly :func:`expected_shapes`'s names; extra tensors of the
-        checkpoint (e.g. ``rotary_emb.inv_freq``, or a tied ``lm_head.weight``) are skipped.
+        ``{name: tensor}`` for exactly :func:`expected_shapes`'s names; a rotary table
+        (``rotary_emb.inv_freq``) or a tied ``lm_head.weight`` in the checkpoint is skipped.
 
     Raises:
-        ValueError naming the file or tensor: missing folder or weight file, a shard the
-        index names but the folder lacks, a truncated or corrupt file, a missing tensor, a
-        tensor of the wrong shape or a non-float dtype. Every header is checked before any
-        tensor data is read or moved to ``device``.
+        ValueError naming the file or tensor: missing folder or weight file, a file the OS
+        will not let this process read (what it said), a shard the index names but the
+        folder lacks, a truncated or corrupt file, a missing tensor, a tensor the config's
+        model would not use (e.g. a bias Llama does not have), a tensor of the wrong shape or
+        a non-float dtype, a tensor holding NaN or Inf (also after the conversion to
+        ``dtype``: a value beyond its range). Every header is checked before any tensor
+        data is read or moved to ``device``.
     """
     folder = os.fspath(folder)
     mapped = _weight_files(folder)
@@ -192,8 +225,12 @@ def load_weights(
     expected = expected_shapes(config)
     missing = [n for n in expected if n not in where]
     if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint {folder!r} lacks tensor(s) {', '.join(missing[:5])}{more}")
+        raise ValueError(f"checkpoint {folder!r} lacks tensor(s) {_some(missing)}")
+    unused = _unused_tensors(where, config)
+    if unused:
+        raise ValueError(f"checkpoint {folder!r} holds tensor(s) a {config.MODEL_TYPE} model of this config does not "
+                         f"use: {_some(unused)}; running without them would compute another model than the "
+                         f"checkpoint's (is config.json's model_type right?)")
     for name, shape in expected.items():
         got, st_dtype = headers[where[name]][name]
         if tuple(got) != shape:
@@ -214,12 +251,29 @@ def load_weights(
                         t = _read(f, name, (shard or {}).get(name))
                     except Exception as e:
                         raise ValueError(f"{path}: reading tensor {name!r} failed: {e}") from None
-                    weights[name] = t.to(device=device, dtype=dtype)
+                    weights[name] = _finite(t.to(device=device, dtype=dtype), name, path)
                     bar.update(1)
     out = {name: weights[name] for name in expected}
     if shard and "lm_head.weight" in shard and "lm_head.weight" not in out:  # tied: the embedding's rows
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # (read as the same share)
     return out
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    """The first ``n`` names, and how many more."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _finite(t: torch.Tensor, name: str, path: str) -> torch.Tensor:
+    """``t``, once every value is finite (checked where it now lives: on a GPU, at its speed);
+    ValueError naming the tensor otherwise: a corrupt checkpoint, or values beyond the range
+    of the dtype it was converted to."""
+    # (min and max propagate NaN, and need no temporary the tensor's size)
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{path}: tensor {name!r} holds {bad} NaN or Inf value(s) (in {str(t.dtype).replace('torch.', '')}"
+                         f"): the checkpoint is corrupt, or its values overflow that dtype")
+    return t
 
 
 def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:

@@ -21,19 +21,60 @@ ALIGN = 256
 SETUP_TIMEOUT_S = 120
 
 
+def launch_env() -> tuple[int, int, int]:
+    """``(world size, rank, local rank)`` as torchrun sets them (``WORLD_SIZE``, ``RANK``,
+    ``LOCAL_RANK``; ``(1, 0, 0)`` outside torchrun). Raises ValueError naming a variable that
+    is not an int, or out of range (a rank outside ``[0, WORLD_SIZE)``)."""
+    def var(name: str, default: int) -> int:
+        text = os.environ.get(name)
+        if text is None or text.strip() == "":
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"environment variable {name} must be an integer (torchrun sets it), "
+                             f"got {text!r}") from None
+
+    world = var("WORLD_SIZE", 1)
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world}")
+    rank, local = var("RANK", 0), var("LOCAL_RANK", 0)
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local)):
+        if not 0 <= value < world:
+            raise ValueError(f"environment variable {name} must be in [0, WORLD_SIZE={world}), got {value}")
+    return world, rank, local
+
+
+def check_gpu_ranks(what: str) -> None:
+    """Refuse, before any work, ranks started by torchrun (``WORLD_SIZE`` > 1) that cannot each
+    have a CUDA GPU of their own: the ranks of a megakernel share memory over NVLink, which the
+    CPU's interpreter cannot (``what``: what is being started, for the message)."""
+    world, _, local = launch_env()
+    if world == 1:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} over {world} ranks (WORLD_SIZE={world}) runs one process per CUDA GPU, and "
+                         f"this machine has none; run it without torchrun")
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK={local}, but this machine has {torch.cuda.device_count()} CUDA GPU(s): "
+                         f"start at most that many processes per node")
+
+
 def join_ranks(what: str = "this", ranks: int | None = None) -> tuple[int, int]:
     """(rank, world size) of torch.distributed, setting it up from torchrun's environment
     (NCCL on this process's GPU, LOCAL_RANK; gloo without GPUs) where the caller has not,
     with collectives bounded by :data:`SETUP_TIMEOUT_S`. Raises ValueError naming torchrun
-    when the process was not started by it (``what``: what needs the ``ranks`` ranks)."""
+    when the process was not started by it (``what``: what needs the ``ranks`` ranks), or
+    naming a torchrun variable that is not an int."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             raise ValueError(f"{what} runs one process per GPU: start it with torchrun --nproc-per-node "
                              f"{ranks or 'N'}")
+        _, _, local = launch_env()
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=SETUP_TIMEOUT_S))
     return dist.get_rank(), dist.get_world_size()

@@ -455,18 +455,17 @@ def run_calibrate(save: bool = True) -> int:
     Under ``torchrun --nproc-per-node N`` every rank measures its own GPU and the ranks the
     link between them; rank 0 prints and saves."""
     import json
-    import os
     import sys
 
     from tqdm.auto import tqdm
 
     from .device import CALIBRATED_FIELDS, LINK_FIELDS, save_calibration
 
+    from mk.persistent.symmetric import join_ranks, launch_env
+
     _require_gpu()  # before the progress bar, so that the refusal is one clean line
     rank = 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from mk.persistent.symmetric import join_ranks
-
+    if launch_env()[0] > 1:
         rank, _ = join_ranks("calibrate")
     bar = tqdm(total=steps(), desc="calibrate", file=sys.stderr, disable=rank != 0)
 

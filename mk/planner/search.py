@@ -65,6 +65,10 @@ class Plan:
     schedule: str = "round_robin"
     schedule_s: dict[str, float] = field(default_factory=dict)
 
+    def __repr__(self) -> str:  # (the choices, one per op, are what explain() lists)
+        return (f"Plan({self.model}, batch {self.batch}, KV {self.kv_len}, on {self.device}, {self.workers} workers: "
+                f"{self.predicted_s * 1e3:.3f} ms predicted, {len(self.choices)} op choices; explain() lists them)")
+
     def explain(self) -> str:
         """One line per op: its tile, tasks, shared memory and predicted µs."""
         lines = [f"plan for {self.model}, batch {self.batch}, KV {self.kv_len}, on {self.device} "

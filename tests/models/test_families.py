@@ -100,7 +100,7 @@ def test_auto_picks_the_family_and_refuses_what_mk_does_not_run(tmp_path):
     assert Qwen2Config.from_dict(d).window is None
     with pytest.raises(ValueError, match="sliding_window"):
         LlamaConfig.from_dict({**json.loads(LlamaConfig.tiny().to_json()), "sliding_window": 4096})
-    with pytest.raises(ValueError, match="Qwen2 runs a Qwen2Config"):
+    with pytest.raises(TypeError, match="Qwen2 runs a Qwen2Config"):
         Qwen2(LlamaConfig.tiny(), {}, device="cpu")
 
 

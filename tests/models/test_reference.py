@@ -49,6 +49,14 @@ def test_padding_changes_nothing(model):
         assert not logits[b, len(p):].any()
 
 
+def test_greedy_decoding_refuses_logits_that_are_not_finite(_seed):
+    # Nothing to compare a token stream against: never a stream of argmaxes of NaN.
+    w = random_weights(CONFIG, seed=_seed)
+    w["model.layers.1.mlp.down_proj.weight"][5, 9] = float("nan")
+    with pytest.raises(FloatingPointError, match="logits for new token 0 hold NaN or Inf"):
+        greedy_generate(ReferenceLlama(CONFIG, w), [[1, 2, 3]], 2)
+
+
 def test_padding_not_written_to_cache(model):
     cache = model.new_cache(2, 6)
     tokens, lengths = pad_prompts([[1, 2, 3], [4]])

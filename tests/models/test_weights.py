@@ -166,3 +166,76 @@ def test_integer_tensor_rejected(tmp_path):
     save_file(tensors, paths[0])
     with pytest.raises(ValueError, match="'model.norm.weight' has dtype I8"):
         load_weights(tmp_path, CONFIG)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, value):
+    w = random_weights(CONFIG, seed=5)
+    w["model.layers.1.self_attn.o_proj.weight"][3, 7] = value
+    save_weights(w, CONFIG, tmp_path)
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.o_proj\.weight' holds 1 NaN or Inf"):
+        load_weights(tmp_path, CONFIG, progress=False)
+
+
+def test_values_that_overflow_the_dtype_they_load_in_are_refused(tmp_path):
+    w = random_weights(CONFIG, seed=5)
+    w["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e5   # finite in float32 and bf16, beyond float16's 65504
+    save_weights(w, CONFIG, tmp_path)
+    assert load_weights(tmp_path, CONFIG, progress=False, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' holds 1 NaN or Inf value\(s\) "
+                                         r"\(in float16\)"):
+        load_weights(tmp_path, CONFIG, progress=False, dtype=torch.float16)
+
+
+def test_tensors_the_model_would_not_use_are_refused_naming_them(tmp_path):
+    # A Llama config over a checkpoint with q/k/v biases (a Qwen2's, or a mislabelled one):
+    # dropping them would compute another model than the checkpoint's.
+    paths = save_weights(random_weights(CONFIG), CONFIG, tmp_path)
+    tensors = load_file(paths[0])
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    tensors["model.layers.1.mlp.gate_proj.bias"] = torch.zeros(96)
+    save_file(tensors, paths[0])
+    with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.self_attn\.q_proj\.bias, "
+                                         r"model\.layers\.1\.mlp\.gate_proj\.bias"):
+        load_weights(tmp_path, CONFIG)
+
+
+@pytest.mark.parametrize("victim", ["config.json", SINGLE_FILE, INDEX_FILE])
+def test_what_the_os_says_is_reported(tmp_path, monkeypatch, victim):
+    """A file this process may not read is reported as such, not as missing or corrupt.
+    (Permission bits do not stop root, who runs CI: the OS's refusal is simulated.)"""
+    import builtins
+
+    from mk.models import AutoConfig
+
+    save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000 if victim == INDEX_FILE else None)
+    denied = str(tmp_path / victim)
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if str(file) == denied:
+            raise PermissionError(13, "Permission denied", denied)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+    with pytest.raises(ValueError, match=f"{victim}: cannot read it: Permission denied"):
+        AutoConfig.from_pretrained(tmp_path) if victim == "config.json" else load_weights(tmp_path, CONFIG)
+
+
+def test_an_unlistable_folder_is_reported_as_the_os_says(tmp_path, monkeypatch):
+    import os
+
+    from mk.models import AutoConfig
+
+    CONFIG.save_pretrained(tmp_path)
+    real = os.listdir
+
+    def listdir(path="."):
+        if str(path) == str(tmp_path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    for read in (lambda: AutoConfig.from_pretrained(tmp_path), lambda: load_weights(tmp_path, CONFIG)):
+        with pytest.raises(ValueError, match="cannot read it: Permission denied"):
+            read()
