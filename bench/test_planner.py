@@ -77,7 +77,8 @@ def test_new_step_llama_3_8b(record, gpu_env, tmp_path, monkeypatch, batch):
     """A step never built on this machine: the plan from its cache, then lowering, the
     dependencies (none on disk), the queue simulation and the descriptors (meta buffers)."""
     from mk.planner.cache import cached_plan
-    from mk.planner.lower import StepCache, meta_buffers
+    from mk.planner.lower import meta_buffers
+    from mk.planner.steps import StepCache
 
     device = DeviceSpec.preset("h200")
     lengths = (1024, 2048, 4096)

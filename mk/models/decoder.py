@@ -42,7 +42,7 @@ from mk.tasks.sample import (_check_counter, _check_temperature, _check_top_k, _
                              scale_logits_ref)
 
 from mk.models.blocks import MAX_BATCH, TP_PEERS, cache_keys, weight_key
-from mk.planner.lower import StepCache
+from mk.planner.steps import StepCache
 from mk.persistent.runtime import MegakernelTimeout
 
 from .config import LlamaConfig

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from mk.tasks._cache import cache_dir, sources_hash
+from mk.tasks import cache_dir, sources_hash
 
 from .device import DeviceSpec
 from .graph import OpGraph

@@ -120,9 +120,9 @@ class Timings:
 
 def _chain_graph_op(config: ChainConfig):
     """The chain's layer as the planner sees it: an op node and its choice."""
+    from mk.tasks import OpChoice
     from mk.tasks.linear import linear_cost
 
-    from .cost import OpChoice
     from .graph import OpNode
 
     n = config.n
@@ -139,19 +139,20 @@ def _phase_rows(config: ChainConfig, workers: int, device: DeviceSpec):
     a row for each of a phase's groups of waves (:func:`mk.planner.cost.wave_groups`; the
     phase's one wait on its first) - what the cost model sees
     (:func:`mk.planner.cost.phase_costs`)."""
-    from .cost import (_x_task_bytes, exposed_chunk_seconds, op_bytes_flops, op_phases, ring_seconds_per_byte,
-                       wave_groups)
+    from mk.tasks import op_kind
+
+    from .cost import op_bytes_flops, op_phases, wave_groups
 
     node, choice = _chain_graph_op(config)
+    kind = op_kind(node.kind)
     nbytes, _ = op_bytes_flops(node, choice)
     rows = []
     for i, (tasks, phase_bytes) in enumerate(op_phases(node, choice, nbytes)):
-        task_bytes = max(phase_bytes, 0) / tasks
-        first = i == 0  # the weights' stream
+        terms = kind.phase_terms(node, choice, device, i, tasks, phase_bytes)
+        task_bytes = max(phase_bytes, 0) / tasks if terms.task_bytes is None else terms.task_bytes
+        exposed = kind.exposed_seconds(node, choice, device, task_bytes) if i == 0 else 0.0  # the weights' stream
         for j, (waves, busy) in enumerate(wave_groups(tasks, workers)):
-            rows.append((waves, task_bytes, _x_task_bytes(node, choice) if first else 0, busy, config.tma_stages > 0,
-                         ring_seconds_per_byte(node, choice, device) if first else 0.0,
-                         exposed_chunk_seconds(node, choice, device, task_bytes) if first else 0.0, j == 0))
+            rows.append((waves, task_bytes, terms.reread, busy, terms.tma, terms.ring_s, exposed, j == 0))
     return rows
 
 
@@ -251,7 +252,7 @@ def _chain_graph(config: ChainConfig, device: torch.device, layers: int | None =
     from mk.persistent.graph import TaskGraph
     from mk.tasks import make_op, op_tiles
 
-    from .lower import PREFETCH_K
+    from mk.tasks.linear.planning import PREFETCH_K
 
     bf16, n = torch.bfloat16, config.n
     layers = layers or config.layers

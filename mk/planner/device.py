@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mk.tasks._cache import cache_dir
+from mk.tasks import cache_dir
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -1,7 +1,8 @@
 """The op DAG of one decode step: what the planner plans.
 
 A model family hands the planner an :class:`OpGraph` (see :func:`mk.models.blocks.decode_graph`):
-nodes are unfused ops of the kinds in :data:`KINDS` with their shapes, bytes and flops
+nodes are unfused ops of the kinds registered in :mod:`mk.tasks` (:func:`mk.tasks.op_kinds`) with
+their shapes, bytes and flops
 (from the tasks' own cost hooks) and the buffers they bind (weights, caches); edges are the
 tensors between them. Fusions (RMSNorm prologue, SiLU·mul and residual epilogues, ...) are
 the search's choice, not the graph's: the graph lists every op on its own, and marks which
@@ -13,10 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from mk.tasks._cost import TaskCost
-
-#: Node kinds the builders emit and the planner knows how to tile.
-KINDS = ("embedding", "rmsnorm", "linear", "rope_kv", "attention", "silu_mul", "add", "argmax", "all_reduce")
+from mk.tasks import TaskCost, op_kinds
 
 
 @dataclass(frozen=True)
@@ -63,8 +61,8 @@ class OpGraph:
     nodes: list[OpNode] = field(default_factory=list)
 
     def add(self, node: OpNode) -> OpNode:
-        if node.kind not in KINDS:
-            raise ValueError(f"op {node.name}: unknown kind {node.kind!r}")
+        if node.kind not in op_kinds():
+            raise ValueError(f"op {node.name}: unknown kind {node.kind!r}; registered: {op_kinds()}")
         self.nodes.append(node)
         return node
 

@@ -43,10 +43,12 @@ from dataclasses import dataclass
 
 from mk.persistent.deps import RangeMax
 from mk.persistent.graph import SCHEDULES  # the planner chooses between them (ties: the first)
+from mk.tasks import GREEDY, LOGITS, OpChoice, op_kind
 
-from .cost import OpChoice, PhaseCost, idle_wait_ops, phase_costs
+from .cost import PhaseCost, idle_wait_ops, phase_costs
 from .device import DeviceSpec
 from .graph import OpGraph
+from .lower import lowered_phases
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Simulation:
 
 
 def step_costs(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
-               next_token: str = "argmax") -> list[tuple[str, PhaseCost]]:
+               next_token: str = GREEDY) -> list[tuple[str, PhaseCost]]:
     """Every phase of the decode step of ``graph`` under ``plan`` (op name -> OpChoice) as
     (op, its cost), in the lowered program's order; ``next_token="logits"`` ends at the LM
     head, as the lowering does."""
@@ -79,15 +81,17 @@ def step_costs(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int,
     idle = idle_wait_ops(graph)
     phases: list[tuple[str, PhaseCost]] = []
     for node in graph.nodes:
-        if node.kind == "argmax" and next_token == "logits":
+        chooses = op_kind(node.kind).chooses_token
+        if chooses and next_token == LOGITS:
             continue
-        # An argmax fused into the LM head is its own op again where the step samples
-        # (the lowering runs the sampler's partial tasks then: lower.argmax_in_lm_head).
-        unfused_argmax = node.kind == "argmax" and next_token != "argmax"
-        if node.name in fused and not unfused_argmax:
+        # The token's choice folded into the LM head is its own op again where the step
+        # samples (the lowering runs the sampler's partial tasks then).
+        unfused_choice = chooses and next_token != GREEDY
+        if node.name in fused and not unfused_choice:
             continue
-        choice = plan.get(node.name, OpChoice()) if unfused_argmax else plan[node.name]
-        host_fused = [nodes[f] for f in choice.fuse if next_token == "argmax" or nodes[f].kind != "argmax"]
+        choice = plan.get(node.name, OpChoice()) if unfused_choice else plan[node.name]
+        host_fused = [nodes[f] for f in choice.fuse
+                      if next_token == GREEDY or not op_kind(nodes[f].kind).chooses_token]
         costs = phase_costs(node, choice, device, workers, host_fused, graph.dtype_bytes, node.name in idle)
         phases += [(node.name, c) for c in costs]
     return phases
@@ -172,18 +176,26 @@ def simulate(phases: list[tuple[str, PhaseCost]], deps: list[list[tuple[int, int
 
 
 def simulate_step(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int, schedule: str,
-                  next_token: str = "argmax") -> Simulation:
+                  next_token: str = GREEDY) -> Simulation:
     """:func:`simulate` of the decode step of ``graph`` under ``plan`` (op name -> choice),
     launch included: the step lowered on ``meta`` buffers (:func:`mk.planner.lower.lowered_phases`)."""
     return simulate_schedules(graph, plan, device, workers, (schedule,), next_token)[schedule]
 
 
 def simulate_schedules(graph: OpGraph, plan: dict, device: DeviceSpec, workers: int, schedules=SCHEDULES,
-                       next_token: str = "argmax") -> dict[str, Simulation]:
+                       next_token: str = GREEDY) -> dict[str, Simulation]:
     """:func:`simulate_step` under each of ``schedules``, the step lowered once."""
-    from .lower import lowered_phases  # (lower imports the search, which imports this module)
-
     lowered, deps = lowered_phases(graph, plan, next_token)
     phases = step_costs(graph, plan, device, workers, next_token)
     phase_task_costs(phases, lowered)
     return {s: simulate(phases, deps, workers, s, device.launch_overhead_s) for s in schedules}
+
+
+def step_queues(step, graph: OpGraph, device: DeviceSpec, workers: int) -> list[list[int]]:
+    """The workers' queues of the lowered ``step`` (:class:`~mk.planner.lower.DecodeStep`)
+    under its plan's schedule, for :func:`mk.persistent.graph.lower`'s ``queues``: its tasks,
+    with the cost model's time of each, simulated over the task graph's own dependencies."""
+    phases = step_costs(graph, step.plan.choices, device, workers, step.next_token)
+    phase_task_costs(phases, step.phases)
+    deps = step.graph.direct_dependencies()
+    return simulate(phases, deps, workers, step.plan.schedule).queues()

@@ -2,14 +2,19 @@
 
 Every task file (a package for a big op: linear/) holds ``<task>_tile`` (the ``@jit``
 device function a persistent kernel calls; it touches only its own tile), a standalone
-launcher (the op), ``<task>_ref`` (a plain torch reference), its cost, and its megakernel
+launcher (the op), ``<task>_ref`` (a plain torch reference), its cost, its megakernel
 spec: ``<task>_op`` factories of :class:`OpSpec`, registered under the op's name when this
-package is imported (:func:`make_op` builds one, :func:`op_tiles` lists its tasks).
+package is imported (:func:`make_op` builds one, :func:`op_tiles` lists its tasks), and
+how the planner plans it: an :class:`OpKind` object registered under the kind of the
+decode step's ops it runs (:func:`op_kind` finds it; :mod:`mk.tasks._planning`).
 """
 
 # (Modules whose launchers are not exported here still register their megakernel ops.)
 from . import all_reduce, append_token, qkv_rope  # noqa: F401
+from ._cache import cache_dir, sources_hash
 from ._cost import TaskCost
+from ._planning import (ACTIVATION_BYTES, GREEDY, LOGITS, NEXT_TOKEN, SAMPLE, OpChoice, OpKind, PhaseTerms, op_kind,
+                        op_kinds, register_kind)
 from ._device import default_device, default_dtype, enable_device_descriptors, interpreting, jit, supported_dtypes
 from ._spec import OpSpec, Region, make_op, op_tiles, register, registered_ops
 from .argmax import argmax, argmax_partial_tile, argmax_reduce_tile, argmax_ref
@@ -25,7 +30,9 @@ from .sample import gumbel_noise, sample, sample_ref
 from .silu_mul import silu_mul, silu_mul_ref, silu_mul_tile
 
 __all__ = [
-    "TaskCost", "default_device", "default_dtype", "enable_device_descriptors", "interpreting", "jit",
+    "cache_dir", "sources_hash", "TaskCost",
+    "ACTIVATION_BYTES", "GREEDY", "LOGITS", "NEXT_TOKEN", "SAMPLE", "OpChoice", "OpKind", "PhaseTerms", "op_kind",
+    "op_kinds", "register_kind", "default_device", "default_dtype", "enable_device_descriptors", "interpreting", "jit",
     "supported_dtypes",
     "OpSpec", "Region", "make_op", "op_tiles", "register", "registered_ops",
     "argmax", "argmax_partial_tile", "argmax_reduce_tile", "argmax_ref",

@@ -58,6 +58,7 @@ except ImportError:  # pragma: no cover - older layouts
 
 from ._cost import TaskCost
 from ._device import check_same_device, check_tensor, jit, load_acquire, record_timeout
+from ._planning import OpKind, register_kind
 from ._spec import OpSpec, Region, as_2d, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 from .append_token import append_one_ref, append_token_tile
 from .argmax import argmax_unpack, argmax_unpack_ref
@@ -613,3 +614,88 @@ def argmax_ranks_op(batch: int, max_seq: int, world: int) -> OpSpec:
                   waits_in_body=True, run=run, reads=reads, writes=writes, peer_operands=("shared",),
                   sync_operands=("flags",),
                   tiles=lambda _: [{"b": b} for b in range(batch)])
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans an all-reduce over tensor-parallel ranks (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+class AllReduceKind(OpKind):
+    """A sum over tensor-parallel ranks (a projection's partials, or the embedding's rows):
+    tiles of its own, one a column block (:func:`all_reduce_op`), or run by the tiles of the
+    projection whose partials it sums (each task pushes its box to the ranks and sums it:
+    whole-K tiles or split-K reduces). The cost model cannot tell the two apart, so measure
+    mode times both."""
+
+    kind = "all_reduce"
+    hosts = frozenset({"linear"})
+    measure_unfused = True
+    # Each all-reduce of a step has its own index (its words' tag, :func:`hop_tag`; the
+    # ``hop`` arg of its tiles, or of the projection tiles that run it).
+    number_limit = HOP_SPACE - 1
+
+    def describe(self, choice) -> str:
+        return "the op's column tiles, over the ranks"
+
+    def fuses_as_epilogue(self, node, host, host_choice) -> bool:
+        # A tile's tail polls its whole box of every rank's pushed words, whole-K or reduce:
+        # one row block of at most 16 rows; tiles of 16 columns or more, the limit the GPU
+        # runs measured, set when each task had a flag word.
+        from .linear.config import DOT_MIN
+        from .linear.planning import reduce_width
+
+        return (host.kind in self.hosts and host.dims["M"] <= DOT_MIN
+                and reduce_width(host, host_choice) >= DOT_MIN)
+
+    def fused_bytes(self, node) -> int:
+        """The host still writes its partial, then reads every rank's and the residual and
+        writes the sum: + what the all-reduce moves."""
+        return node.bytes_read + node.bytes_written
+
+    def tail_bytes(self, node) -> int:
+        return node.bytes_read + node.bytes_written
+
+    def tail_seconds(self, node, tasks, busy, device) -> tuple[float, float]:
+        """Each host task, its partial stored, pushes it to every rank (over the GPU link to
+        its peers), then reads every rank's words of its box and the residual and writes the
+        sum: after its inputs, never early."""
+        d = node.dims
+        moved = (node.bytes_read + node.bytes_written) / tasks
+        remote = all_reduce_remote_bytes(d["rows"], d["n"], d["world"]) / tasks
+        return (max(moved / (device.dram_bandwidth / busy), remote / (device.link_bandwidth / busy)),
+                device.hop_seconds(d["world"], busy))
+
+    def stream_floor(self, node, choice, device, phase, stream, task_bytes, phase_tasks, busy) -> float:
+        """The tile's words go to its peers over the GPU link; theirs come back a hop later."""
+        d = node.dims
+        remote = all_reduce_remote_bytes(d["rows"], d["n"], d["world"]) / phase_tasks
+        return max(stream, remote / (device.link_bandwidth / busy)) + device.hop_seconds(d["world"], busy)
+
+    def _spec(self, node):
+        d = node.dims
+        return all_reduce_op(d["rows"], d["n"], d["world"], residual=len(node.inputs) > 1)
+
+    def specs(self, node, choice, fused=()):
+        return [(self._spec(node), None)]
+
+    def buffer_shape(self, node, role, max_seq):
+        d = node.dims
+        if role == "peers":
+            return (d["world"],), torch.int64
+        if role == "part":  # partial sums (float32 activations)
+            return (d["rows"], d["n"]), torch.float32
+        if role == "recv":  # every rank's pushed words of its partial
+            return (d["world"], d["rows"], d["n"]), torch.int64
+        return super().buffer_shape(node, role, max_seq)
+
+    def lower(self, node, choice, ctx) -> None:
+        d = node.dims
+        res = {"res": node.inputs[1]} if len(node.inputs) > 1 else {}  # (the layer's stream it adds to)
+        ctx.add(node.name, self._spec(node), numbered={"hop": node}, part=node.buffers["part"],
+                out=ctx.activation(node.outputs[0], d["rows"], d["n"]), recv=node.buffers["recv"],
+                peers=node.buffers["peers"], **res)
+
+
+ALL_REDUCE = register_kind(AllReduceKind())
+

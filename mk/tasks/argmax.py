@@ -21,7 +21,8 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_tensor
-from ._spec import OpSpec, Region, cdiv, check_sizes, check_tile, operand_view, register
+from ._planning import GREEDY, LOGITS, SAMPLE, OpKind, register_kind
+from ._spec import OpSpec, Region, cdiv, check_sizes, check_tile, make_op, operand_view, register
 
 #: Default widest vocabulary chunk one partial tile covers.
 MAX_BLOCK_V = 2048
@@ -376,3 +377,93 @@ def argmax_reduce_op(rows: int, vocab: int, *, block_v: int | None = None, num_w
                   constexprs={"ROWS": rows, "N_CHUNKS": s.chunks, "BLOCK_C": argmax_block_c(s.chunks)},
                   num_warps=num_warps, run=run, reads=reads, writes=writes,
                   tiles=lambda _: [{"row": r} for r in range(rows)])
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans the step's next-token choice (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+class ArgmaxKind(OpKind):
+    """The step's next token: greedy, chunk partials then a reduce a row, then the token
+    append (:mod:`mk.tasks.append_token`); folded into the LM head's whole-K tiles (each
+    row's best in one word, :func:`argmax_tile_into`), leaving the append; with temperature
+    sampling, the sampler's partials instead (:mod:`mk.tasks.sample`). Over tensor-parallel
+    ranks it is always folded: each rank publishes its share's best, the best of them taken
+    (:mod:`mk.tasks.all_reduce`)."""
+
+    kind = "argmax"
+    hosts = frozenset({"linear"})
+    chooses_token = True
+
+    def fuses_as_epilogue(self, node, host, host_choice) -> bool:
+        return host.kind in self.hosts and host_choice.split_k == 1
+
+    def runs_alone(self, node, host) -> bool:
+        return host is None or node.dims.get("world", 1) == 1
+
+    def needs_whole_k_host(self, node) -> bool:
+        return node.dims.get("world", 1) > 1
+
+    def fused_bytes(self, node) -> int:
+        """The host folds its tiles into a word a row (atomics, in L2) and nothing reads the
+        logits back: nothing of the argmax's own traffic is left."""
+        return 0
+
+    def host_tail_phases(self, node) -> list[tuple[int, int]]:
+        """The folded argmax's token append; over ranks, the candidates published, then the choice."""
+        return [(node.dims["rows"], 0)] * (2 if node.dims.get("world", 1) > 1 else 1)
+
+    def specs(self, node, choice, fused=()):
+        d = node.dims
+        return [(argmax_partial_op(d["rows"], d["v"]), None), (argmax_reduce_op(d["rows"], d["v"]), None),
+                (make_op("append_token", batch=d["rows"], max_seq=1), None)]
+
+    def buffer_shape(self, node, role, max_seq):
+        d = node.dims
+        if role == "peers":
+            return (d["world"],), torch.int64
+        if role in ("shared", "flags"):  # each row's candidate over the ranks, and its flag
+            return (d["rows"],), torch.int64 if role == "shared" else torch.int32
+        return super().buffer_shape(node, role, max_seq)
+
+    def lowers_when_fused(self, node) -> bool:
+        return True
+
+    def lower(self, node, choice, ctx) -> None:
+        d, B, S = node.dims, ctx.batch, ctx.max_seq
+        folded = ctx.next_token == GREEDY and node.name in ctx.fused_into  # (by the LM head's tiles)
+        if d.get("world", 1) > 1:
+            # Each rank's vocabulary share: its best candidate published, the best of them taken.
+            if not folded:
+                raise ValueError(f"lower_decode_step: a tensor-parallel step chooses its token greedily, with the "
+                                 f"argmax folded into the LM head (next_token={ctx.next_token!r}, plan "
+                                 f"{'fuses' if node.name in ctx.fused_into else 'does not fuse'} {node.name})")
+            ctx.add(node.name, make_op("argmax_publish", batch=B, v_local=d["v"]), best="argmax.best",
+                    shared=node.buffers["shared"])
+            ctx.add("append_token", make_op("argmax_ranks", batch=B, max_seq=S, world=d["world"]),
+                    shared=node.buffers["shared"], flags=node.buffers["flags"], peers=node.buffers["peers"],
+                    next_ids="ids", pos="pos", tokens="tokens")
+            return
+        if ctx.next_token == LOGITS:
+            return
+        if folded:  # the LM head folded each row's argmax into argmax.best
+            ctx.add("append_token", make_op("append_token", batch=B, max_seq=S, from_best=True), next_ids="ids",
+                    pos="pos", tokens="tokens", best="argmax.best")
+            return
+        if ctx.next_token == SAMPLE:
+            part = make_op("sample_gumbel_partial", rows=B, vocab=d["v"])
+            extra = {"params": "temperature", "seed": "seed", "offsets": "seqlens"}
+        else:
+            part, extra = argmax_partial_op(B, d["v"]), {}
+        chunks = part.constexprs["N_CHUNKS"]
+        pv = ctx.activation("argmax.val", B, chunks)
+        pi = ctx.activation("argmax.idx", B, chunks, dt=torch.int32)
+        ctx.add(node.name, part, logits=node.inputs[0], part_val=pv, part_idx=pi, **extra)
+        ctx.add(node.name, argmax_reduce_op(B, d["v"]), part_val=pv, part_idx=pi, out_idx="ids",
+                out_val=ctx.activation("next_val", B))
+        ctx.add("append_token", make_op("append_token", batch=B, max_seq=S), next_ids="ids", pos="pos",
+                tokens="tokens")
+
+
+ARGMAX = register_kind(ArgmaxKind())

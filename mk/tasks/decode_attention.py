@@ -51,6 +51,7 @@ from ._dot import mma
 from .linear.prefetch import _prefetch_l2
 
 from ._cost import TaskCost
+from ._planning import ACTIVATION_BYTES, OpChoice, OpKind, PhaseTerms, register_kind
 from ._device import (jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count,
                       supported_dtypes)
 from ._spec import OpSpec, Region, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
@@ -1057,3 +1058,94 @@ def decode_attention_merge_op(batch: int, num_q_heads: int, head_dim: int, num_s
                               "BLOCK_D": block_d},
                   num_warps=num_warps, run=run, reads=reads, writes=writes,
                   tiles=lambda _: [{"b": b, "q_head": h} for b in range(batch) for h in range(hq)])
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans decode attention (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+def _workspace_bytes(d: dict, kv_splits: int) -> int:
+    """Bytes of decode attention's float32 partials (outputs and log-sum-exps), written once."""
+    return d["batch"] * d["heads"] * kv_splits * (d["head_dim"] + 1) * 4
+
+
+def attention_live_splits(d: dict, kv_splits: int) -> int:
+    """KV splits of decode attention (an op's dims ``d``) that hold a key at its planned length
+    ``kv_len``, as the kernel cuts them (:func:`decode_live_splits`): each split
+    ceil(kv_len / kv_splits) keys rounded up to whole KV blocks, so at a short length the
+    last splits hold none (they still run a task each, and return at once)."""
+    block_n = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"]).block_n
+    return live_splits(d["kv_len"], kv_splits, block_n)
+
+
+#: Bytes of a cache element the planner's graphs may ask for, and the dtype that holds them.
+_KV_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+class DecodeAttentionKind(OpKind):
+    """Decode attention of a step: each (sequence, KV head) cut into KV splits, one task each,
+    the group's last split merging it (one phase). It streams no weights: whoever waits on
+    it waits with DRAM idle."""
+
+    kind = "attention"
+    leaves_dram_idle = True
+
+    def candidates(self, node, device, dtype_bytes=2, workers=None):
+        return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, node.dims["kv_len"] // 32)]
+
+    def smem_bytes(self, node, choice, dtype_bytes=2):
+        d = node.dims
+        return decode_attention_smem_bytes(decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"],
+                                                                   d["kv_dtype_bytes"]),
+                                           q_bytes=ACTIVATION_BYTES)
+
+    def describe(self, choice):
+        return f"kv_splits={choice.kv_splits}"
+
+    def bytes_flops(self, node, choice):
+        """Several live splits merge their partials through the workspace."""
+        live = attention_live_splits(node.dims, choice.kv_splits)
+        return node.bytes + (2 * _workspace_bytes(node.dims, live) if live > 1 else 0), node.flops
+
+    def phase_terms(self, node, choice, device, phase, phase_tasks, phase_bytes, dtype_bytes=2):
+        """The live splits carry the bytes (a split past the length returns at once, but is
+        priced as a live one: its task still takes a worker's turn); the group's merging
+        split reads the live partials back (exact when the splits run in one wave, as they
+        do in decode)."""
+        d = node.dims
+        live = attention_live_splits(d, choice.kv_splits)
+        return PhaseTerms(task_bytes=max(phase_bytes, 0) / (d["batch"] * d["kv_heads"] * live),
+                          reread=_workspace_bytes(d, live) // (d["batch"] * d["kv_heads"]) if live > 1 else 0)
+
+    def _spec(self, node, max_seq: int, splits: int):
+        d = node.dims
+        # One phase: each KV group's last split merges it (with one split too: a copy). The
+        # length from the positions: known before the wait (the step's QKV writes seqlens).
+        return decode_attention_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, splits,
+                                   from_positions=True, **({"window": d["window"]} if d.get("window") else {}))
+
+    def specs(self, node, choice, fused=()):
+        return [(self._spec(node, node.dims["kv_len"], choice.kv_splits), None)]
+
+    def buffer_shape(self, node, role, max_seq):
+        d = node.dims
+        if role in ("k_cache", "v_cache"):
+            if d["kv_dtype_bytes"] not in _KV_DTYPES:
+                raise ValueError(f"op {node.name}: a KV cache of {d['kv_dtype_bytes']}-byte elements; mk's steps "
+                                 f"hold 2 or 4")
+            return (d["batch"], d["kv_heads"], max_seq, d["head_dim"]), _KV_DTYPES[d["kv_dtype_bytes"]]
+        return super().buffer_shape(node, role, max_seq)
+
+    def lower(self, node, choice, ctx):
+        d, B = node.dims, ctx.batch
+        splits, hq, dh = choice.kv_splits, d["heads"], d["head_dim"]
+        ctx.add(node.name, self._spec(node, ctx.max_seq, splits), q=node.inputs[0], k_cache=node.buffers["k_cache"],
+                v_cache=node.buffers["v_cache"], pos="pos",
+                o_part=ctx.activation(f"{node.name}.o_part", B, hq, splits * dh),
+                lse=ctx.activation(f"{node.name}.lse", B, hq, splits),
+                arrivals=ctx.activation(f"{node.name}.arrivals", B * d["kv_heads"], dt=torch.int32),
+                out=ctx.activation(node.outputs[0], B, hq * dh))
+
+
+ATTENTION = register_kind(DecodeAttentionKind())

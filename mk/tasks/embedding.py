@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_tensor, is_capturing
+from ._planning import OpKind, register_kind
 from ._spec import OpSpec, Region, block_cols, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
 
 #: Widest column block of one tile; wider rows are split over several tiles.
@@ -183,3 +184,34 @@ def embedding_op(rows: int, vocab: int, hidden: int, *, ranks: int = 1, block_h:
                   constexprs={"ROWS": rows, "H": hidden, "BLOCK_H": block_h, **({"V_SHARE": vocab} if share else {})},
                   num_warps=num_warps or embedding_num_warps(block_h), run=run, reads=reads, writes=writes,
                   tiles=lambda _: [{"row": r, "col_block": cb} for r in range(rows) for cb in range(blocks)])
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans the embedding of a decode step (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+class EmbeddingKind(OpKind):
+    """The step's embedding: one task a (row, column block); under tensor parallelism each
+    rank's vocabulary share (an all-reduce sums the ranks' rows after it)."""
+
+    kind = "embedding"
+
+    def _spec(self, node, rows: int):
+        d = node.dims
+        return embedding_op(rows, d["vocab"], d["hidden"], ranks=d.get("world", 1))
+
+    def specs(self, node, choice, fused=()):
+        return [(self._spec(node, node.dims["rows"]), None)]
+
+    def buffer_shape(self, node, role, max_seq):
+        if role == "w":
+            return (node.dims["vocab"], node.dims["hidden"]), "weight"
+        return super().buffer_shape(node, role, max_seq)
+
+    def lower(self, node, choice, ctx) -> None:
+        ctx.add(node.name, self._spec(node, ctx.batch), ids="ids", table=node.buffers["w"],
+                out=ctx.activation(node.outputs[0], ctx.batch, node.dims["hidden"]))
+
+
+EMBEDDING = register_kind(EmbeddingKind())

@@ -39,12 +39,14 @@ import triton
 import triton.language as tl
 
 from ._device import jit, check_same_device, check_same_dtype, check_tensor, is_capturing
+from ._planning import OpKind, register_kind
 from ._spec import OpSpec, Region, as_2d, check_sizes, operand_view, register
-from .linear import (_check_config, _tile_rows, LinearConfig, linear_config, linear_partial_kernel, linear_ref,
+from .linear import (check_config, tile_rows, LinearConfig, linear_config, linear_partial_kernel, linear_ref,
                      linear_splitk_sum)
+from .linear.planning import reduce_width
 from .linear.spec import FULL_K_PREFETCH, LinearShape, prologue_ref, weight_streaming
 from .linear.tile import _linear_acc
-from .rope import _check_inv_freq, check_qk_norm, rope_kv_ref
+from .rope import _check_inv_freq, check_qk_norm, rope_kv_op, rope_kv_ref
 
 
 @jit
@@ -367,12 +369,12 @@ def qkv_rope_kv(
             block_n = d * -(-config.block_n // d)
             config = LinearConfig(**{**config.to_dict(), "block_n": block_n,
                                      "block_k": max(config.block_k * config.block_n // block_n, 16)})
-    config = _check_config(config, K, silu_mul=False)
+    config = check_config(config, K, silu_mul=False)
     check_qkv_rope_tile(config.block_n, d, qk_norm)
     q = torch.empty((B, num_q_heads * d), dtype=torch.float32, device=x.device)
     if B == 0:
         return q
-    bm, bn = _tile_rows(config, B), config.block_n
+    bm, bn = tile_rows(config, B), config.block_n
     tiles = triton.cdiv(B, bm) * triton.cdiv(N, bn)
     sizes = dict(HQ=num_q_heads, HKV=hkv, HEAD_DIM=d, WRITE_SEQLENS=seqlens is not None, BLOCK_M=bm, BLOCK_N=bn,
                  num_warps=config.num_warps)
@@ -677,3 +679,63 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
                   imports=("from mk.tasks.qkv_rope import qkv_rope_kv_reduce_tile, qkv_rope_operands",),
                   constexprs=constexprs, num_warps=s.config.num_warps, run=run, reads=reads, writes=rope.writes,
                   tiles=lambda _: s.task_args())
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans RoPE + KV append of a decode step (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+class RopeKVKind(OpKind):
+    """RoPE of a step's new token with its K/V appended to the cache: one task a sequence
+    (:func:`mk.tasks.rope.rope_kv_op`), or folded into the QKV linear's tiles (or its split-K
+    reduce, :func:`qkv_rope_kv_op`) where they hold what it rotates (whole heads with a q/k
+    norm). A QKV with a bias runs it only that way (the bias is added in those tiles). The
+    step's first RoPE also publishes the sequence lengths attention reads."""
+
+    kind = "rope_kv"
+    hosts = frozenset({"linear"})
+
+    def fuses_as_epilogue(self, node, host, host_choice) -> bool:
+        if host.kind not in self.hosts:
+            return False
+        widths = [host_choice.block_n] + ([reduce_width(host, host_choice)] if host_choice.split_k > 1 else [])
+        try:
+            for width in widths:
+                check_qkv_rope_tile(width, node.dims["head_dim"], bool(node.dims.get("qk_norm")))
+        except ValueError:
+            return False
+        return True
+
+    def runs_alone(self, node, host) -> bool:
+        return host is None or "bias" not in host.buffers
+
+    def _spec(self, node, max_seq: int, first: bool, eps: float):
+        d = node.dims
+        return rope_kv_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, write_seqlens=first,
+                          interleaved=True, **({"qk_norm": True, "qk_eps": eps} if d.get("qk_norm") else {}))
+
+    def specs(self, node, choice, fused=()):
+        return [(self._spec(node, 1, False, 1e-5), None)]
+
+    def buffer_shape(self, node, role, max_seq):
+        d = node.dims
+        if role == "inv_freq":
+            return (d["head_dim"] // 2,), torch.float32
+        if role in ("k_cache", "v_cache"):
+            return (d["batch"], d["kv_heads"], max_seq, d["head_dim"]), "kv"
+        if role in ("q_norm", "k_norm"):
+            return (d["head_dim"],), "weight"
+        return super().buffer_shape(node, role, max_seq)
+
+    def lower(self, node, choice, ctx) -> None:
+        d, first = node.dims, ctx.first(node)
+        extra = {"seqlens": ctx.activation("seqlens", ctx.batch, dt=torch.int32)} if first else {}
+        extra |= {r: node.buffers[r] for r in ("q_norm", "k_norm") if r in node.buffers}
+        q = ctx.activation(node.outputs[0], ctx.batch, d["heads"] * d["head_dim"])
+        ctx.add(node.name, self._spec(node, ctx.max_seq, first, ctx.eps), qkv=node.inputs[0], pos="pos",
+                inv_freq=node.buffers["inv_freq"], q=q, k_cache=node.buffers["k_cache"],
+                v_cache=node.buffers["v_cache"], **extra)
+
+
+ROPE_KV = register_kind(RopeKVKind())

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_real, check_same_device, check_tensor, supported_dtypes
+from ._planning import OpKind, register_kind
 from ._spec import OpSpec, Region, register, rows_given
 
 #: Widest chunk one program holds in registers; longer rows loop over chunks.
@@ -200,3 +201,33 @@ def rmsnorm_op(n: int, eps: float = 1e-6, residual: bool = False) -> OpSpec:
                   constexprs={"N": n, "BLOCK_N": block_n, "RES": int(residual), "EPS": float(eps)},
                   num_warps=rmsnorm_num_warps(block_n), run=run, reads=reads, writes=writes,
                   tiles=lambda rows: [{"row": r} for r in range(rows_given("rmsnorm", rows))])
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans an RMSNorm of a decode step (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+class RMSNormKind(OpKind):
+    """An RMSNorm of a decode step: one task a row, or folded into the next linear's
+    prologue (its tiles normalise the x rows they read)."""
+
+    kind = "rmsnorm"
+    hosts = frozenset({"linear"})
+    prologue = True
+
+    def specs(self, node, choice, fused=()):
+        return [(rmsnorm_op(node.dims["n"]), node.dims["rows"])]
+
+    def buffer_shape(self, node, role, max_seq):
+        if role == "w":
+            return (node.dims["n"],), "weight"
+        return super().buffer_shape(node, role, max_seq)
+
+    def lower(self, node, choice, ctx) -> None:
+        n = node.dims["n"]
+        ctx.add(node.name, rmsnorm_op(n, eps=ctx.eps), ctx.batch, x=node.inputs[0], w=node.buffers["w"],
+                out=ctx.activation(node.outputs[0], ctx.batch, n))
+
+
+RMSNORM = register_kind(RMSNormKind())

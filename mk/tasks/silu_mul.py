@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ._cost import TaskCost
 from ._device import jit, check_same_device, check_same_dtype, check_tensor
+from ._planning import FusedOnlyKind, register_kind
 from ._spec import (OpSpec, Region, as_2d, block_cols, cdiv, check_pow2, check_sizes, register,
                     rows_given)
 
@@ -165,3 +166,23 @@ def silu_mul_op(i: int, *, block_i: int | None = None, num_warps: int | None = N
                   num_warps=num_warps or silu_mul_num_warps(block_i), run=run, reads=reads, writes=writes,
                   tiles=lambda rows: [{"row": r, "col_block": cb} for r in range(rows_given("silu_mul", rows))
                                       for cb in range(blocks)])
+
+
+# ---------------------------------------------------------------------------------------
+# Planning: how the planner plans a SiLU·mul of a decode step (mk.tasks._planning)
+# ---------------------------------------------------------------------------------------
+
+
+class SiluMulKind(FusedOnlyKind):
+    """A decode step's SiLU·mul: only in the gate/up linear's epilogue (its weights are
+    interleaved gate/up pairs, which only that epilogue reads)."""
+
+    kind = "silu_mul"
+    hosts = frozenset({"linear"})
+
+    def fused_bytes(self, node) -> int:
+        """The host writes the I-wide product instead of the 2I-wide gate/up (writes - reads)."""
+        return node.bytes_written - node.bytes_read
+
+
+SILU_MUL = register_kind(SiluMulKind())

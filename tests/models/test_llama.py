@@ -483,7 +483,7 @@ def test_a_step_lowered_before_is_bound_again_not_lowered(monkeypatch, tmp_path)
     """A request back at a length bucket or batch size seen before lowers nothing: the
     lowered step (tasks, dependencies, queues, descriptors) is kept by plan, batch and
     length, and only bound to new activations and state; it decodes as the first did."""
-    import mk.planner.lower as lowering
+    import mk.planner.steps as lowering
     from mk.persistent import deps
 
     monkeypatch.setenv("MK_CACHE_DIR", str(tmp_path))  # (no dependencies from the disk cache)

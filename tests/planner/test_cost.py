@@ -90,7 +90,8 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
     and a barrier, and x's chunk, or instead of it the reduction's scratch where the task
     waits for x inside its stream (x then goes to registers). (Checked against the compiled kernel on the GPU:
     tests/planner/test_smem_gpu.py.)"""
-    from mk.planner.cost import GEMV_RING_SCRATCH, MEGAKERNEL_DOT_BUFFERS, op_smem_bytes
+    from mk.planner.cost import op_smem_bytes
+    from mk.tasks.linear import GEMV_RING_SCRATCH, MEGAKERNEL_DOT_BUFFERS
 
     g = decode_graph(ModelShape.preset("llama-3-8b"), batch=8, kv_len=64)
     down, qkv = g.node("l0.down"), g.node("l0.qkv")
@@ -129,7 +130,8 @@ def test_smem_of_linear_tiles_follows_the_3d_model():
 def test_k_split_cuts_the_whole_range_ring_of_a_down_projection():
     """At equal tile width (16 weight rows, 256-column chunks), a ring that holds the task's
     whole K range shrinks with the split: >= 40% less peak shared memory from split-K 2."""
-    from mk.planner.cost import op_smem_bytes, whole_range_stages
+    from mk.planner.cost import op_smem_bytes
+    from mk.tasks.linear.planning import whole_range_stages
 
     down = decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64).node("l0.down")
     K = down.dims["K"]
@@ -174,8 +176,9 @@ def test_a_task_that_waits_before_its_stream_pays_the_first_chunk_latency():
     """A GEMV task that waits for its inputs inside its stream has its ring's first chunks in
     flight during the wait; one that waits before it pays a chunk's load latency once more.
     The 8B down projection's 56-chunk tasks wait before a 4-deep ring, inside a grouped one."""
-    from mk.planner.cost import exposed_chunk_seconds
+    from mk.tasks.linear import LINEAR
 
+    exposed_chunk_seconds = LINEAR.exposed_seconds
     g = decode_graph(ModelShape.preset("llama-3-8b"), batch=1, kv_len=64)
     down, dev = g.node("l0.down"), DeviceSpec.preset("h200")
     task_bytes = 16 * 14336 * 2
@@ -187,8 +190,9 @@ def test_a_task_that_waits_before_its_stream_pays_the_first_chunk_latency():
 
 
 def test_a_ring_prologue_counts_as_early_work_only_after_attention():
-    from mk.planner.cost import exposed_chunk_seconds
+    from mk.tasks.linear import LINEAR
 
+    exposed_chunk_seconds = LINEAR.exposed_seconds
     # The O projection reads attention's output: while attention runs, DRAM idles and the
     # tasks' TMA rings fill. After a weight-streaming op (QKV after the down projection) the
     # wait overlaps that op's tail: no early part is priced there.
@@ -244,7 +248,8 @@ def test_attention_splits_past_the_planned_length_carry_no_bytes():
     blocks (as the kernel cuts them): at a short planned length the last splits hold none.
     Their tasks still take a worker's turn; the bytes and the merge are the live splits'.
     So a 64-key step plans one split, a 1024-key one several (1B shape, H100 preset)."""
-    from mk.planner.cost import attention_live_splits, op_bytes_flops
+    from mk.planner.cost import op_bytes_flops
+    from mk.tasks.decode_attention import attention_live_splits
     from mk.planner.search import search
 
     spec = DeviceSpec.preset("h100")

@@ -76,7 +76,7 @@ def test_batch_8_plans_pay_for_x_major_tiles_on_the_whole_step():
     H200 takes weight-major tiles for every linear, the down projection split 16 ways."""
     from dataclasses import replace
 
-    from mk.planner.cost import xmajor_decode_tile
+    from mk.tasks.linear.planning import xmajor_decode_tile
 
     g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=1024)
     spec = DeviceSpec.preset("h200")
@@ -148,7 +148,7 @@ def test_gemvs_with_more_tiles_than_workers_run_as_one_even_run_a_worker():
     are dealt as runs of adjacent TMA tiles that keep >= 95% of the workers busy, one run a
     worker; ops with fewer tiles stay one tile a task, and tl.dot tiles (batch 8) never run."""
     from mk.planner.cost import op_tasks
-    from mk.planner.search import RUN_MIN_BUSY
+    from mk.tasks.linear.planning import RUN_MIN_BUSY
 
     spec = DeviceSpec.preset("h200")
     for name in ("llama-3.2-1b", "llama-3-8b"):
@@ -177,8 +177,8 @@ def test_split_k_reduces_are_cut_as_narrow_as_one_wave_of_workers_takes():
     narrower reduce cheaper, and a width that does not divide the partial tile is refused."""
     from dataclasses import replace
 
-    from mk.planner.cost import estimate_op, op_phases, reduce_width
-    from mk.planner.search import REDUCE_MIN_COLS
+    from mk.planner.cost import estimate_op, op_phases
+    from mk.tasks.linear.planning import REDUCE_MIN_COLS, reduce_width
 
     spec = DeviceSpec.preset("h100")
     split = set()

@@ -20,7 +20,8 @@ from mk.persistent.graph import SCHEDULES, assign_workers, lower
 from mk.planner.cost import OpChoice
 from mk.planner.device import DeviceSpec
 from mk.models.blocks import ModelShape, decode_graph
-from mk.planner.lower import lower_decode_step, meta_buffers, step_queues
+from mk.planner.lower import lower_decode_step, meta_buffers
+from mk.planner.simulate import step_queues
 from mk.planner.search import Plan, search
 from mk.planner.cost import PhaseCost
 from mk.planner.simulate import phase_task_costs, simulate, simulate_step, step_costs

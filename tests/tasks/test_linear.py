@@ -11,7 +11,7 @@ from mk.tasks.linear import (
     GemvStream,
     gemv_stream,
     LinearConfig,
-    _tile_rows,
+    tile_rows,
     interleave_gate_up,
     linear,
     linear_config,
@@ -275,10 +275,10 @@ def test_weight_major_tiles_are_wide_decode_tiles():
     # Decode tiles (<= 16 rows) of >= 128 weight rows multiply weight-major, down to 8 rows.
     assert weight_major(8, 128) and weight_major(16, 256)
     assert not weight_major(16, 64) and not weight_major(32, 128) and not weight_major(1, 128)
-    assert _tile_rows(LinearConfig(16, 128, 64), 3) == 8
-    assert _tile_rows(LinearConfig(16, 64, 128), 3) == 16
-    assert _tile_rows(LinearConfig(16, 128, 64), 12) == 16
-    assert _tile_rows(LinearConfig(1, 128, 64), 1) == 1
+    assert tile_rows(LinearConfig(16, 128, 64), 3) == 8
+    assert tile_rows(LinearConfig(16, 64, 128), 3) == 16
+    assert tile_rows(LinearConfig(16, 128, 64), 12) == 16
+    assert tile_rows(LinearConfig(1, 128, 64), 1) == 1
 
 
 def test_gemv_streams_group_their_chunks_where_a_ring_holds_whole_groups():

@@ -46,34 +46,35 @@ bodies), :mod:`~mk.tasks.linear.run` (runs of tiles streamed as one, their epilo
 :mod:`~mk.tasks.linear.splitk` (partials and their reduce), :mod:`~mk.tasks.linear.prefetch`
 (L2 prefetch, PDL), :mod:`~mk.tasks.linear.tma_gemm` (the prefill GEMM),
 :mod:`~mk.tasks.linear.launch` (the standalone op and its reference),
-:mod:`~mk.tasks.linear.spec` (the megakernel's linear ops). Every name is re-exported here.
+:mod:`~mk.tasks.linear.spec` (the megakernel's linear ops), :mod:`~mk.tasks.linear.planning` (how
+the planner plans and lowers a linear). Every name is re-exported here.
 """
 
-from .config import (DOT_MIN, GROUP_M, SKINNY_MAX_M, VEC_BYTES, WAIT_IN_STREAM_MAX_CHUNKS, WEIGHT_MAJOR_MIN_N,
-                     WEIGHT_MAJOR_MIN_ROWS, X_GROUP, X_GROUP_MAX_CHUNK_BYTES, GemvStream, LinearConfig,
+from .config import (DOT_MIN, GEMV_RING_SCRATCH, GROUP_M, MEGAKERNEL_DOT_BUFFERS, SKINNY_MAX_M, VEC_BYTES,
+                     WAIT_IN_STREAM_MAX_CHUNKS, WEIGHT_MAJOR_MIN_N, WEIGHT_MAJOR_MIN_ROWS, X_GROUP,
+                     X_GROUP_MAX_CHUNK_BYTES, GemvStream, LinearConfig, MegakernelTile, check_config,
                      dot_waits_in_stream, gemv_stream, linear_config, linear_cost, linear_k_splits, linear_smem_bytes,
-                     prefetch_lines, weight_major)
-# The launcher's row-tile rule and config check, which the planner's cost model and the
-# fused QKV + RoPE op share (a megakernel tile is exactly the tile the launcher would run).
-from .config import _check_config, _tile_rows  # noqa: F401
+                     prefetch_lines, tile_rows, weight_major)
 from .launch import (interleave_gate_up, linear, linear_kernel, linear_partial_kernel, linear_ref,
                      linear_splitk_reduce_kernel)
 from .prefetch import linear_prefetch_tile
 from .run import linear_argmax_epilogue, linear_partial_epilogue, linear_run, linear_store_epilogue
 from .spec import linear_op, linear_partial_op, linear_reduce_op, linear_tiles
+from .planning import LINEAR, LinearKind  # (registers the linear's and the residual add's planning)
 from .splitk import linear_partial_tile, linear_split_range, linear_splitk_reduce_tile, linear_splitk_sum
 from .tile import linear_tile, linear_weights_first
 from .tma_gemm import (TMA_GEMM, TMA_GEMM_NARROW, TmaGemmConfig, linear_tma_kernel, tma_gemm_config, tma_gemm_serves,
                        tma_gemm_smem_bytes)
 
 __all__ = [
-    "DOT_MIN", "GROUP_M", "GemvStream", "LinearConfig", "SKINNY_MAX_M", "VEC_BYTES", "WAIT_IN_STREAM_MAX_CHUNKS",
+    "DOT_MIN", "GEMV_RING_SCRATCH", "GROUP_M", "GemvStream", "LINEAR", "LinearConfig", "LinearKind",
+    "MEGAKERNEL_DOT_BUFFERS", "MegakernelTile", "SKINNY_MAX_M", "VEC_BYTES", "WAIT_IN_STREAM_MAX_CHUNKS",
     "WEIGHT_MAJOR_MIN_N", "WEIGHT_MAJOR_MIN_ROWS", "X_GROUP", "X_GROUP_MAX_CHUNK_BYTES",
-    "dot_waits_in_stream", "gemv_stream", "linear_config", "linear_cost", "linear_k_splits", "linear_smem_bytes",
-    "prefetch_lines", "weight_major", "linear_tile", "linear_weights_first", "linear_argmax_epilogue",
-    "linear_partial_epilogue", "linear_run", "linear_store_epilogue", "linear_prefetch_tile", "linear_partial_tile",
-    "linear_split_range", "linear_splitk_reduce_tile", "linear_splitk_sum", "TMA_GEMM", "TMA_GEMM_NARROW",
-    "TmaGemmConfig", "tma_gemm_config",
+    "check_config", "dot_waits_in_stream", "gemv_stream", "linear_config", "linear_cost", "linear_k_splits",
+    "linear_smem_bytes", "prefetch_lines", "tile_rows", "weight_major", "linear_tile", "linear_weights_first",
+    "linear_argmax_epilogue", "linear_partial_epilogue", "linear_run", "linear_store_epilogue",
+    "linear_prefetch_tile", "linear_partial_tile", "linear_split_range", "linear_splitk_reduce_tile",
+    "linear_splitk_sum", "TMA_GEMM", "TMA_GEMM_NARROW", "TmaGemmConfig", "tma_gemm_config",
     "linear_tma_kernel", "tma_gemm_serves", "tma_gemm_smem_bytes", "interleave_gate_up", "linear", "linear_kernel",
     "linear_partial_kernel", "linear_ref", "linear_splitk_reduce_kernel",
     "linear_op", "linear_partial_op", "linear_reduce_op", "linear_tiles",

@@ -250,7 +250,7 @@ def prefetch_lines(config: LinearConfig, K: int, dtype_bytes: int) -> tuple[int,
     return triton.next_power_of_2(-(-span // line)), line
 
 
-def _tile_rows(config: LinearConfig, M: int) -> int:
+def tile_rows(config: LinearConfig, M: int) -> int:
     """Rows per tile as launched: block_m, cut down to what M needs, but never below tl.dot's
     16, or :data:`WEIGHT_MAJOR_MIN_ROWS` for a weight-major tile (its rows, twice over, are
     its MMA's N)."""
@@ -260,35 +260,100 @@ def _tile_rows(config: LinearConfig, M: int) -> int:
     return max(WEIGHT_MAJOR_MIN_ROWS if weight_major(max(rows, DOT_MIN), config.block_n) else DOT_MIN, rows)
 
 
-def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2) -> int:
-    """Shared memory one tile needs, from the 3-D tile (rows x block_n x block_k).
+#: Operand buffers a tl.dot loop gets inside the megakernel. The megakernel is compiled
+#: with Triton's default software pipelining (num_stages=3: two buffers in flight), whatever
+#: the tile's own ``stages``; checked against the compiled kernel (tests/planner, GPU).
+MEGAKERNEL_DOT_BUFFERS = 2
+#: Scratch beside a GEMV task's TMA ring (S > 1) in the megakernel: its cross-warp reduction,
+#: 512 B for 128- and 256-wide chunks (64 B for 64-wide: this bounds it).
+GEMV_RING_SCRATCH = 512
 
-    tl.dot body: the software-pipelined operand ring, num_stages x (x chunk [rows, block_k]
-    + weight chunk [block_n, block_k]) x dtype_bytes, where rows is block_m capped by M as
-    the launcher does; decode tiles (weight-major, at most 16 rows) also stage x's hi and
-    lo halves ([2 rows, block_k]) as the wgmma's shared-memory operand. Exact for Hopper's
-    prefill tiles (block_m >= 64) on Triton 3.9; the RMSNorm prologue and the pipeliner's
-    choices move a few KiB either way, so treat it as an upper bound within ~30%.
 
-    GEMV body (block_m == 1): its loads go straight to registers, not through a ring. What
-    remains is the cross-warp reduction (block_n x num_warps float32) and, when block_k is
-    not (16 B / dtype) x 32 x num_warps, a float32 shuffle of x's chunk each iteration.
+@dataclass(frozen=True)
+class MegakernelTile:
+    """How a linear tile runs as a megakernel task, which changes what it stages: its x is
+    float32 (``x_bytes``), its weights may stream through a TMA ring of ``tma_stages``, it
+    may normalise x itself (``norm``: a fused RMSNorm's weight chunks ride beside the
+    ring's), a task may be a run of ``tiles_per_task`` tiles over a split-K range of
+    ``split_k`` (:func:`gemv_stream`)."""
 
-    With split_k > 1, plus one float32 [rows, block_n] partial tile staged for the
-    workspace store. (This is the standalone launcher's tile; inside the megakernel tiles
-    compile differently: :func:`mk.planner.cost.op_smem_bytes` models those.)
+    K: int
+    tma_stages: int = 0
+    norm: bool = False
+    split_k: int = 1
+    tiles_per_task: int = 1
+    x_bytes: int = 4
+
+
+def linear_smem_bytes(config: LinearConfig, M: int, dtype_bytes: int = 2, task: MegakernelTile | None = None) -> int:
+    """Shared memory one tile needs, from the 3-D tile (rows x block_n x block_k) x buffers x
+    element bytes, where rows is block_m capped by M as the launcher does (:func:`tile_rows`).
+
+    tl.dot tiles stage x and weight chunks in a ring of buffers, ``(rows * x_bytes + block_n
+    * dtype_bytes) * block_k`` each: the launcher's software pipeline holds ``num_stages``
+    (x in the weights' dtype), the megakernel's :data:`MEGAKERNEL_DOT_BUFFERS`. An x that
+    meets 16-bit weights as two halves (weight-major decode tiles of the launcher; every
+    float32 x of the megakernel against narrower weights, :func:`mk.tasks._dot.mma`) stages
+    them, ``2 * rows * block_k * dtype_bytes`` (+1 KiB of layout padding in the megakernel
+    without a TMA ring). Standalone, a split-K tile adds its float32 [rows, block_n] partial
+    staged for the workspace store (in the megakernel it reuses the dead ring).
+
+    A GEMV tile (block_m = 1) of the launcher loads to registers: what remains is the
+    cross-warp reduction (block_n x num_warps float32) and, when block_k is not (16 B /
+    dtype) x 32 x num_warps, a float32 shuffle of x's chunk each iteration. In the megakernel
+    (Triton 3.6 on sm_90) a register GEMV's reduction takes at most 64 B a weight row.
+
+    With ``task`` (a megakernel task; the megakernel's shared memory is the most any task
+    takes) the weights may come through a TMA ring of S = ``task.tma_stages``:
+
+    * GEMV: S - 1 buffers in flight (at least one; a grouped stream's ring holds its groups
+      in flight instead), each a [block_n, block_k] weight chunk and an 8-byte barrier, plus,
+      pipelined beside it (S > 1), the RMSNorm weight's chunk when fused, and x's chunk, or
+      instead of it :data:`GEMV_RING_SCRATCH` when the task waits for x inside its stream (x
+      then comes to registers, not pipelined);
+    * tl.dot: S - 1 x chunks beside S - 1 weight chunks (no halves staged: mma.sync takes
+      them to registers from the ring's x chunk), and weight-major tiles
+      (:func:`weight_major`) all S weight chunks (wgmma reads them in place) and the halves
+      once, x itself in registers; a fused RMSNorm adds S - 1 of its chunks.
+
+    Exact for Hopper's prefill tiles (block_m >= 64) on Triton 3.9 and for the megakernel's
+    tiles as compiled (checked on the GPU); the launcher's RMSNorm prologue and pipeliner
+    choices move a few KiB either way, so treat its figure as an upper bound within ~30%.
     """
-    rows = _tile_rows(config, M)
+    rows, bn, bk = tile_rows(config, M), config.block_n, config.block_k
+    if task is None:  # the standalone launcher's tile
+        if config.block_m == 1:
+            vec = max(VEC_BYTES // dtype_bytes, 1)
+            shuffle = 0 if bk == vec * 32 * config.num_warps else bk * 4
+            return bn * config.num_warps * 4 + shuffle
+        body = _dot_ring(config.num_stages, rows, bn, bk, dtype_bytes, dtype_bytes)
+        if weight_major(rows, bn):
+            body += 2 * rows * bk * dtype_bytes
+        return body + (rows * bn * 4 if config.split_k > 1 else 0)
+    x_bytes, S = task.x_bytes, task.tma_stages
+    halves = x_bytes != dtype_bytes  # x meets the weights as hi + lo halves
+    if config.block_m == 1 and S:
+        chunk = bn * bk * dtype_bytes
+        if S == 1:
+            return chunk + 8
+        stream = gemv_stream(1, S, task.K, bk, bn, dtype_bytes, task.split_k, task.tiles_per_task)
+        side = (0 if stream.waits else bk * x_bytes) + (bk * dtype_bytes if task.norm else 0) + 8
+        return stream.chunks_in_flight * (chunk + side) + (GEMV_RING_SCRATCH if stream.waits else 0)
     if config.block_m == 1:
-        vec = max(VEC_BYTES // dtype_bytes, 1)
-        shuffle = 0 if config.block_k == vec * 32 * config.num_warps else config.block_k * 4
-        body = config.block_n * config.num_warps * 4 + shuffle
-    else:
-        body = config.num_stages * (rows + config.block_n) * config.block_k * dtype_bytes
-        if weight_major(rows, config.block_n):
-            body += 2 * rows * config.block_k * dtype_bytes
-    partial = rows * config.block_n * 4 if config.split_k > 1 else 0
-    return body + partial
+        return 64 * bn
+    staged = 2 * rows * bk * dtype_bytes if halves else 0
+    # (Triton 3.6: 256 B less for some 256-byte norm chunks, within the GPU test's slack.)
+    norm_chunks = max(S - 1, 1) * bk * dtype_bytes if task.norm else 0
+    if S and weight_major(rows, bn):  # (compiled, sm_90: 8 rows x 128, ring 3: 102424 B)
+        return S * (bn * bk * dtype_bytes + 8) + staged + norm_chunks
+    if S:  # (compiled, sm_90: 16 rows, 64 x 128, ring 3: 49168 B; with the norm 49424)
+        return max(S - 1, 1) * (bn * bk * dtype_bytes + rows * bk * x_bytes + 8) + norm_chunks
+    return _dot_ring(MEGAKERNEL_DOT_BUFFERS, rows, bn, bk, x_bytes, dtype_bytes) + (staged + 1024 if halves else 0)
+
+
+def _dot_ring(buffers: int, rows: int, block_n: int, block_k: int, x_bytes: int, w_bytes: int) -> int:
+    """Bytes of a tl.dot tile's operand ring: ``buffers`` x (x chunk + weight chunk)."""
+    return buffers * (rows * x_bytes + block_n * w_bytes) * block_k
 
 
 def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool = False, norm: bool = False,
@@ -321,7 +386,7 @@ def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool 
     return TaskCost(read, written, flops)
 
 
-def _check_config(config: object, K: int, silu_mul: bool) -> LinearConfig:
+def check_config(config: object, K: int, silu_mul: bool) -> LinearConfig:
     if not isinstance(config, LinearConfig):
         raise TypeError(f"config must be a LinearConfig, got {type(config).__name__}")
     for field in ("block_m", "block_n", "block_k", "num_warps"):

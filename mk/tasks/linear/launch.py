@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .._device import (check_positive_int, check_real, check_same_device, check_same_dtype, check_tensor,
                        enable_device_descriptors, jit, sm_count, smem_per_block, supported_dtypes, use_pdl)
-from .config import LinearConfig, _check_config, _tile_rows, linear_config, prefetch_lines
+from .config import LinearConfig, check_config, tile_rows, linear_config, prefetch_lines
 from .prefetch import _pdl_enter, linear_prefetch_tile
 from .splitk import linear_partial_tile, linear_split_range, linear_splitk_reduce_tile
 from .tile import linear_tile
@@ -174,7 +174,7 @@ def linear(
         config = linear_config(M, N, K, x.dtype, split_k=split_k, smem_limit=smem_per_block(x))
     elif isinstance(config, LinearConfig) and split_k != 1 and split_k != config.split_k:
         raise ValueError(f"split_k={split_k} conflicts with config.split_k={config.split_k}")
-    config = _check_config(config, K, silu_mul)
+    config = check_config(config, K, silu_mul)
 
     x2 = x.reshape(M, K)
     out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
@@ -193,7 +193,7 @@ def linear(
         return out.reshape(*x.shape[:-1], n_out)
     res2 = residual.reshape(M, N) if residual is not None else out
     norm_w = norm_weight if norm_weight is not None else weight
-    bm, bn, bk = _tile_rows(config, M), config.block_n, config.block_k
+    bm, bn, bk = tile_rows(config, M), config.block_n, config.block_k
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     # PDL only for the GEMV body: on an H200 it lifts M=1 by 3-10% but slows the tl.dot
     # tiles (M=8: 0.49 vs 0.56 of copy at 4096->6144), whose early-launched successors

@@ -15,7 +15,7 @@ from .._spec import OpSpec, Region, as_2d, cdiv, check_sizes, check_tile, regist
 from ..all_reduce import (RANKS_SUM_IMPORT, RANKS_SUM_OPERANDS, _check_rank, ranks_sum_ref, ranks_sum_regions,
                           ranks_sum_tail)
 from ..argmax import argmax_pack_ref
-from .config import (LinearConfig, _check_config, _tile_rows, dot_waits_in_stream, gemv_stream, linear_config,
+from .config import (LinearConfig, check_config, tile_rows, dot_waits_in_stream, gemv_stream, linear_config,
                      linear_k_splits, prefetch_lines)
 
 
@@ -39,11 +39,11 @@ class LinearShape:
         cfg = LinearConfig(block_m or base.block_m, block_n or base.block_n, block_k or base.block_k,
                            split_k=split_k, num_warps=num_warps or base.num_warps,
                            num_stages=base.num_stages, prefetch_k=prefetch_k)
-        _check_config(cfg, K, silu_mul)  # the launcher's own checks, same messages
+        check_config(cfg, K, silu_mul)  # the launcher's own checks, same messages
         self.config = cfg
         self.M, self.N, self.K, self.split_k = M, N, K, split_k
         # Rows per tile as the launcher runs them (tl.dot tiles cut down to what M needs).
-        self.bm, self.bn, self.bk = _tile_rows(cfg, M), cfg.block_n, cfg.block_k
+        self.bm, self.bn, self.bk = tile_rows(cfg, M), cfg.block_n, cfg.block_k
         self.n_out = N // 2 if silu_mul else N
         self.silu_mul = silu_mul
         self.tiles_m, self.tiles_n = cdiv(M, self.bm), cdiv(N, self.bn)
