@@ -5,6 +5,11 @@ Weights come from an :class:`mk.models.Llama` (its packed tensors, shared, not c
 caches are module buffers, updated in place with ``index_copy_`` at one position shared by
 the batch, as gpt-fast does, so that torch.compile's CUDA graphs accept the mutation.
 
+A model whose projections are FP8 (mk.tasks.linear.format) makes an FP8 weight-only peer:
+each projection multiplies the FP8 weight widened to bf16 and applies the scales to the
+product (per output channel) or to the widened weight (per 128 columns), which
+torch.compile fuses as it can (gpt-fast's weight-only int8 recipe, for FP8).
+
 Under tensor parallelism (a model built with ``tp=N``, one process per GPU) the peer is
 gpt-fast's TP: each rank runs its share of the heads and MLP columns and of the vocabulary
 (the same shares as mk's), and functional all-reduces (which torch.compile traces and its
@@ -39,10 +44,27 @@ class TorchLlamaStep(torch.nn.Module):
         self.register_buffer("embed", w["w.embed"])
         self.register_buffer("final_norm", w["w.final_norm"])
         self.register_buffer("lm_head", w["w.lm_head"])
+        self.scaled = set()  # the projections stored with scales
         for L in range(c.num_hidden_layers):
             # (gate/up rows are interleaved for mk's epilogue: the peer splits its output.)
             for name in ("attn_norm", "qkv", "o_proj", "mlp_norm", "gate_up", "down"):
                 self.register_buffer(f"l{L}_{name}", w[f"w.l{L}.{name}"])
+                if f"w.l{L}.{name}.scale" in w:
+                    self.register_buffer(f"l{L}_{name}_scale", w[f"w.l{L}.{name}.scale"])
+                    self.scaled.add(f"l{L}_{name}")
+        if "w.lm_head.scale" in w:
+            self.register_buffer("lm_head_scale", w["w.lm_head.scale"])
+            self.scaled.add("lm_head")
+
+    def _proj(self, h, name):
+        """``h @ W.T`` of projection ``name`` (its format's scales applied)."""
+        w = getattr(self, name)
+        if name not in self.scaled:
+            return h @ w.T
+        s = getattr(self, name + "_scale")
+        if s.dim() == 1:  # per output channel: the scales finish the product
+            return (h @ w.to(h.dtype).T) * s.to(h.dtype)
+        return h @ (w.to(h.dtype) * s.repeat_interleave(128, 1)[:, :w.shape[1]].to(h.dtype)).T
 
     def _sum(self, x):
         """The ranks' partial sums added (an identity on one GPU)."""
@@ -61,7 +83,7 @@ class TorchLlamaStep(torch.nn.Module):
         return self._sum(self.embed[local.clamp(0, self.embed.shape[0] - 1)] * mine[..., None].to(self.embed.dtype))
 
     def _logits(self, h):
-        logits = (h @ self.lm_head.T).float()
+        logits = self._proj(h, "lm_head").float()
         if self.tp == 1:
             return logits
         import torch.distributed as dist
@@ -102,7 +124,8 @@ class TorchLlamaStep(torch.nn.Module):
         for L in range(c.num_hidden_layers):
             g = lambda name: getattr(self, f"l{L}_{name}")  # noqa: E731
             h = self._norm(x, g("attn_norm"))
-            q, k, v = (h @ g("qkv").T).view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
+            p = lambda x, name: self._proj(x, f"l{L}_{name}")  # noqa: E731
+            q, k, v = p(h, "qkv").view(B, T, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             q, k, v = self._rope(q, pos).transpose(1, 2), self._rope(k, pos).transpose(1, 2), v.transpose(1, 2)
             kc, vc = getattr(self, f"k{L}"), getattr(self, f"v{L}")
             kc.index_copy_(2, pos, k)
@@ -111,9 +134,9 @@ class TorchLlamaStep(torch.nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             else:
                 o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask[None, None], enable_gqa=True)
-            x = x + self._sum(o.transpose(1, 2).reshape(B, T, hq * d) @ g("o_proj").T)
-            gate, up = (self._norm(x, g("mlp_norm")) @ g("gate_up").T).unflatten(-1, (-1, 2)).unbind(-1)
-            x = x + self._sum((F.silu(gate) * up) @ g("down").T)
+            x = x + self._sum(p(o.transpose(1, 2).reshape(B, T, hq * d), "o_proj"))
+            gate, up = p(self._norm(x, g("mlp_norm")), "gate_up").unflatten(-1, (-1, 2)).unbind(-1)
+            x = x + self._sum(p(F.silu(gate) * up, "down"))
         return self._logits(self._norm(x[:, -1], self.final_norm))
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ one ``mk: error: ...`` line, reported before any model is built.
 Exit codes: 0 done; 1 an error (one ``mk: error: ...`` line; ``generate``: also a float32
 model whose greedy tokens differ from the reference); 2 a command line argparse cannot
 read (an unknown flag, a value of the wrong type); 130 interrupted (Ctrl-C). No traceback
-is printed unless ``MK_DEBUG=1`` is set.
+is printed unless ``MK_DEBUG`` is 1, true or yes. A stdout closed by its reader (``| head``)
+ends the command quietly with exit code 0.
 """
 
 from __future__ import annotations
@@ -48,14 +49,37 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"mk: warning: {message}", file=sys.stderr if file is None else file)
 
 
+def debug_wanted() -> bool:
+    """``MK_DEBUG`` asks for tracebacks: 1, true or yes (any case); 0, false, no or unset do not."""
+    return os.environ.get("MK_DEBUG", "").strip().lower() in ("1", "true", "yes")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command (``argv``, default ``sys.argv[1:]``); returns the exit code (see the
-    module docstring): 0, 1 after a one-line ``mk: error: ...`` on stderr, 130 after Ctrl-C."""
+    module docstring): 0, 1 after a one-line ``mk: error: ...`` on stderr, 130 after Ctrl-C.
+    A stdout closed by its reader (``generate ... | head``) ends the command quietly, exit 0."""
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()   # (here, not at exit, where a closed pipe would be reported)
+        return code
     except KeyboardInterrupt:  # (also while torch and Triton are imported)
         print("\nmk: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _drop_stdout()
+        return 0
+
+
+def _drop_stdout() -> None:
+    """Send what is left for stdout to /dev/null: its reader is gone, and Python's flush at
+    exit would otherwise report the broken pipe (as the docs of the signal module advise)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # not a file (a test's capture): nothing to flush at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -110,12 +134,14 @@ def _main(argv: list[str] | None) -> int:
                      help="fast (default): bf16 matmul operands in prefill; exact: float32 activations")
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
     args = parser.parse_args(argv)
-    debug = os.environ.get("MK_DEBUG", "") not in ("", "0")
+    debug = debug_wanted()
     try:
         with warnings.catch_warnings():
             if not debug:
                 warnings.showwarning = _show_warning
             return _run(args)
+    except BrokenPipeError:   # stdout's reader went away: not an error of the input (main ends quietly)
+        raise
     except USER_ERRORS as err:
         if debug:
             raise
@@ -176,6 +202,7 @@ def run_plan(args) -> int:
     from .models.blocks import MAX_BATCH, ModelShape, decode_graph
     from .models.auto import AutoConfig
     from .planner.search import Plan, search
+    from .tasks._cache import check_cache_dir
 
     if args.device:
         device = DeviceSpec.preset(args.device)
@@ -186,14 +213,21 @@ def run_plan(args) -> int:
             raise ValueError(f"no CUDA GPU here to plan for: name a device with --device (one of "
                              f"{', '.join(sorted(PRESETS))})")
         device = DeviceSpec.from_gpu()
-    if args.smem_budget:
-        device = device.with_smem_budget(args.smem_budget)
+    if args.smem_budget is not None:   # (at most the device's own per-block maximum)
+        try:
+            device = device.with_smem_budget(args.smem_budget)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--smem-budget: {e}") from None
     if args.beam < 1:
         raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if not 1 <= args.tp:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
     if not 1 <= args.batch <= MAX_BATCH:
         raise ValueError(f"--batch must be in [1, {MAX_BATCH}] (sequences a decode step holds), got {args.batch}")
+    if not args.model.strip():
+        raise ValueError("--model is empty: give a preset or a checkpoint folder")
+    if not args.no_cache:   # (the plan is kept there; --no-cache neither reads nor writes it)
+        check_cache_dir()
     folder = Path(args.model)
     if folder.is_dir():
         config = AutoConfig.from_pretrained(folder)

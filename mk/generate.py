@@ -14,6 +14,7 @@ where the work is countable) and as plain lines elsewhere (:class:`Status`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -22,6 +23,8 @@ import torch
 from .models import AutoConfig, AutoModel, Llama, LlamaConfig, ReferenceLlama, greedy_generate
 from .models.blocks import MAX_BATCH
 from .persistent.symmetric import SETUP_TIMEOUT_S, check_gpu_ranks, launch_env
+from .tasks import supported_dtypes
+from .tasks._cache import check_cache_dir
 from .tasks.sample import _check_counter, _check_temperature, _check_top_k, _check_top_p
 
 #: The embedded default model: small enough for the interpreter, a real GQA Llama shape.
@@ -103,14 +106,33 @@ class TextStreamer:
         return new
 
 
+#: An id of ``--ids``: ASCII digits, a leading minus allowed (refused by value, as out of range).
+_ID = re.compile(r"-?[0-9]+")
+#: Digits of the longest ``--ids`` item read as a number (no vocabulary is near 10**18).
+_MAX_ID_DIGITS = 18
+
+
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"--ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
+    """``--ids``' integers (ASCII digits only: int() would also take "1_0" and other
+    scripts' digits); ValueError naming the first item that is not one."""
+    items = [t for t in (t.strip() for t in text.split(",")) if t]
+    for k, t in enumerate(items):
+        if not _ID.fullmatch(t):
+            got = repr(text) if len(text) <= 80 else f"{t[:20]!r} at position {k}"
+            raise ValueError(f"--ids must be comma-separated integers, got {got}")
+        if len(t.lstrip("-")) > _MAX_ID_DIGITS:
+            raise ValueError(f"--ids: the id at position {k} has {len(t.lstrip('-'))} digits, beyond any "
+                             f"vocabulary")
+    if not items:
         raise ValueError("--ids is empty")
-    return ids
+    return [int(t) for t in items]
+
+
+def _check_ids(ids: list[int], vocab_size: int) -> None:
+    """ValueError naming the first id outside the vocabulary, and its position (not the whole list)."""
+    for k, i in enumerate(ids):
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token ids must lie in [0, {vocab_size}), got {i} at position {k} of the prompt")
 
 
 def _flag(flag: str, check, value):
@@ -122,9 +144,11 @@ def _flag(flag: str, check, value):
 
 
 def _check_args(args) -> int:
-    """Every check that needs no model (flags, their ranges, torchrun's environment);
-    returns max-new-tokens."""
+    """Every check that needs no model (flags, their ranges, torchrun's environment, the
+    cache folder); returns max-new-tokens."""
     check_gpu_ranks("generate")  # (also reads WORLD_SIZE, RANK, LOCAL_RANK: each an int, in range)
+    if args.model is not None and not args.model.strip():
+        raise ValueError("--model is empty: give a checkpoint folder, or leave --model out for the default model")
     if args.prompt is not None and args.ids is not None:
         raise ValueError("give --prompt or --ids, not both")
     if args.chat and args.prompt is None:
@@ -139,24 +163,34 @@ def _check_args(args) -> int:
     _flag("--top-k", _check_top_k, args.top_k)
     _flag("--top-p", _check_top_p, args.top_p)
     _flag("--seed", lambda v: _check_counter("seed", v), args.seed)
-    # The model goes to the GPU when there is one (mk.tasks.default_device).
+    # The model goes to the GPU when there is one (mk.tasks.default_device; its type only
+    # here: no CUDA context is made before torchrun's rank picks its GPU).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.kv_dtype is not None and getattr(torch, args.kv_dtype) not in supported_dtypes(device):
+        names = ", ".join(str(d).replace("torch.", "") for d in supported_dtypes(device))
+        where = "the CPU (Triton interpreter)" if device == "cpu" else "a CUDA GPU"
+        raise ValueError(f"--kv-dtype {args.kv_dtype}: the model goes to {where}, where mk's kernels run {names}")
+    check_cache_dir()
     new = args.max_new_tokens
     if new is None:
-        new = DEFAULT_NEW_TOKENS["cuda" if torch.cuda.is_available() else "cpu"]
+        new = DEFAULT_NEW_TOKENS[device]
     if new < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {new}")
     return new
 
 
-def _check_checkpoint(folder: str) -> LlamaConfig:
-    """The checkpoint's config, once the folder, config.json and the safetensors headers are
-    known good (the tensors themselves are checked as they load)."""
+def _check_checkpoint(folder: str):
+    """The checkpoint's config and tokenizer (None without tokenizer.json), once the folder,
+    config.json, the safetensors headers and the tokenizer files are known good (the tensors
+    themselves are checked as they load). The tokenizer is read by the loader the model
+    uses (it reads it too, after the weights), so that a broken one is reported first."""
+    from .models.tokenizer import load_tokenizer
     from .models.weights import SINGLE_FILE, _read_headers, _weight_files
 
     config = AutoConfig.from_pretrained(folder)
     shards = sorted(set(_weight_files(folder).values())) or [os.path.join(folder, SINGLE_FILE)]
     _read_headers(shards)
-    return config
+    return config, load_tokenizer(folder)
 
 
 def _speed(stats: dict, rows: list[list[int]]) -> str:
@@ -173,14 +207,40 @@ def _speed(stats: dict, rows: list[list[int]]) -> str:
             f"({decode_s / launches * 1e3:.2f} ms/step, one launch each)")
 
 
-def _prompt_ids(args, tokenizer) -> list[int]:
+#: Characters a token covers at most, for the cheap look at a long prompt before it is
+#: tokenized whole: the longest tokens of real vocabularies are a few dozen characters.
+CHARS_PER_TOKEN = 32
+
+
+def _encode_bounded(text: str, room: int, positions: int, new: int, encode) -> list[int]:
+    """``encode(text)``, once a text too long to fit the model is refused cheaply: with more
+    than ``room * CHARS_PER_TOKEN`` characters, its first ones are tokenized alone (cut at a
+    space, where tokenizers split words anyway), and if they already make more than ``room``
+    tokens the prompt is refused without tokenizing the rest."""
+    limit = max(room, 1) * CHARS_PER_TOKEN
+    if len(text) > limit:
+        cut = text.rfind(" ", limit // 2, limit)
+        head = len(encode(text[:cut if cut > 0 else limit]))
+        if head > room:
+            raise ValueError(f"the prompt ({len(text)} characters) is too long: its first {cut if cut > 0 else limit} "
+                             f"characters alone make {head} tokens, and with {new} new they exceed the model's "
+                             f"{positions} positions")
+    return encode(text)
+
+
+def _prompt_ids(args, tokenizer, config, new: int) -> list[int]:
     if args.prompt is None:
         return _parse_ids(args.ids) if args.ids is not None else DEFAULT_IDS
     if tokenizer is None:
         raise ValueError("this model has no tokenizer.json: give token ids with --ids")
-    if args.chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    return tokenizer.encode(args.prompt)
+    positions = config.max_position_embeddings
+    room = positions - new
+    if args.chat:   # the message alone first (cheap), then the text the template makes of it
+        _encode_bounded(args.prompt, room, positions, new, lambda t: tokenizer.encode(t, add_bos=False))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False)
+        return _encode_bounded(text, room, positions, new,
+                               lambda t: tokenizer.tokenizer.encode(t, add_special_tokens=False).ids)
+    return _encode_bounded(args.prompt, room, positions, new, tokenizer.encode)
 
 
 def run_generate(args) -> int:
@@ -197,18 +257,15 @@ def run_generate(args) -> int:
     t0 = time.perf_counter()
     tokenizer = None
     if args.model:
-        config = _check_checkpoint(args.model)
-        if args.prompt is not None:
-            from .models.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(args.model)
+        config, tokenizer = _check_checkpoint(args.model)
+        if args.prompt is None:   # ids in, ids out: the tokenizer was only checked
+            tokenizer = None
     else:
         config = LlamaConfig(**DEFAULT_CONFIG)
-    ids = _prompt_ids(args, tokenizer)
+    ids = _prompt_ids(args, tokenizer, config, new)
     if not ids:
         raise ValueError("the prompt is empty: its text gives no tokens")
-    if any(not 0 <= i < config.vocab_size for i in ids):
-        raise ValueError(f"token ids must lie in [0, {config.vocab_size}), got {ids}")
+    _check_ids(ids, config.vocab_size)
     total = len(ids) + new
     if total > config.max_position_embeddings:
         raise ValueError(f"{len(ids)} prompt tokens + {new} new exceed the model's "

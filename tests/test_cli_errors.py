@@ -148,3 +148,73 @@ def test_warnings_are_one_line_each(tmp_path, capsys, no_model):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("mk: warning: ") and "names no model_type or architectures: read as a Llama" in err[0]
     assert err[1].startswith("mk: error: no weights in") and len(err) == 2, err
+
+
+class _ClosedPipe:
+    """A stdout whose reader is gone: every write raises BrokenPipeError, as a closed pipe does."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_ends_quietly(monkeypatch, capsys):
+    def prints(args):
+        print("the first tokens", flush=True)
+        return 0
+
+    monkeypatch.setattr("mk.generate.run_generate", prints)
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert main(["generate"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_closed_pipe_ends_the_process_quietly_with_exit_code_0(tmp_path):
+    """``mk ... | head -c 10``: no ``mk: error: [Errno 32] Broken pipe``, nothing at exit either."""
+    script = ("import sys, mk.__main__ as m\n"
+              "def run(args):\n"
+              "    for i in range(100000):\n"
+              "        print(f'token {i} ' * 10)\n"
+              "    return 0\n"
+              "m._run = run\n"
+              "sys.exit(m.main(['demo']))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MK_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = proc.stdout.read(10)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and head == b"token 0 to" and err == "", err
+
+
+@pytest.mark.parametrize("value, traceback", [("1", True), ("true", True), ("YES", True), ("0", False),
+                                              ("no", False), ("false", False), ("", False)])
+def test_mk_debug_asks_for_tracebacks_only_with_1_true_or_yes(monkeypatch, capsys, value, traceback):
+    def broken(args):
+        raise KeyError("oops")
+
+    monkeypatch.setattr("mk.__main__.run_plan", broken)
+    monkeypatch.setenv("MK_DEBUG", value)
+    if traceback:
+        with pytest.raises(KeyError):
+            main(["plan", "--model", "llama-3-8b", "--device", "h200"])
+    else:
+        assert main(["plan", "--model", "llama-3-8b", "--device", "h200"]) == 1
+        assert capsys.readouterr().err.startswith("mk: internal error: KeyError: 'oops'")
+
+
+def test_a_config_naming_no_family_is_warned_about_once_per_generate(tmp_path, monkeypatch, capsys):
+    from mk.models import LlamaConfig, random_weights, save_weights
+
+    config = LlamaConfig(**DEFAULT_CONFIG)
+    save_weights(random_weights(config, seed=0), config, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(DEFAULT_CONFIG))   # no model_type: read as a Llama, said
+
+    def loaded(*args, **kwargs):
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(Llama, "from_pretrained", loaded)   # (AutoModel reads config.json again first)
+    assert main(["generate", "--model", str(tmp_path), "--ids", "1,2"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "names no model_type" in line] == [err[0]] and err[-1] == "mk: error: stop here"

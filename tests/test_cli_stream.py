@@ -3,6 +3,7 @@ status on stderr (no progress-bar junk off a terminal), --chat, --top-k, --max-n
 and every bad argument or checkpoint refused in one line before a model is built."""
 
 import io
+import re
 import json
 
 import pytest
@@ -225,7 +226,7 @@ def test_a_bad_checkpoint_is_reported_before_the_prompt_ids(tmp_path, checkpoint
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
     assert "not a readable safetensors file" in error(tmp_path)
     # With good weights, the ids are checked (still before the model is built).
-    assert "token ids must lie in [0, 512), got [1, 600]" in error(checkpoint, "--ids", "1,600")
+    assert "token ids must lie in [0, 512), got 600 at position 1 of the prompt" in error(checkpoint, "--ids", "1,600")
     assert "no chat template" in error(_no_template(checkpoint, tmp_path), "--chat", "--prompt", "hi")
 
 
@@ -262,3 +263,87 @@ def test_plan_kv_len_is_bounded_by_a_folders_positions(tmp_path, capsys):
     assert "--kv-len must be in [1, 512]" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path), "--device", "h200", "--kv-len", "512", "--json"]) == 0
     assert '"kv_len": 512' in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ issue 52: refused before any work
+
+MORE_GENERATE_ERRORS = [
+    (["--ids", "1_0"], "--ids must be comma-separated integers, got '1_0'"),
+    (["--ids", "\u0661,\u0662"], "--ids must be comma-separated integers, got '\u0661,\u0662'"),
+    (["--ids", "1," + "9" * 5000], "--ids: the id at position 1 has 5000 digits, beyond any vocabulary"),
+    (["--ids", ",".join(["7"] * 3000 + ["x"])], "--ids must be comma-separated integers, got 'x' at position 3000"),
+    (["--ids", "1,-1"], "token ids must lie in [0, 512), got -1 at position 1 of the prompt"),
+    (["--model", ""], "--model is empty"),
+    (["--model", " ", "--ids", "1"], "--model is empty"),
+]
+
+
+@pytest.mark.parametrize("argv,message", MORE_GENERATE_ERRORS, ids=[" ".join(a)[:40] for a, _ in MORE_GENERATE_ERRORS])
+def test_generate_refuses_more_bad_arguments_in_one_line(argv, message, capsys, no_model):
+    assert main(["generate", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mk: error: ") and err.count("\n") == 1 and message in err and len(err) < 300, err
+
+
+def test_ids_beyond_the_vocabulary_name_the_first_only(capsys, no_model):
+    assert main(["generate", "--ids", ",".join(["600"] * 3000)]) == 1
+    err = capsys.readouterr().err
+    assert err == "mk: error: token ids must lie in [0, 512), got 600 at position 0 of the prompt\n"
+
+
+def test_a_kv_dtype_the_device_cannot_run_is_refused_before_any_work(monkeypatch, capsys, no_model):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # as on a machine without a GPU
+    for dtype in ("float16", "bfloat16"):
+        assert main(["generate", "--kv-dtype", dtype]) == 1
+        err = capsys.readouterr().err
+        assert err == (f"mk: error: --kv-dtype {dtype}: the model goes to the CPU (Triton interpreter), where mk's "
+                       f"kernels run float32\n")
+
+
+def test_an_unusable_cache_folder_is_refused_before_any_work(tmp_path, monkeypatch, capsys, no_model):
+    (tmp_path / "file").write_text("")
+    for where in (tmp_path / "file", tmp_path / "file" / "below"):
+        monkeypatch.setenv("MK_CACHE_DIR", str(where))
+        assert main(["generate"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"mk: error: MK_CACHE_DIR={str(where)!r}: ") and err.count("\n") == 1, err
+        assert main(["plan", "--model", "llama-3.2-1b", "--device", "h200"]) == 1
+        assert capsys.readouterr().err == err
+    from mk.tasks import cache_dir
+
+    with pytest.raises(ValueError, match=f"MK_CACHE_DIR={re.escape(repr(str(where)))}: cannot make the folder"):
+        cache_dir("plans")
+
+
+def test_a_broken_tokenizer_is_reported_before_the_weights_even_for_ids(checkpoint, tmp_path, capsys, no_model):
+    folder = tmp_path / "broken-tokenizer"
+    folder.mkdir()
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / f).symlink_to(checkpoint / f)
+    (folder / "tokenizer_config.json").write_text('{"add_bos_token": "false"}')
+    assert main(["generate", "--model", str(folder), "--ids", "1,2"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"mk: error: {folder / 'tokenizer_config.json'}: add_bos_token must be true or false (a JSON "
+                   f"boolean), got 'false'\n")
+
+
+def test_a_prompt_far_too_long_is_refused_without_tokenizing_it_all(checkpoint, capsys, no_model):
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["generate", "--model", str(checkpoint), "--prompt", "ab " * 10**7]) == 1
+    err = capsys.readouterr().err
+    assert time.perf_counter() - t0 < 10   # (it took a minute and 8 GB)
+    assert err.startswith("mk: error: the prompt (30000000 characters) is too long: its first ") and \
+        "with 8 new they exceed the model's 2048 positions" in err, err
+    assert main(["generate", "--model", str(checkpoint), "--chat", "--prompt", "ab " * 10**6]) == 1
+    assert "the prompt (3000000 characters) is too long" in capsys.readouterr().err
+
+
+def test_plan_refuses_an_empty_model_and_a_budget_beyond_the_device(capsys):
+    assert main(["plan", "--model", "", "--device", "h200"]) == 1
+    assert capsys.readouterr().err == "mk: error: --model is empty: give a preset or a checkpoint folder\n"
+    assert main(["plan", "--model", "llama-3.2-1b", "--device", "h200", "--smem-budget", "1000GiB"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mk: error: --smem-budget: shared-memory budget '1000GiB' (1073741824000 bytes) exceeds "
+                          "the 232448 bytes (227 KiB) a block of NVIDIA H200 may use"), err

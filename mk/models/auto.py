@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Mapping
 
-from .config import LlamaConfig, read_config_json
+from .config import LlamaConfig, check_family_names, read_config_json
 from .decoder import DecoderModel
 from .llama import Llama
 from .mistral import Mistral
@@ -22,27 +22,32 @@ from .qwen3 import Qwen3
 
 #: Every family mk runs, by config.json ``model_type``.
 FAMILIES: dict[str, type[DecoderModel]] = {cls.config_class.MODEL_TYPE: cls for cls in (Llama, Mistral, Qwen2, Qwen3)}
+#: config.json files already warned about naming no family (by absolute path).
+_WARNED_BARE: set[str] = set()
 
 
 def family_of(d: Mapping, source: str = "config") -> type[DecoderModel]:
     """The family class of a config.json dict; ValueError naming what it says otherwise."""
     if not isinstance(d, Mapping):
         raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
-    model_type = d.get("model_type")
+    model_type, archs = check_family_names(d, source)
     if model_type is not None:
         if model_type not in FAMILIES:
             raise ValueError(f"{source}: model_type is {model_type!r}; mk runs {sorted(FAMILIES)}")
         return FAMILIES[model_type]
-    archs = d.get("architectures") or []
+    archs = archs or []
     for cls in FAMILIES.values():
         if set(archs) & set(cls.config_class.ARCHITECTURES):
             return cls
     if archs:
         known = [a for cls in FAMILIES.values() for a in cls.config_class.ARCHITECTURES]
         raise ValueError(f"{source}: architectures is {archs}; mk runs {known}")
-    # A bare config of sizes: Llama's, as transformers' LlamaConfig would read it; said once.
-    warnings.warn(f"{source} names no model_type or architectures: read as a Llama (model_type 'llama'); "
-                  f"add model_type to config.json to say which family it is", UserWarning, stacklevel=3)
+    # A bare config of sizes: Llama's, as transformers' LlamaConfig would read it; said once
+    # per file and process (generate reads config.json more than once).
+    if os.path.abspath(source) not in _WARNED_BARE:
+        _WARNED_BARE.add(os.path.abspath(source))
+        warnings.warn(f"{source} names no model_type or architectures: read as a Llama (model_type 'llama'); "
+                      f"add model_type to config.json to say which family it is", UserWarning, stacklevel=3)
     return Llama
 
 

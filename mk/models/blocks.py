@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from mk.planner.graph import OpGraph, OpNode, add_cost
+from mk.tasks.linear.format import weight_format
 from mk.tasks.all_reduce import all_reduce_cost
 from mk.tasks.argmax import argmax_cost
 from mk.tasks.decode_attention import decode_attention_cost
@@ -49,6 +50,9 @@ class ModelShape:
     ``qkv_bias``: the q/k/v projections add a bias (Qwen2); ``qk_norm``: q and k get a
     per-head RMSNorm before RoPE (Qwen3); ``sliding_window``: each token attends to at most
     this many latest positions, itself included (Mistral), None for all of them.
+    ``linear_format`` / ``lm_head_format``: how the layers' projections and the LM head store
+    their weights (:mod:`mk.tasks.linear.format`: ``"plain"`` in ``dtype_bytes``, ``"fp8"``
+    per output channel, ``"fp8-block"`` per 128 x 128 block).
     """
 
     name: str
@@ -70,8 +74,11 @@ class ModelShape:
     #: share (:meth:`shard`): its heads, KV heads and intermediate columns, and vocab/tp rows
     #: of the embedding and the LM head (``vocab`` stays the model's)
     tp: int = 1
+    linear_format: str = "plain"
+    lm_head_format: str = "plain"
 
     def __post_init__(self):
+        weight_format(self.linear_format), weight_format(self.lm_head_format)  # (refuses an unknown one)
         if self.kv_dtype_bytes is None:
             object.__setattr__(self, "kv_dtype_bytes", self.dtype_bytes)
         for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype_bytes",
@@ -88,13 +95,16 @@ class ModelShape:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (embedding rows excepted: one row per token);
-        of one rank's share under tensor parallelism."""
-        h, i, d = self.hidden, self.intermediate, self.head_dim
+        """Bytes of weights one decode step reads (embedding rows excepted: one row per token),
+        each projection in its format, scales included; of one rank's share under tensor
+        parallelism."""
+        h, i, d, db = self.hidden, self.intermediate, self.head_dim, self.dtype_bytes
         qkv = (self.heads + 2 * self.kv_heads) * d
-        per_layer = (h * qkv + self.heads * d * h + 2 * h * i + i * h + 2 * h + (qkv if self.qkv_bias else 0)
-                     + (2 * d if self.qk_norm else 0))
-        return (self.layers * per_layer + h + self.vocab // self.tp * h) * self.dtype_bytes
+        proj = weight_format(self.linear_format)
+        per_layer = (proj.nbytes(qkv, h, db) + proj.nbytes(h, self.heads * d, db) + proj.nbytes(2 * i, h, db)
+                     + proj.nbytes(h, i, db)
+                     + (2 * h + (qkv if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)) * db)
+        return self.layers * per_layer + h * db + weight_format(self.lm_head_format).nbytes(self.vocab // self.tp, h, db)
 
     def shard(self, tp: int) -> "ModelShape":
         """One rank's share of this model split over ``tp`` ranks (tensor parallelism): the
@@ -187,6 +197,15 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
                             cost.flops, layer, fuse_into, {"w": weight_key(name)} if buffers is None else buffers,
                             f"l{layer}." if layer >= 0 else ""))
 
+    def linear(name, inputs, outputs, M, N, K, layer=-1, fmt=m.linear_format, bias=False):
+        """A projection: its weight in format ``fmt`` (its bytes, its scales' buffer)."""
+        f = weight_format(fmt)
+        dims = {"M": M, "N": N, "K": K} | ({"w_format": fmt} if f.scales != "none" else {})
+        buffers = {"w": weight_key(name)} | ({"w_scale": weight_key(name, "scale")} if f.scales != "none" else {})
+        buffers |= {"bias": weight_key(name, "bias")} if bias else {}
+        return op(name, "linear", inputs, outputs, dims,
+                  linear_cost(M, N, K, db, bias=bias, weight_bytes=f.nbytes(N, K, db)), layer, buffers=buffers)
+
     def residual(name, L, partial, res, out, proj):
         """``out = res + partial`` (one rank: the add fused into the projection; tensor
         parallel: the all-reduce of every rank's partial, which the projection's tiles may
@@ -218,9 +237,7 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
         op(p + "attn_norm", "rmsnorm", [x], [p + "h"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), L,
            fuse_into=p + "qkv")
         n_qkv = (hq + 2 * hkv) * d
-        qkv_w = {"w": weight_key(p + "qkv")} | ({"bias": weight_key(p + "qkv", "bias")} if m.qkv_bias else {})
-        op(p + "qkv", "linear", [p + "h"], [p + "qkv"], {"M": B, "N": n_qkv, "K": h},
-           linear_cost(B, n_qkv, h, db, bias=m.qkv_bias), L, buffers=qkv_w)
+        linear(p + "qkv", [p + "h"], [p + "qkv"], B, n_qkv, h, L, bias=m.qkv_bias)
         rope_bufs = {"inv_freq": "inv_freq", "k_cache": k_cache, "v_cache": v_cache}
         if m.qk_norm:
             rope_bufs |= {"q_norm": weight_key(p + "q_norm"), "k_norm": weight_key(p + "k_norm")}
@@ -233,21 +250,19 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
            decode_attention_cost(B, hq, hkv, d, attended, dtype_bytes=m.kv_dtype_bytes), L,
            buffers={"k_cache": k_cache, "v_cache": v_cache})
         o = partial(L, "o")
-        op(p + "o_proj", "linear", [p + "attn"], [o], {"M": B, "N": h, "K": hq * d},
-           linear_cost(B, h, hq * d, db), L)
+        linear(p + "o_proj", [p + "attn"], [o], B, h, hq * d, L)
         residual(p + "attn_residual", L, o, x, p + "x1", p + "o_proj")
         op(p + "mlp_norm", "rmsnorm", [p + "x1"], [p + "h2"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), L,
            fuse_into=p + "gate_up")
-        op(p + "gate_up", "linear", [p + "h2"], [p + "gu"], {"M": B, "N": 2 * i, "K": h},
-           linear_cost(B, 2 * i, h, db), L)
+        linear(p + "gate_up", [p + "h2"], [p + "gu"], B, 2 * i, h, L)
         op(p + "silu_mul", "silu_mul", [p + "gu"], [p + "act"], {"rows": B, "i": i}, silu_mul_cost(B, i, db), L,
            fuse_into=p + "gate_up", buffers={})
         dn = partial(L, "d")
-        op(p + "down", "linear", [p + "act"], [dn], {"M": B, "N": h, "K": i}, linear_cost(B, h, i, db), L)
+        linear(p + "down", [p + "act"], [dn], B, h, i, L)
         residual(p + "mlp_residual", L, dn, p + "x1", f"x{L + 1}", p + "down")
         x = f"x{L + 1}"
     op("final_norm", "rmsnorm", [x], ["hf"], {"rows": B, "n": h}, rmsnorm_cost(B, h, db), fuse_into="lm_head")
-    op("lm_head", "linear", ["hf"], ["logits"], {"M": B, "N": v, "K": h}, linear_cost(B, v, h, db))
+    linear("lm_head", ["hf"], ["logits"], B, v, h, fmt=m.lm_head_format)
     op("argmax", "argmax", ["logits"], ["next_token"], {"rows": B, "v": v, "world": tp}, argmax_cost(B, v, db),
        fuse_into="lm_head", buffers={} if tp == 1 else {"shared": TP_SHARED, "flags": TP_FLAGS, "peers": TP_PEERS})
     return g

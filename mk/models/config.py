@@ -16,7 +16,10 @@ which every transformers version accepts (5.x converts it to ``rope_parameters``
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
@@ -38,6 +41,25 @@ UNSUPPORTED_FIELDS = {
 }
 #: Fields config.json must hold; the others have Llama's defaults.
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# What mk can run, checked as a config is made (before anything is built from it): a config
+# beyond these would hang building per-layer structures or overflow a kernel's offsets.
+#: Layers at most (the largest checkpoints have about 130).
+MAX_LAYERS = 1024
+#: ``max_position_embeddings`` of a config.json (and llama3's ``original_max_position_embeddings``) at most.
+MAX_POSITIONS = 2**24
+#: mk's kernels address a weight matrix with int32 offsets: each (the embedding, the LM
+#: head, the fused q/k/v and gate/up projections, o and down) holds fewer elements than this.
+MAX_MATRIX_ELEMENTS = 2**31
+#: The smallest ``rms_norm_eps``: float32's smallest normal number (a smaller one is a
+#: denormal, or 0, in the kernels' float32).
+MIN_RMS_NORM_EPS = 2.0**-126
+#: A checkpoint's small text files (config.json, tokenizer_config.json, a chat template)
+#: larger than this are refused before they are read: real ones are KiB.
+MAX_TEXT_FILE_BYTES = 16 * 2**20
+#: Digits of the longest integer config.json may hold where mk reads it (Python's own
+#: limit for turning text into an int); a longer one is kept as :class:`_LongInt`.
+_MAX_INT_DIGITS = 4300
 
 
 @dataclass(frozen=True)
@@ -81,28 +103,55 @@ class LlamaConfig:
     def __post_init__(self):
         # Frozen dataclass: defaults that depend on other fields go in through object.__setattr__.
         set_ = object.__setattr__
+        name = type(self).__name__
         if self.num_key_value_heads is None:
             set_(self, "num_key_value_heads", self.num_attention_heads)
-        for name in REQUIRED_FIELDS + ("num_key_value_heads", "max_position_embeddings"):
-            _check_positive_int(name, getattr(self, name))
+        for field in REQUIRED_FIELDS + ("num_key_value_heads", "max_position_embeddings"):
+            _check_positive_int(name, field, getattr(self, field))
+        if self.num_hidden_layers > MAX_LAYERS:
+            raise ValueError(f"{name}: num_hidden_layers must be at most {MAX_LAYERS}, got {self.num_hidden_layers}")
         if self.head_dim is None:
             set_(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        _check_positive_int("head_dim", self.head_dim)
+        _check_positive_int(name, "head_dim", self.head_dim)
         if self.head_dim % 2:
-            raise ValueError(f"{type(self).__name__}: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(f"{name}: head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"{type(self).__name__}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"{name}: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
-        for name in ("rms_norm_eps", "rope_theta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{type(self).__name__}: {name} must be a positive number, got {v!r}")
-            set_(self, name, float(v))
+        self._check_matrices()
+        eps = _check_real(name, "rms_norm_eps", self.rms_norm_eps)
+        if not MIN_RMS_NORM_EPS <= eps < 1:
+            raise ValueError(f"{name}: rms_norm_eps must be a finite number in (0, 1) (at least float32's "
+                             f"smallest normal, 2**-126), got {self.rms_norm_eps!r}")
+        theta = _check_real(name, "rope_theta", self.rope_theta)
+        if not theta >= 1:
+            raise ValueError(f"{name}: rope_theta must be a finite number >= 1, got {self.rope_theta!r}")
+        set_(self, "rms_norm_eps", eps)
+        set_(self, "rope_theta", theta)
         set_(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
-        set_(self, "tie_word_embeddings", bool(self.tie_word_embeddings))
-        if isinstance(self.eos_token_id, (list, tuple)):
-            set_(self, "eos_token_id", tuple(int(i) for i in self.eos_token_id))
+        _check_bool(name, "tie_word_embeddings", self.tie_word_embeddings)
+        set_(self, "bos_token_id", _check_token_ids(name, "bos_token_id", self.bos_token_id, self.vocab_size,
+                                                    several=False))
+        set_(self, "eos_token_id", _check_token_ids(name, "eos_token_id", self.eos_token_id, self.vocab_size,
+                                                    several=True))
+
+    def _check_matrices(self) -> None:
+        """ValueError naming the fields when a weight matrix the kernels address (as the
+        megakernel packs it: q/k/v fused, gate/up fused) holds :data:`MAX_MATRIX_ELEMENTS` or more."""
+        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        for what, sizes, rows, cols in (
+                ("the embedding and the LM head", "vocab_size x hidden_size", self.vocab_size, h),
+                ("the fused q/k/v projection",
+                 "(num_attention_heads + 2 x num_key_value_heads) x head_dim x hidden_size", q + 2 * kv, h),
+                ("o_proj", "hidden_size x num_attention_heads x head_dim", h, q),
+                ("the fused gate/up projection", "2 x intermediate_size x hidden_size", 2 * i, h),
+                ("down_proj", "hidden_size x intermediate_size", h, i)):
+            if rows * cols >= MAX_MATRIX_ELEMENTS:
+                raise ValueError(f"{type(self).__name__}: {sizes} make {what} a {rows} x {cols} matrix "
+                                 f"({rows * cols} elements); mk's kernels address a weight matrix with int32 "
+                                 f"offsets, so each must hold fewer than 2**31")
 
     # ------------------------------------------------------------------ derived values
 
@@ -126,7 +175,7 @@ class LlamaConfig:
         """Every end-of-sequence id as a tuple (empty when there is none)."""
         if self.eos_token_id is None:
             return ()
-        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (int(self.eos_token_id),)
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     # ------------------------------------------------------------------ construction
 
@@ -148,11 +197,10 @@ class LlamaConfig:
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type")
+        model_type, archs = check_family_names(d, source)
         if model_type is not None and model_type != cls.MODEL_TYPE:
             raise ValueError(f"{source}: model_type is {model_type!r}; {cls.__name__} reads {cls.MODEL_TYPE!r} "
                              f"configs (mk.models.AutoModel picks the family)")
-        archs = d.get("architectures")
         if archs and not set(archs) & set(cls.ARCHITECTURES):
             raise ValueError(f"{source}: architectures is {archs}; {cls.__name__} runs "
                              f"{' or '.join(cls.ARCHITECTURES)}")
@@ -164,7 +212,7 @@ class LlamaConfig:
             raise ValueError(f"{source}: hidden_act is {act!r}; the MLP mk runs uses 'silu'")
         # Biases beyond the family's own: mk would load and run them wrongly.
         for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag):
+            if json_bool(d, flag, source):
                 raise ValueError(f"{source}: {flag} is true; mk runs {cls.MODEL_TYPE} models without it")
         # Features of look-alikes that mk does not implement: a config that sets one would
         # load and run, wrongly, if they were ignored.
@@ -178,10 +226,12 @@ class LlamaConfig:
         if rope_params is not None:   # transformers 5: theta lives inside rope_parameters
             if not isinstance(rope_params, Mapping):
                 raise ValueError(f"{source}: rope_parameters must be an object, got {rope_params!r}")
-            theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
+            theta = rope_params.get("rope_theta", d.get("rope_theta"))
             scaling, field = rope_params, "rope_parameters"
         else:
-            theta, scaling, field = d.get("rope_theta", 10000.0), d.get("rope_scaling"), "rope_scaling"
+            theta, scaling, field = d.get("rope_theta"), d.get("rope_scaling"), "rope_scaling"
+        if theta is None:   # absent or null: the default
+            theta = 10000.0
 
         kwargs = {f.name: d[f.name] for f in fields(cls)
                   if f.name in d and d[f.name] is not None and f.name not in ("rope_theta", "rope_scaling")}
@@ -190,9 +240,15 @@ class LlamaConfig:
         if "bos_token_id" in d:
             kwargs["bos_token_id"] = d["bos_token_id"]
         try:
-            return cls(**kwargs, rope_theta=theta, rope_scaling=_normalize_rope_scaling(scaling, field))
+            config = cls(**kwargs, rope_theta=theta, rope_scaling=_normalize_rope_scaling(scaling, field))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
+        # (A config made in Python may say more: the model's max_seq_len, checked against
+        # the memory there is, bounds what it runs.)
+        if config.max_position_embeddings > MAX_POSITIONS:
+            raise ValueError(f"{source}: max_position_embeddings must be at most {MAX_POSITIONS}, got "
+                             f"{config.max_position_embeddings}")
+        return config
 
     @classmethod
     def _check_family_fields(cls, d: Mapping, source: str) -> None:
@@ -269,12 +325,62 @@ class LlamaConfig:
                           sliding_window=self.window)
 
 
+class _LongInt:
+    """An integer of config.json too long for Python to read as an int (more than
+    :data:`_MAX_INT_DIGITS` digits): kept as its length, so that a field mk reads refuses it
+    by name (no size mk runs is that long) and one it does not read is ignored."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    return int(text) if len(text) <= _MAX_INT_DIGITS else _LongInt(text)
+
+
 def parse_config_json(text: str, source: str) -> Any:
-    """The JSON value of a ``config.json``'s text; ValueError naming ``source`` if it is not JSON."""
+    """The JSON value of a ``config.json``'s text; ValueError naming ``source`` if it is not JSON
+    (or is nested too deeply for Python's parser)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise ValueError(f"{source}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{source}: invalid JSON (nested too deeply to read)") from None
+
+
+def read_text_file(path: str, max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
+    """The text of a small UTF-8 file of a checkpoint (config.json, tokenizer_config.json, a
+    chat template), newlines read as Python's text mode reads them.
+
+    FileNotFoundError when there is none (the caller says what that means); ValueError
+    naming the file when it is not a regular file (a folder, a FIFO or a device would hang
+    or never end), holds more than ``max_bytes``, is not UTF-8, or cannot be read."""
+    try:
+        st = os.stat(path)   # (a FIFO would block open(): look before opening)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file")
+            raise ValueError(f"{path}: is {kind}, not a regular file")
+        too_big = f"{path}: larger than the {max_bytes // 2**20} MiB mk reads of such a file"
+        if st.st_size > max_bytes:
+            raise ValueError(f"{too_big} ({st.st_size} bytes)")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)   # (a file that says 0 bytes, as /proc's do, may hold more)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # what the OS said: permission denied, an I/O error
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    if len(data) > max_bytes:
+        raise ValueError(too_big)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_config_json(folder: str | os.PathLike) -> tuple[Any, str]:
@@ -282,14 +388,9 @@ def read_config_json(folder: str | os.PathLike) -> tuple[Any, str]:
     folder = check_folder(folder)
     path = os.path.join(folder, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_text_file(path)
     except FileNotFoundError:
         raise ValueError(f"no config.json in checkpoint folder {folder!r}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:  # what the OS said: permission denied, an I/O error, a folder by that name
-        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
     return parse_config_json(text, path), path
 
 
@@ -308,9 +409,68 @@ def check_folder(folder: str | os.PathLike) -> str:
     return folder
 
 
-def _check_positive_int(name: str, v: object) -> None:
+def check_family_names(d: Mapping, source: str) -> tuple[str | None, list[str] | None]:
+    """config.json's ``model_type`` (a string or null) and ``architectures`` (a list of
+    strings or null); ValueError naming the file and the field when either is something else."""
+    model_type, archs = d.get("model_type"), d.get("architectures")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"{source}: model_type must be a string, got {model_type!r}")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{source}: architectures must be a list of strings, got {archs!r}")
+    return model_type, archs
+
+
+def json_bool(d: Mapping, field: str, source: str, default: bool = False) -> bool:
+    """``d[field]`` as config.json must spell a flag: true or false (null or absent:
+    ``default``); ValueError naming the file and the field for anything else (``"false"`` is
+    a string, and would read as true)."""
+    value = d.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {field} must be true or false (a JSON boolean), got {value!r}")
+    return value
+
+
+def _check_bool(cls_name: str, field: str, v: object) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"{cls_name}: {field} must be a bool (true or false in config.json), got {v!r}")
+
+
+def _check_positive_int(cls_name: str, field: str, v: object) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"LlamaConfig: {name} must be an int >= 1, got {v!r}")
+        raise ValueError(f"{cls_name}: {field} must be an int >= 1, got {v!r}")
+
+
+def _check_real(cls_name: str, field: str, v: object) -> float:
+    """``v`` as a float once it is a finite real number (not a bool, nor a string)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{cls_name}: {field} must be a number, got {v!r}")
+    try:
+        f = float(v)
+    except OverflowError:   # an int too large for a float
+        f = math.inf
+    if not math.isfinite(f):
+        raise ValueError(f"{cls_name}: {field} must be a finite number, got {v!r}")
+    return f
+
+
+def _check_token_ids(cls_name: str, field: str, v: object, vocab_size: int, several: bool) -> Any:
+    """A token id field, checked: None, an int in [0, vocab_size) or (``several``) a non-empty
+    list or tuple of them (returned as a tuple); ValueError naming the field otherwise."""
+    if v is None:
+        return None
+    what = f"an int in [0, {vocab_size})" + (", a non-empty list of them" if several else "") + " or null"
+    if several and isinstance(v, (list, tuple)):
+        if not v:
+            raise ValueError(f"{cls_name}: {field} must be {what}, got an empty list")
+        for k, i in enumerate(v):
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size:
+                raise ValueError(f"{cls_name}: {field} must be {what}, got {i!r} at index {k}")
+        return tuple(int(i) for i in v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < vocab_size:
+        raise ValueError(f"{cls_name}: {field} must be {what}, got {v!r}")
+    return int(v)
 
 
 def _normalize_rope_scaling(scaling: object, field: str = "rope_scaling") -> tuple | None:
@@ -335,12 +495,25 @@ def _normalize_rope_scaling(scaling: object, field: str = "rope_scaling") -> tup
     missing = [k for k in LLAMA3_ROPE_KEYS if scaling.get(k) is None]
     if missing:
         raise ValueError(f"{field}: llama3 rope scaling lacks {', '.join(missing)}")
-    out = {"rope_type": "llama3", "factor": float(scaling["factor"]),
-           "low_freq_factor": float(scaling["low_freq_factor"]),
-           "high_freq_factor": float(scaling["high_freq_factor"]),
-           "original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}
-    if not (out["factor"] > 0 and out["original_max_position_embeddings"] > 0
-            and 0 < out["low_freq_factor"] < out["high_freq_factor"]):
-        raise ValueError(f"{field}: llama3 rope scaling needs factor > 0, original_max_position_embeddings > 0 "
-                         f"and 0 < low_freq_factor < high_freq_factor, got {out}")
+    out = {"rope_type": "llama3"}
+    for key in LLAMA3_ROPE_KEYS[:3]:
+        v = scaling[key]
+        try:
+            f = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+        except OverflowError:   # an int too large for a float
+            f = math.inf
+        if not 0 < f < math.inf:
+            raise ValueError(f"{field}: llama3 {key} must be a finite number > 0, got {v!r}")
+        out[key] = f
+    key = "original_max_position_embeddings"
+    v = scaling[key]
+    # (8192.0 is 8192; 1.5 or 1e400 is no number of positions)
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_POSITIONS:
+        raise ValueError(f"{field}: llama3 {key} must be an integer in [1, {MAX_POSITIONS}], got {v!r}")
+    out[key] = v
+    if not out["low_freq_factor"] < out["high_freq_factor"]:
+        raise ValueError(f"{field}: llama3 rope scaling needs low_freq_factor < high_freq_factor, got "
+                         f"{out['low_freq_factor']} and {out['high_freq_factor']}")
     return tuple(sorted(out.items()))

@@ -24,7 +24,7 @@ import numbers
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Iterator
 
 import numpy as np
@@ -47,7 +47,10 @@ from mk.persistent.runtime import MegakernelTimeout
 
 from .config import LlamaConfig
 from . import prefill as _prefill
-from .weights import expected_shapes, load_weights, random_weights, tp_slices
+from mk.tasks.linear.format import weight_format
+
+from .weights import (SCALE_SUFFIX, check_quantize, expected_shapes, load_weights, quantize_weights, random_weights,
+                      tp_slices, weight_formats)
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
 #: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
@@ -185,9 +188,12 @@ class DecoderModel:
         self.prefill_precision = prefill_precision
         self.prefill_workspace = _prefill.default_workspace(self.device) if prefill_workspace is None else prefill_workspace
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        # Tensor parallelism: this rank's share of the model (weights cut by tp_slices).
-        self.shape = config.to_model_shape(name, dtype_bytes=self.dtype.itemsize,
-                                           kv_dtype_bytes=self.kv_dtype.itemsize).shard(tp)
+        # Tensor parallelism: this rank's share of the model (weights cut by tp_slices). The
+        # projections' and the LM head's formats are the weights' own (their scales).
+        self.formats = dict(zip(("layers", "lm_head"), weight_formats(weights, config)))
+        self.shape = replace(config.to_model_shape(name, dtype_bytes=self.dtype.itemsize,
+                                                   kv_dtype_bytes=self.kv_dtype.itemsize),
+                             linear_format=self.formats["layers"], lm_head_format=self.formats["lm_head"]).shard(tp)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
             raise ValueError(f"rank must be an int in [0, tp={tp}), got {rank!r}")
         self.tp, self.rank = tp, rank
@@ -250,7 +256,8 @@ class DecoderModel:
     def from_pretrained(cls, folder: str | os.PathLike, *, device=None, dtype=None, max_batch_size: int = 8,
                         max_seq_len: int | None = None, progress: bool = True, device_spec=None,
                         plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
-                        prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
+                        prefill_workspace: int | None = None, tp: int = 1, quantize: str | None = None,
+                        quantize_lm_head: bool = False) -> "DecoderModel":
         """Load ``folder`` (config.json + model.safetensors, or shards with an index).
 
         Everything is checked (config, files, every tensor's name and shape) before any
@@ -263,9 +270,16 @@ class DecoderModel:
         Each rank reads only its share of the weights (sliced reads,
         :func:`mk.models.weights.tp_slices`) onto its own GPU; a rank that loaded another
         model or config is refused on every rank.
+
+        ``quantize="fp8"``: the projections are stored in FP8 (e4m3) with a float32 scale per
+        output channel, quantized as they load (:mod:`mk.tasks.linear.format`); the LM head
+        too with ``quantize_lm_head``. The decode step reads one byte a weight; its
+        activations stay float32 (weight-only quantization).
         """
         from .tokenizer import load_tokenizer
 
+        check_quantize(quantize)
+        _check_bool("quantize_lm_head", quantize_lm_head)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         config = cls.config_class.from_pretrained(folder)
@@ -279,6 +293,8 @@ class DecoderModel:
         t0 = time.perf_counter()
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress and rank == 0,
                                shard=tp_slices(config, tp, rank) if tp > 1 else None)
+        if quantize is not None:
+            weights = quantize_weights(weights, config, quantize, lm_head=quantize_lm_head)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
                     tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype,
@@ -290,10 +306,14 @@ class DecoderModel:
     def from_config(cls, config: LlamaConfig, *, seed: int = 0, device=None, dtype=None, max_batch_size: int = 8,
                     max_seq_len: int | None = None, device_spec=None, name: str | None = None,
                     plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
-                    prefill_workspace: int | None = None, tp: int = 1) -> "DecoderModel":
-        """A model of any shape with random weights (deterministic for ``seed``); ``tp``: as
-        :meth:`from_pretrained` (every rank draws the same model, keeping only its share)."""
+                    prefill_workspace: int | None = None, tp: int = 1, quantize: str | None = None,
+                    quantize_lm_head: bool = False) -> "DecoderModel":
+        """A model of any shape with random weights (deterministic for ``seed``); ``tp``,
+        ``quantize`` and ``quantize_lm_head``: as :meth:`from_pretrained` (every rank draws the
+        same model, keeping only its share)."""
         cls._check_config(config)
+        check_quantize(quantize)
+        _check_bool("quantize_lm_head", quantize_lm_head)
         _check_counter("seed", seed)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
@@ -304,6 +324,8 @@ class DecoderModel:
         _check_memory(config, device, dtype, kv_dtype, max_batch_size, max_seq_len, tp)
         weights = random_weights(config, seed=seed, device=device, dtype=dtype,
                                  shard=tp_slices(config, tp, rank) if tp > 1 else None)
+        if quantize is not None:
+            weights = quantize_weights(weights, config, quantize, lm_head=quantize_lm_head)
         name = f"random-{config.MODEL_TYPE}" if name is None else name
         return cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, device_spec=device_spec, name=name, plan_mode=plan_mode,
@@ -323,62 +345,90 @@ class DecoderModel:
         gate/up), under the names the decode graph binds (:func:`mk.models.blocks.weight_key`)."""
         c, d = self.config, self.config.head_dim
 
-        def get(name):
-            t = hf[name].to(device=self.device, dtype=self.dtype).contiguous()
+        def get(name, dtype=None):
+            # FP8 projections keep their storage type (float32 holding them off a GPU), their
+            # scales float32; everything else is stored in the model's dtype.
+            dtype = dtype or (hf[name].dtype if hf[name].dtype in (torch.float8_e4m3fn,) else self.dtype)
+            t = hf[name].to(device=self.device, dtype=dtype).contiguous()
             # The megakernel's buffers start 16-byte aligned (vector loads, TMA); a tensor
             # read from safetensors as is may start 8 bytes off.
             return t if t.data_ptr() % 16 == 0 else t.clone()
 
+        def proj(name):
+            """A projection's weight in its format's storage type, and its scales (or None)."""
+            fmt = weight_format(self.formats["lm_head" if name == "lm_head.weight" else "layers"])
+            scale = get(name + SCALE_SUFFIX, torch.float32) if fmt.quantized else None
+            return get(name, fmt.storage_dtype(self.device, self.dtype)), scale
+
         def rotary(t):  # q / k rows (or a bias, or a head's norm weight) in the interleaved rotary layout
             return interleave_rotary(t, d) if t.dim() == 2 else interleave_rotary(t[:, None], d)[:, 0]
 
+        def packed(key, parts, arrange):
+            """``w[key]`` = the projections ``parts`` arranged into one weight (rows permuted,
+            stacked or interleaved), their scales arranged alike (a row's scales follow it)."""
+            pieces = [proj(n) for n in parts]
+            w[key] = arrange([q for q, _ in pieces]).contiguous()
+            if pieces[0][1] is not None:
+                w[key + ".scale"] = arrange([sc for _, sc in pieces]).contiguous()
+
         w = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
         # (A tied LM head is the embedding, but one rank's share of it is its own tensor.)
-        w["lm_head"] = get("lm_head.weight") if "lm_head.weight" in hf else w["embed"]
+        if "lm_head.weight" in hf:
+            packed("lm_head", ["lm_head.weight"], lambda ts: ts[0])
+        else:
+            w["lm_head"] = w["embed"]
         for L in range(c.num_hidden_layers):
             p, l = f"model.layers.{L}.self_attn.", f"l{L}."
             w[l + "attn_norm"] = get(f"model.layers.{L}.input_layernorm.weight")
             # q and k rows in the interleaved rotary layout: RoPE then fuses into the QKV tiles.
-            w[l + "qkv"] = torch.cat([rotary(get(p + "q_proj.weight")), rotary(get(p + "k_proj.weight")),
-                                      get(p + "v_proj.weight")]).contiguous()
+            packed(l + "qkv", [p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"],
+                   lambda ts: torch.cat([rotary(ts[0]), rotary(ts[1]), ts[2]]))
             if c.QKV_BIAS:
                 w[l + "qkv.bias"] = torch.cat([rotary(get(p + "q_proj.bias")), rotary(get(p + "k_proj.bias")),
                                                get(p + "v_proj.bias")]).contiguous()
             if c.QK_NORM:
                 w[l + "q_norm"], w[l + "k_norm"] = rotary(get(p + "q_norm.weight")), rotary(get(p + "k_norm.weight"))
-            w[l + "o_proj"] = get(p + "o_proj.weight")
+            packed(l + "o_proj", [p + "o_proj.weight"], lambda ts: ts[0])
             m = f"model.layers.{L}."
             w[l + "mlp_norm"] = get(m + "post_attention_layernorm.weight")
-            w[l + "gate_up"] = interleave_gate_up(get(m + "mlp.gate_proj.weight"), get(m + "mlp.up_proj.weight"))
-            w[l + "down"] = get(m + "mlp.down_proj.weight")
+            packed(l + "gate_up", [m + "mlp.gate_proj.weight", m + "mlp.up_proj.weight"], _interleave_rows)
+            packed(l + "down", [m + "mlp.down_proj.weight"], lambda ts: ts[0])
         w = {weight_key(name): t for name, t in w.items()}
         w["inv_freq"] = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict).to(self.device)
         return w
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
         """The weights under Hugging Face names: views of the packed tensors, except those
-        of q and k (copies, put back from the interleaved rotary layout)."""
+        of q and k (copies, put back from the interleaved rotary layout), and of projections
+        stored in a format with scales (:attr:`formats`), which come dequantized (float32
+        ``q * scale``: the float32 reference of what the model computes)."""
         c, w, d = self.config, self.weights, self.config.head_dim
         hq, hkv = c.num_attention_heads * d, c.num_key_value_heads * d
 
         def W(name):
-            return w[weight_key(name)]
+            key = weight_key(name)
+            scale = w.get(key + ".scale")
+            if scale is None:
+                return w[key]
+            fmt = weight_format(self.formats["lm_head" if name == "lm_head" else "layers"])
+            return fmt.dequantize(w[key], scale)
 
         def plain(t):
             return deinterleave_rotary(t, d) if t.dim() == 2 else deinterleave_rotary(t[:, None], d)[:, 0]
 
         out = {"model.embed_tokens.weight": W("embed"), "model.norm.weight": W("final_norm")}
-        if not c.tie_word_embeddings:
+        if not c.tie_word_embeddings or weight_key("lm_head") + ".scale" in w:  # (a quantized copy of a tied one)
             out["lm_head.weight"] = W("lm_head")
         for L in range(c.num_hidden_layers):
             p, l = f"model.layers.{L}.", f"l{L}."
             q, k, v = W(l + "qkv").split([hq, hkv, hkv])
+            gate_up = W(l + "gate_up")
             out.update({p + "self_attn.q_proj.weight": plain(q), p + "self_attn.k_proj.weight": plain(k),
                         p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": W(l + "o_proj"),
                         p + "input_layernorm.weight": W(l + "attn_norm"),
                         p + "post_attention_layernorm.weight": W(l + "mlp_norm"),
-                        p + "mlp.gate_proj.weight": W(l + "gate_up")[0::2],
-                        p + "mlp.up_proj.weight": W(l + "gate_up")[1::2],
+                        p + "mlp.gate_proj.weight": gate_up[0::2],
+                        p + "mlp.up_proj.weight": gate_up[1::2],
                         p + "mlp.down_proj.weight": W(l + "down")})
             if c.QKV_BIAS:
                 q, k, v = W(l + "qkv.bias").split([hq, hkv, hkv])
@@ -828,11 +878,12 @@ class DecoderModel:
         """Float32 logits of float32 final residuals ``[n, H]`` (all of the vocabulary: under
         tensor parallelism every rank's share, gathered)."""
         w, eps = self.weights, self.config.rms_norm_eps
+        head, scale = w[weight_key("lm_head")], w.get(weight_key("lm_head", "scale"))
         if self.prefill_precision == "fast":
-            logits = _mm(rmsnorm(x, w[weight_key("final_norm")], eps, out_dtype=self.dtype), w[weight_key("lm_head")],
-                         torch.float32)
+            logits = _mm(rmsnorm(x, w[weight_key("final_norm")], eps, out_dtype=self.dtype), head, torch.float32,
+                         scale)
         else:
-            logits = linear(rmsnorm(x, w[weight_key("final_norm")], eps), w[weight_key("lm_head")]).float()
+            logits = linear(rmsnorm(x, w[weight_key("final_norm")], eps), head, weight_scale=scale).float()
         if self.tp == 1:
             return logits
         import torch.distributed as dist
@@ -875,6 +926,9 @@ class DecoderModel:
         def W(name):
             return w[weight_key(name)]
 
+        def S(name):  # a projection's scales (its format's), or None
+            return w.get(weight_key(name, "scale"))
+
         n = ids.numel()
         hq, hkv, d = self.shape.heads, self.shape.kv_heads, c.head_dim  # (this rank's heads)
         eps, f32, fast = c.rms_norm_eps, torch.float32, self.prefill_precision == "fast"
@@ -893,10 +947,13 @@ class DecoderModel:
             if fast:
                 h, x = self._add_norm(x, delta, W(l + "attn_norm"))
                 delta = None  # added in: its memory goes back before the next projection
-                qkv = _mm(h, W(l + "qkv")) if bias is None else torch.addmm(bias, h, W(l + "qkv").t())
+                qkv = (_mm(h, W(l + "qkv"), None, S(l + "qkv")) if bias is None else
+                       torch.addmm(bias, h, W(l + "qkv").t()) if S(l + "qkv") is None else
+                       _mm(h, W(l + "qkv"), None, S(l + "qkv")) + bias)
                 del h
             else:
-                qkv = linear(x, W(l + "qkv"), norm_weight=W(l + "attn_norm"), norm_eps=eps, bias=bias, out_dtype=f32)
+                qkv = linear(x, W(l + "qkv"), norm_weight=W(l + "attn_norm"), norm_eps=eps, bias=bias, out_dtype=f32,
+                             weight_scale=S(l + "qkv"))
             q, k, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=2)
             norms = (dict(q_norm_weight=W(l + "q_norm"), k_norm_weight=W(l + "k_norm"), norm_eps=eps)
                      if c.QK_NORM else {})
@@ -907,29 +964,30 @@ class DecoderModel:
             attn = _prefill.attention(q[0], kc, vc, segments, self.prefill_precision, window=c.window)
             del q
             if fast:
-                delta = self._tp_sum(_mm(attn, W(l + "o_proj"), part))
+                delta = self._tp_sum(_mm(attn, W(l + "o_proj"), part, S(l + "o_proj")))
                 del attn
                 h, x = self._add_norm(x, delta, W(l + "mlp_norm"))
                 delta = None
-                if tma_gemm_serves(h, W(l + "gate_up"), silu_mul=True):
+                if S(l + "gate_up") is None and tma_gemm_serves(h, W(l + "gate_up"), silu_mul=True):
                     # mk's TMA GEMM with SiLU·mul in its epilogue: the [n, 2I] product is
                     # never stored (1B / 8B, 2048-8192 tokens: 4-15% under cuBLAS + SiLU·mul).
                     act = linear(h, W(l + "gate_up"), silu_mul=True)
                 else:
-                    gu = _mm(h, W(l + "gate_up"))  # gate and up rows interleaved
+                    gu = _mm(h, W(l + "gate_up"), None, S(l + "gate_up"))  # gate and up rows interleaved
                     act = silu_mul(gu[:, 0::2], gu[:, 1::2], validate=False)
                     del gu
                 del h
-                delta = self._tp_sum(_mm(act, W(l + "down"), part))
+                delta = self._tp_sum(_mm(act, W(l + "down"), part, S(l + "down")))
                 del act
             else:
-                x = (linear(attn, W(l + "o_proj"), residual=x, out_dtype=f32) if self.tp == 1 else
-                     x + self._tp_sum(linear(attn, W(l + "o_proj"), out_dtype=f32)))
+                o_s, gu_s, d_s = S(l + "o_proj"), S(l + "gate_up"), S(l + "down")
+                x = (linear(attn, W(l + "o_proj"), residual=x, out_dtype=f32, weight_scale=o_s) if self.tp == 1 else
+                     x + self._tp_sum(linear(attn, W(l + "o_proj"), out_dtype=f32, weight_scale=o_s)))
                 del attn
                 act = linear(x, W(l + "gate_up"), norm_weight=W(l + "mlp_norm"), norm_eps=eps, silu_mul=True,
-                             out_dtype=f32)
-                x = (linear(act, W(l + "down"), residual=x, out_dtype=f32) if self.tp == 1 else
-                     x + self._tp_sum(linear(act, W(l + "down"), out_dtype=f32)))
+                             out_dtype=f32, weight_scale=gu_s)
+                x = (linear(act, W(l + "down"), residual=x, out_dtype=f32, weight_scale=d_s) if self.tp == 1 else
+                     x + self._tp_sum(linear(act, W(l + "down"), out_dtype=f32, weight_scale=d_s)))
                 del act
         if delta is not None:
             x += delta
@@ -1183,9 +1241,13 @@ def _prefill_per_token(c: LlamaConfig, dtype: torch.dtype, precision: str) -> in
                                     c.intermediate_size, dtype.itemsize if fast else 4, fast)
 
 
-def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+        scale: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ weight.T`` by PyTorch (cuBLAS on a GPU), float32 accumulation; the result in
-    ``out_dtype`` (default a's)."""
+    ``out_dtype`` (default a's). ``scale``: the weight's format's scales
+    (:mod:`mk.tasks.linear.format`): the product of ``weight * scale``, by :func:`_mm_scaled`."""
+    if scale is not None:
+        return _mm_scaled(a, weight, scale, out_dtype or a.dtype)
     if out_dtype is None or out_dtype == a.dtype:
         return torch.mm(a, weight.t())
     try:
@@ -1196,6 +1258,46 @@ def _mm(a: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = N
 
 #: Integer dtypes a tensor of token ids may have.
 _ID_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _interleave_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Gate and up (weights, or their scales: a row's follow it) interleaved row by row, as
+    :func:`mk.tasks.linear.interleave_gate_up` lays the weights out for SiLU·mul."""
+    gate, up = parts
+    if gate.dim() == 2 and gate.dtype == up.dtype and gate.dtype != torch.float8_e4m3fn:
+        return interleave_gate_up(gate, up)
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+def _mm_scaled(a: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ (weight * scale).T`` in ``out_dtype``, for prefill. An FP8 weight scaled per output
+    channel goes to the FP8 tensor cores (``torch._scaled_mm``) with ``a`` quantized to FP8 a
+    row at a time (each row's largest magnitude at 448: W8A8, as prefill engines run FP8
+    checkpoints; rows padded to a multiple of 16). A weight scaled per 128 columns is
+    dequantized to ``a``'s dtype :data:`DEQUANT_ROWS` rows at a time (a bounded workspace).
+    Off a GPU (FP8 values held in float32) the scales apply to the float32 product."""
+    from mk.tasks.linear.format import FP8_MAX, expand_columns
+
+    M, K = a.shape
+    if weight.dtype == torch.float8_e4m3fn and scale.dim() == 1 and K % 16 == 0 and weight.shape[0] % 16 == 0:
+        pad = -M % 16
+        a_pad = a if not pad else torch.cat([a, a.new_zeros(pad, K)])
+        a_scale = (a_pad.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+        a_q = (a_pad / a_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(a_q, weight.t(), scale_a=a_scale, scale_b=scale[None, :], out_dtype=torch.bfloat16)
+        return (y if out_dtype == torch.bfloat16 else y.to(out_dtype))[:M]
+    if weight.dtype != torch.float8_e4m3fn and scale.dim() == 1:
+        return (_mm(a, weight.to(a.dtype), torch.float32) * scale).to(out_dtype)
+    out = torch.empty(M, weight.shape[0], dtype=out_dtype, device=a.device)
+    for n0 in range(0, weight.shape[0], DEQUANT_ROWS):
+        rows = slice(n0, n0 + DEQUANT_ROWS)
+        s = scale[rows][:, None] if scale.dim() == 1 else expand_columns(scale[rows], K)
+        out[:, rows] = _mm(a, (weight[rows].float() * s).to(a.dtype), out_dtype)
+    return out
+
+
+#: Rows of a block-scaled weight dequantized at once in prefill (8B shapes: 32 MiB of float32).
+DEQUANT_ROWS = 2048
 
 
 def _rows(input_ids) -> list[list[int]]:
@@ -1230,6 +1332,12 @@ def _rows(input_ids) -> list[list[int]]:
                                 f"are ints")
         rows[b] = [int(t) for t in r]
     return rows
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 #: ``max_seq_len`` when none is given: this, or the model's positions if it has fewer.

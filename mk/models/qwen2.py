@@ -15,19 +15,24 @@ from typing import ClassVar
 
 from dataclasses import dataclass
 
-from .config import LlamaConfig
+from .config import LlamaConfig, json_bool
 from .decoder import DecoderModel
 
 
 def refuse_sliding_layers(d: Mapping, source: str) -> None:
-    """Qwen configs name sliding-window layers by ``use_sliding_window`` (and, in
-    transformers 5, ``layer_types``): mk runs every layer over all positions, so either
-    one asking for a window is refused."""
-    if d.get("use_sliding_window"):
+    """Qwen configs name sliding-window layers by ``use_sliding_window`` (a JSON boolean)
+    and, in transformers 5, ``layer_types`` (a list of strings): mk runs every layer over all
+    positions, so either one asking for a window is refused, as is either one of another type."""
+    if json_bool(d, "use_sliding_window", source):
         raise ValueError(f"{source}: use_sliding_window is true; mk does not implement sliding-window Qwen layers")
-    sliding = [i for i, t in enumerate(d.get("layer_types") or []) if t != "full_attention"]
+    types = d.get("layer_types")
+    if types is None:
+        return
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"{source}: layer_types must be a list of strings, got {types!r}")
+    sliding = [i for i, t in enumerate(types) if t != "full_attention"]
     if sliding:
-        raise ValueError(f"{source}: layer_types makes layers {sliding} {d['layer_types'][sliding[0]]!r}; mk "
+        raise ValueError(f"{source}: layer_types makes layers {sliding} {types[sliding[0]]!r}; mk "
                          f"runs only full-attention Qwen layers")
 
 

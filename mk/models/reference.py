@@ -92,7 +92,10 @@ class ReferenceLlama:
         self.weights = weights
         self.device = weights["model.embed_tokens.weight"].device
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling_dict).to(self.device)
-        self.lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        # A tied head is the embedding, unless the weights hold one of its own (a tied head
+        # stored in another format than the embedding: mk's FP8 LM head, dequantized).
+        tied = config.tie_word_embeddings and "lm_head.weight" not in weights
+        self.lm_head = "model.embed_tokens.weight" if tied else "lm_head.weight"
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, progress: bool = False) -> "ReferenceLlama":

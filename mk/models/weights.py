@@ -30,6 +30,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from mk.tasks.linear.format import FP8_BLOCK, FP8_CHANNEL, weight_format
+
 from .config import LlamaConfig, check_folder
 
 SINGLE_FILE = "model.safetensors"
@@ -355,3 +357,65 @@ def save_weights(
     with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return paths
+
+
+# --------------------------------------------------------------------------- weight formats
+
+#: The projections of a layer whose weights a format applies to (the norms, the embedding and
+#: the biases stay in the model's dtype).
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+#: The suffix of a weight's scales under its Hugging Face name (``...q_proj.weight_scale``).
+SCALE_SUFFIX = "_scale"
+#: What ``quantize=`` takes: the format each projection is stored in (FP8 e4m3 with a float32
+#: scale per output channel, or per 128 x 128 block as Qwen's and DeepSeek's FP8 checkpoints).
+QUANTIZE = {"fp8": "fp8", "fp8-block": "fp8-block"}
+
+
+def projection_weights(config: LlamaConfig, lm_head: bool = True) -> list[str]:
+    """The Hugging Face names of the projection weights a format applies to, in model order
+    (with ``lm_head``: the LM head's too)."""
+    names = [f"model.layers.{i}.{p}.weight" for i in range(config.num_hidden_layers) for p in PROJECTIONS]
+    return names + (["lm_head.weight"] if lm_head else [])
+
+
+def check_quantize(quantize) -> str | None:
+    """``quantize`` (None, or a key of :data:`QUANTIZE`), refused otherwise, naming it."""
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be None or one of {sorted(QUANTIZE)}, got {quantize!r}")
+    return quantize
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], config: LlamaConfig, quantize: str,
+                     lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """``weights`` (Hugging Face names, float) with every projection (and with ``lm_head`` the
+    LM head, a tied one as a copy of the embedding's) stored in format ``quantize``: each
+    ``name`` FP8 values (float32 holding them off a GPU) and ``name + "_scale"`` its float32
+    scales (:meth:`mk.tasks.linear.format.WeightFormat.quantize`), computed where the tensor
+    is. Returns a new dict; the others are kept as they are."""
+    fmt = weight_format(QUANTIZE[check_quantize(quantize)])
+    out = dict(weights)
+    if lm_head and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    for name in projection_weights(config, lm_head):
+        q, scale = fmt.quantize(out[name])
+        out[name] = q.to(fmt.storage_dtype(q.device, out[name].dtype))
+        out[name + SCALE_SUFFIX] = scale
+    return out
+
+
+def weight_formats(weights: dict[str, torch.Tensor], config: LlamaConfig) -> tuple[str, str]:
+    """The formats (:data:`mk.tasks.linear.format.FORMATS` names) of the projections and of the
+    LM head of ``weights``, from the scales they carry (per channel ``[N]``, per row and 128
+    columns ``[N, K / 128]``); ValueError naming a projection stored otherwise than the rest."""
+    def fmt(name: str) -> str:
+        scale = weights.get(name + SCALE_SUFFIX)
+        return "plain" if scale is None else FP8_CHANNEL.name if scale.dim() == 1 else FP8_BLOCK.name
+
+    names = projection_weights(config, lm_head=False)
+    layers = fmt(names[0])
+    odd = [n for n in names if fmt(n) != layers]
+    if odd:
+        raise ValueError(f"every projection must be stored in one format: {names[0]} is {layers}, but "
+                         f"{_some(odd)} {'is' if len(odd) == 1 else 'are'} not")
+    return layers, fmt("lm_head.weight")

@@ -370,12 +370,17 @@ class DeviceSpec:
     def with_smem_budget(self, budget: int | str) -> DeviceSpec:
         """A copy whose per-block shared memory is at most ``budget`` (bytes or e.g. "99KiB").
 
-        Planning an H100 with ``"99KiB"`` gives plans that also fit an Ada part.
+        Planning an H100 with ``"99KiB"`` gives plans that also fit an Ada part. A budget
+        above what a block of this device may use (:attr:`smem_per_block`) is refused,
+        naming both: plans for it would not run here.
         """
         b = parse_bytes(budget)
         if b <= 0:
             raise ValueError(f"shared-memory budget must be positive, got {budget!r}")
-        return dataclasses.replace(self, smem_per_block=min(self.smem_per_block, b))
+        if b > self.smem_per_block:
+            raise ValueError(f"shared-memory budget {budget!r} ({b} bytes) exceeds the {self.smem_per_block} bytes "
+                             f"({self.smem_per_block / KiB:g} KiB) a block of {self.name} may use")
+        return dataclasses.replace(self, smem_per_block=b)
 
     # ---- residency -------------------------------------------------------------------
 

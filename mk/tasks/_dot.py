@@ -1,8 +1,58 @@
-"""Matrix products shared by the task bodies."""
+"""Matrix products shared by the task bodies, and how a weight's format (:mod:`mk.tasks.linear.format`)
+enters them: :func:`scaled_chunk` and :func:`finish_channels`."""
 
 import triton.language as tl
 
 from ._device import jit
+
+
+#: FP8 (e4m3) weights are never widened element by element in a GEMV: at one byte a weight
+#: the conversions (two instructions an element to float32) would cost more than the stream.
+#: A GEMV tile multiplies the e4m3 chunk as it landed on the tensor cores against x split into
+#: :data:`E4M3_DIGITS` e4m3 digits (:func:`e4m3_digits_chunk`). Tensor-core tiles widen e4m3 to
+#: float16 exactly (one instruction a pair) against x's float16 hi and lo halves, x times
+#: 2**-8 so that none below 1.7e7 overflows; their products are then the true ones times 2**-8,
+#: which the tile's finish (:func:`finish_channels`) undoes.
+E4M3_DIGITS = 4
+E4M3_DOT_X, E4M3_DOT_FOLD = tl.constexpr(2.0**-8), tl.constexpr(2.0**8)
+
+
+@jit
+def e4m3_digits_chunk(acc, w, x):
+    """``acc`` ``[BLOCK_N, 8]`` plus the products of an e4m3 weight chunk ``w`` ``[BLOCK_N,
+    BLOCK_K]`` with float32 ``x`` ``[BLOCK_K]``, on the tensor cores without widening ``w``:
+    x is split into four e4m3 digits, ``x ~ sum_d q_d * s_d`` with ``s_0`` = max|x| / 448 and
+    each next ``s`` a sixteenth of the last (a digit's rounding error is at most 2**-4 of its
+    value, so the remainder always fits the next), 16 bits of x's 24 as the bf16 hi and lo
+    halves keep; ``w @ [q_0 .. q_3, 0 ..].T`` is one MMA, whose columns the scales then
+    weigh. The tile's sum over ``acc``'s columns is its product."""
+    s0 = tl.max(tl.abs(x), axis=0) / 448.0 + 1e-30
+    s1 = s0 * 0.0625
+    s2 = s1 * 0.0625
+    s3 = s2 * 0.0625
+    q0 = (x / s0).to(tl.float8e4nv)
+    r = x - q0.to(tl.float32) * s0
+    q1 = (r / s1).to(tl.float8e4nv)
+    r = r - q1.to(tl.float32) * s1
+    q2 = (r / s2).to(tl.float8e4nv)
+    r = r - q2.to(tl.float32) * s2
+    q3 = (r / s3).to(tl.float8e4nv)
+    d = tl.arange(0, 8)[:, None]
+    digits = tl.where(d == 0, q0.to(tl.float32)[None, :], tl.where(d == 1, q1.to(tl.float32)[None, :], tl.where(
+        d == 2, q2.to(tl.float32)[None, :], tl.where(d == 3, q3.to(tl.float32)[None, :], 0.0))))
+    c = tl.arange(0, 8)
+    scales = tl.where(c == 0, s0, tl.where(c == 1, s1, tl.where(c == 2, s2, tl.where(c == 3, s3, 0.0))))
+    return acc + tl.dot(w, tl.trans(digits.to(tl.float8e4nv))) * scales[None, :]
+
+
+@jit
+def gemv_acc(w_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A GEMV tile's zeroed float32 accumulator: the element-wise products ``[BLOCK_N, BLOCK_K]``,
+    or for e4m3 weights the digits' products ``[BLOCK_N, 8]`` (:func:`e4m3_digits_chunk`)."""
+    if w_ptr.dtype.element_ty == tl.float8e4nv:
+        return tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
 @jit
@@ -18,7 +68,13 @@ def mma(a, b, acc):
       put a random-weight Llama-3-8B's logits ~1% further off float32
       (measured against float32 on an H200). Twice the MMAs; decode is bound by memory.
     * A 16-bit ``a`` against a float32 ``b``: ``a`` widens, IEEE float32.
+    * An FP8 ``b`` (a weight stored in e4m3) widens to float16, exactly, and a float32 ``a``
+      goes as float16 halves times 2**-8 (:data:`E4M3_DOT_X`: the product is the true one
+      times 2**-8, which the tile's finish undoes).
     """
+    if b.dtype == tl.float8e4nv:
+        b = b.to(tl.float16)
+        a = a.to(tl.float32) * E4M3_DOT_X
     if a.dtype == b.dtype:
         if a.dtype == tl.float32:
             return tl.dot(a, b, acc, input_precision="ieee")
@@ -43,8 +99,12 @@ def mma_weight_major(w, x, acc_t):
     ``hi`` is x rounded to w's dtype and ``lo`` the remainder, as :func:`mma` splits a
     float32 ``a``, but both in one MMA as the 2R columns of ``acc_t`` ([N, 2R]);
     :func:`fold_weight_major` adds them into the [R, N] tile. A float32 ``w`` multiplies
-    IEEE float32 (lo is then 0).
+    IEEE float32 (lo is then 0). An FP8 ``w`` (e4m3) widens to float16, exactly, against
+    float16 halves of x times 2**-8 (as :func:`mma`).
     """
+    if w.dtype == tl.float8e4nv:
+        w = w.to(tl.float16)
+        x = x.to(tl.float32) * E4M3_DOT_X
     if w.dtype == tl.float32:
         hi = x.to(tl.float32)
         lo = tl.zeros_like(hi)
@@ -65,3 +125,50 @@ def fold_weight_major(acc_t):
     N: tl.constexpr = acc_t.shape[0]
     R: tl.constexpr = acc_t.shape[1] // 2
     return tl.trans(tl.sum(tl.reshape(acc_t, (N, 2, R)), axis=1))
+
+
+@jit
+def scaled_chunk(acc, w, x, w_scale_ptr, offs_n, k, N, K, W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 WEIGHT_MAJOR: tl.constexpr):
+    """``acc`` plus one K chunk's products of a linear tile: the weight chunk ``w``
+    ``[BLOCK_N, BLOCK_K]`` (rows ``offs_n``, columns from ``k``) against ``x`` (``[BLOCK_K]``
+    float32 for the GEMV body, whose ``acc`` holds the element-wise products ``[BLOCK_N,
+    BLOCK_K]``; ``[BLOCK_M, BLOCK_K]`` for the tl.dot body, ``acc`` ``[BLOCK_N, 2 BLOCK_M]``
+    weight-major or ``[BLOCK_M, BLOCK_N]``). With ``W_SCALE`` 2 (a weight scaled per row and
+    128 columns, :mod:`mk.tasks.linear.format`; the chunk within one 128-column block) each
+    row's products are scaled by ``w_scale[row, k // 128]``."""
+    if W_SCALE == 2:
+        s = tl.load(w_scale_ptr + tl.minimum(offs_n, N - 1) * tl.cdiv(K, 128) + k // 128)
+        if BLOCK_M == 1:
+            if w.dtype == tl.float8e4nv:
+                return acc + e4m3_digits_chunk(tl.zeros(acc.shape, dtype=tl.float32), w, x) * s[:, None]
+            else:
+                return acc + (w.to(tl.float32) * s[:, None]) * x[None, :]
+        elif WEIGHT_MAJOR:
+            return acc + mma_weight_major(w, x, tl.zeros(acc.shape, dtype=tl.float32)) * s[:, None]
+        else:
+            return acc + mma(x, tl.trans(w), tl.zeros(acc.shape, dtype=tl.float32)) * s[None, :]
+    else:
+        if BLOCK_M == 1:
+            if w.dtype == tl.float8e4nv:
+                return e4m3_digits_chunk(acc, w, x)
+            else:
+                return acc + w.to(tl.float32) * x[None, :]
+        elif WEIGHT_MAJOR:
+            return mma_weight_major(w, x, acc)
+        else:
+            return mma(x, tl.trans(w), acc)
+
+
+@jit
+def finish_channels(y, w_scale_ptr, offs_n, N, W_SCALE: tl.constexpr, w_ptr=None, BLOCK_M: tl.constexpr = 1):
+    """A tile's float32 product ``y`` ``[rows, BLOCK_N]`` (weight rows ``offs_n`` of ``w_ptr``)
+    finished by its format: with ``W_SCALE`` 1 each column times its row's scale
+    ``w_scale[n]``; a tensor-core tile's (``BLOCK_M`` > 1) products of e4m3 weights times the
+    factor their widening left out (:data:`E4M3_DOT_FOLD`)."""
+    if W_SCALE == 1:
+        y = y * tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    if w_ptr is not None:
+        if (w_ptr.dtype.element_ty == tl.float8e4nv) & (BLOCK_M > 1):
+            y = y * E4M3_DOT_FOLD
+    return y

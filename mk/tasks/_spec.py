@@ -29,6 +29,7 @@ import torch
 
 #: Triton spelling of each supported element type.
 TL_DTYPES = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
+             torch.float8_e4m3fn: "tl.float8e4nv",
              torch.int32: "tl.int32", torch.int64: "tl.int64"}
 
 

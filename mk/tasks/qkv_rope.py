@@ -58,7 +58,7 @@ def qkv_rope_kv_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
-    bias_ptr=None, q_norm_w_ptr=None, k_norm_w_ptr=None, qk_eps=0.0,
+    bias_ptr=None, q_norm_w_ptr=None, k_norm_w_ptr=None, qk_eps=0.0, w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     """Tile (pid_m, pid_n): rows pid_m*BLOCK_M.. of x, weight rows pid_n*BLOCK_N.. (even BLOCK_N).
 
@@ -71,6 +71,8 @@ def qkv_rope_kv_tile(
     :func:`mk.tasks.linear.linear_tile` does (DOUBLE_BUFFER, w_first, TMA_STAGES, WAIT; with
     WAIT the wait's new state is returned). ``bias_ptr``, ``q_norm_w_ptr``, ``k_norm_w_ptr``,
     ``qk_eps``: Qwen2's bias and Qwen3's q / k norm, as :func:`qkv_rope_kv_epilogue` takes them.
+    ``w_scale_ptr``, ``W_SCALE``: the weight's format, which finishes the product before the
+    bias and the rotation (:func:`mk.tasks.linear.tile._linear_acc`).
     """
     N: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     # The rotation's operands' round trip overlaps the weight stream instead of following it.
@@ -81,11 +83,12 @@ def qkv_rope_kv_tile(
         acc, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
                                  HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                  TMA_STAGES=TMA_STAGES, WAIT=WAIT, wait_args=wait_args, wait_state=wait_state,
-                                 WAIT_FLAGS=WAIT_FLAGS)
+                                 WAIT_FLAGS=WAIT_FLAGS, w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
     else:
         acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, 0, K, K, K, eps,
                           HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                          DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES)
+                          DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first, TMA_STAGES=TMA_STAGES,
+                          w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
     qkv_rope_kv_epilogue(acc, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr,
                          pid_m, pid_n, M, max_seq, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM,
                          WRITE_SEQLENS=WRITE_SEQLENS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, pre=pre, bias_ptr=bias_ptr,
@@ -548,7 +551,7 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
                    write_seqlens: bool = False, double_buffer: bool = True, preload_weights: bool | None = None,
                    tma_stages: int = 0, prefetch_k: int = 0, tiles_per_task: int = 1,
                    dtype: torch.dtype | None = None, bias: bool = False, qk_norm: bool = False,
-                   qk_eps: float = 1e-6) -> OpSpec:
+                   qk_eps: float = 1e-6, w_scale: int = 0) -> OpSpec:
     """One tile (pid_m, pid_n) of the fused QKV projection + RoPE + KV append
     (:mod:`mk.tasks.qkv_rope`): a linear tile over the ``(Hq + 2 Hkv) * D`` weight rows that
     rotates its q / k pairs and stores q, or its k / v columns into the caches.
@@ -573,18 +576,20 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
         raise ValueError(f"qkv_rope_kv: head_dim must be even, got {d}")
     N = (hq + 2 * hkv) * d
     s = LinearShape("qkv_rope_kv", batch, N, K, 1, block_m, block_n, block_k, num_warps, False, False,
-                     prefetch_k, dtype, tiles_per_task)
+                     prefetch_k, dtype, tiles_per_task, w_scale)
     if s.bn % 2:
         raise ValueError(f"qkv_rope_kv: block_n must be even (a tile holds whole rotation pairs), got {s.bn}")
     tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
     rope = _QkvRope("qkv_rope_kv", s, batch, hq, hkv, d, max_seq, write_seqlens, bias, qk_norm, qk_eps)
-    operands = (("x", "w") + (("norm_w",) if norm else ()) + ("pos", "inv_freq", "q", "k_cache", "v_cache")
+    operands = (("x", "w") + s.scale_operands + (("norm_w",) if norm else ())
+                + ("pos", "inv_freq", "q", "k_cache", "v_cache")
                 + (("seqlens",) if write_seqlens else ()) + rope.operands)
     body = (f"qkv_rope_kv_tile(x, w, {'norm_w' if norm else 'w'}, pos, inv_freq, q, k_cache, v_cache, "
             f"{'seqlens' if write_seqlens else 'pos'}, pid_m, pid_n, M, K, S_MAX, {'EPS' if norm else '0.0'}, "
             f"HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, HAS_NORM=HAS_NORM, WRITE_SEQLENS=SEQLENS, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
-            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''}{rope.device_kwargs()})")
+            f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''}{rope.device_kwargs()}"
+            f"{s.scale_kwargs})")
     body = s.waiting(body, tma)
     rope_pre = ""
     if s.streams_in_run(tma):
@@ -610,11 +615,12 @@ def qkv_rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: in
     def run(b, a):
         r0, r1, n0, n1, _, _ = s.tile(a)
         h = prologue_ref(operand_view("qkv_rope_kv", "x", b["x"], batch, K)[r0:r1], b["norm_w"] if norm else None, eps)
-        rope.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T)
+        rope.store(b, a, h @ s.weights_ref(b, n0, n1).T)
 
     def reads(a, bind):
         r0, r1, n0, n1, _, _ = s.tile(a)
-        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)] + rope.reads(a, bind)
+        regs = ([Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)] + s.scale_regions(bind, n0, n1)
+                + rope.reads(a, bind))
         if norm:
             regs.append(Region(bind["norm_w"], 0, 1, 0, K))
         return regs

@@ -85,7 +85,12 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: Mapping | None = No
     rope_type = _rope_type(rope_scaling)
     if rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope_scaling)
-    return inv_freq.to(torch.float32)
+    inv_freq = inv_freq.to(torch.float32)
+    # A tiny theta (1e-300) gives frequencies past float32's range: angles of inf, cos/sin NaN.
+    if not torch.isfinite(inv_freq).all():
+        raise ValueError(f"theta {theta!r} gives inverse frequencies beyond float32's range (models use "
+                         f"a theta of 1e4 to 1e7)")
+    return inv_freq
 
 
 def _rope_type(rope_scaling: Mapping | None) -> str:

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -171,3 +172,100 @@ def test_chat_template_is_sandboxed(tmp_path):
     _build_chat(tmp_path, "config", "{{ messages.__class__.__mro__ }}")
     with pytest.raises(ValueError, match="unsafe"):
         load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# ------------------------------------------------------------------ issue 52: bad files and templates
+
+
+@pytest.mark.parametrize("write, fragment", [
+    (lambda f: (f / "tokenizer_config.json").write_text("[1, 2, 3]"),
+     "tokenizer_config.json: expected a JSON object, got list"),
+    (lambda f: (f / "tokenizer_config.json").write_bytes(b'{"bos_token": "\xff"}'),
+     "tokenizer_config.json: not UTF-8 text"),
+    (lambda f: (f / "tokenizer_config.json").write_text('{"eos_token": 5}'),
+     'tokenizer_config.json: eos_token must be a string or {"content": string}, got 5'),
+    (lambda f: (f / "tokenizer_config.json").write_text('{"bos_token": {"content": ["<s>"]}}'),
+     "tokenizer_config.json: bos_token must be a string"),
+    (lambda f: (f / "tokenizer_config.json").write_text('{"chat_template": 42}'),
+     "tokenizer_config.json: chat_template must be a string or a list of named templates, got 42"),
+    (lambda f: (f / "tokenizer_config.json").write_text('{"chat_template": [{"name": "default"}]}'),
+     "tokenizer_config.json: chat_template must be a string or a list of"),
+    (lambda f: (f / "tokenizer_config.json").write_text('{"add_bos_token": "false"}'),
+     "tokenizer_config.json: add_bos_token must be true or false (a JSON boolean), got 'false'"),
+    (lambda f: (f / "chat_template.jinja").write_bytes(b"{{ bos_token }}\xff"), "chat_template.jinja: not UTF-8 text"),
+    (lambda f: (f / "chat_template.jinja").mkdir(), "chat_template.jinja: is a folder, not a regular file"),
+    (lambda f: (f / "config.json").write_text("[" * 100000), "config.json: invalid JSON"),
+])
+def test_unreadable_tokenizer_files_name_the_file_and_field(tmp_path, write, fragment):
+    _build(tmp_path, False, None)
+    write(tmp_path)
+    with pytest.raises(ValueError, match="^" + re.escape(str(tmp_path) + "/") + ".*" + re.escape(fragment)):
+        load_tokenizer(tmp_path)
+
+
+def test_a_tokenizer_json_that_is_a_folder_is_no_missing_tokenizer(tmp_path):
+    (tmp_path / "tokenizer.json").mkdir()
+    with pytest.raises(ValueError, match="tokenizer.json: is a folder, not a regular file"):
+        load_tokenizer(tmp_path)
+
+
+def test_encode_and_decode_refuse_what_is_no_text_or_id(tmp_path):
+    _build(tmp_path, False, {"bos_token": "<s>"})
+    tok = load_tokenizer(tmp_path)
+    for bad in (None, 5, b"the cat"):
+        with pytest.raises(TypeError, match=f"text must be a str, got {type(bad).__name__}"):
+            tok.encode(bad)
+    with pytest.raises(TypeError, match="add_bos must be a bool or None"):
+        tok.encode("the cat", add_bos="no")
+    for ids, k, i in (([-1], 0, -1), ([1, 2**40], 1, 2**40), ([3, 4, 2**32], 2, 2**32)):
+        with pytest.raises(ValueError, match=rf"ids\[{k}\] is {i}, not a token id"):
+            tok.decode(ids)
+    with pytest.raises(TypeError, match="ids must be a sequence of ints, got str"):
+        tok.decode("12")
+    with pytest.raises(TypeError, match=r"ids must be ints, got 1.5 \(float\) at ids\[1\]"):
+        tok.decode([1, 1.5])
+    assert tok.decode([4, 2**32 - 1]) == tok.decode([4])   # beyond the vocabulary (a padded one): nothing
+
+
+RAISING_TEMPLATES = [
+    ("{{ 1 // 0 }}", "ZeroDivisionError: integer division or modulo by zero"),
+    ("{% for i in range(10**9) %}{% endfor %}", "its range() calls ask for more than 100000 items in all"),
+    ("{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}",
+     "its range() calls ask for more than 100000 items"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "it recurses without end"),
+    ("{{ messages[0]['content'] + 1 }}", "TypeError: can only concatenate str"),
+    ("{{ 'a' * 10**9 }}", "it repeats a str of 1 items 1000000000 times (at most 16777216 items)"),
+    ("{{ [messages] * 10**9 }}", "it repeats a list"),
+    ("{% set s = namespace(x='ab') %}{% for i in range(60) %}{% set s.x = s.x ~ s.x %}{% endfor %}",
+     "it makes a str of"),
+    ("{% set s = namespace(x='ab') %}{% for i in range(60) %}{% set s.x = s.x + s.x %}{% endfor %}",
+     "it makes a str of"),
+    ("{{ 2 ** (10**9) }}", "it raises 2 to the power 1000000000"),
+    ("{{ 'a' | center(10**9) }}", "it passes a width or count of 1000000000"),
+    ("{{ 'a'.ljust(10**9) }}", "it passes a width or count of 1000000000"),
+    ("{{ '%*s' % (10**9, 'a') }}", "it passes a width or count of 1000000000"),
+    ("{{ '%1000000000s' % 'a' }}", "it formats with a width of 1000000000"),
+    ("{{ '{:>1000000000}'.format(1) }}", "it formats with a width of 1000000000"),
+    ("{{ ([1] * 1000000) | join('x' * 100) }}", "it joins"),
+    ("{% for i in range(100000) %}{{ 'abcdefghijklmnopqrstuvwxyz' * 10 }}{% endfor %}",
+     "the rendered text passes 16777216 characters"),
+]
+
+
+@pytest.mark.parametrize("template, fragment", RAISING_TEMPLATES, ids=[t for t, _ in RAISING_TEMPLATES])
+def test_a_failing_or_runaway_chat_template_is_one_value_error(tmp_path, template, fragment):
+    _build_chat(tmp_path, "file", template)
+    tok = load_tokenizer(tmp_path)
+    with pytest.raises(ValueError) as e:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert str(e.value).startswith(f"chat template of {tmp_path / 'chat_template.jinja'}: ") and \
+        fragment in str(e.value), str(e.value)
+
+
+def test_bounded_chat_templates_still_do_what_templates_do(tmp_path):
+    template = ("{{ '%d-%s' % (1700000000, 'x') }} {{ 1700000000 | string }} {{ 'ab' * 3 }} {{ 'a' | center(5) }}|"
+                "{{ '{:>4}'.format(7) }} {{ range(3) | list | join(',') }} {{ 2 ** 10 }} {{ messages[0]['content'] }}")
+    _build_chat(tmp_path, "config", template)
+    text = load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "%99999999999d"}],
+                                                        tokenize=False)
+    assert text == "1700000000-x 1700000000 ababab   a  |   7 0,1,2 1024 %99999999999d"

@@ -81,9 +81,9 @@ def main() -> None:
     # (No bias: a None pointer is a constexpr, as the launcher passes it.)
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
            "bias_ptr": "constexpr", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_rm": "i32", "stride_om": "i32", "eps": "fp32"}
+           "stride_rm": "i32", "stride_om": "i32", "eps": "fp32", "w_scale_ptr": "constexpr"}
     cx = dict(bias_ptr=None, HAS_NORM=True, HAS_RESIDUAL=False, SILU_MUL=True, BLOCK_M=1, BLOCK_N=2, BLOCK_K=2048,
-              GROUP_M=8, PREFETCH_LINES=8, LINE=64, PDL=True, PREFETCH_BULK=True)
+              GROUP_M=8, PREFETCH_LINES=8, LINE=64, PDL=True, PREFETCH_BULK=True, w_scale_ptr=None, W_SCALE=0)
     src = triton.compiler.ASTSource(fn=linear_kernel, signature={**sig, **{k: "constexpr" for k in cx}}, constexprs=cx)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
     for needle in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "cp.async.bulk.prefetch.L2"):

@@ -176,10 +176,13 @@ def test_with_smem_budget():
     assert b.smem_per_block == 101376
     assert h.smem_per_block == 232448  # the preset itself is untouched
     assert dataclasses.replace(b, smem_per_block=h.smem_per_block) == h  # nothing else changed
-    # A budget above the hardware limit changes nothing.
-    assert h.with_smem_budget(10 * 2**20) == h
-    assert PRESETS["l20"].with_smem_budget("128KiB").smem_per_block == 101376
+    # The hardware limit itself changes nothing; a budget above it is refused, naming both.
+    assert h.with_smem_budget(h.smem_per_block) == h
     assert h.with_smem_budget(65536).smem_per_block == 65536
+    for device, budget in ((h, "1000GiB"), (h, 10 * 2**20), (PRESETS["l20"], "128KiB")):
+        with pytest.raises(ValueError, match=rf"budget {budget!r} \({parse_bytes(budget)} bytes\) exceeds the "
+                                             rf"{device.smem_per_block} bytes .* a block of {device.name} may use"):
+            device.with_smem_budget(budget)
     with pytest.raises(ValueError, match="positive"):
         h.with_smem_budget(0)
     with pytest.raises(ValueError, match="cannot parse"):

@@ -357,15 +357,18 @@ def _dot_ring(buffers: int, rows: int, block_n: int, block_k: int, x_bytes: int,
 
 
 def linear_cost(M: int, N: int, K: int, dtype_bytes: int = 2, *, residual: bool = False, norm: bool = False,
-                silu_mul: bool = False, split_k: int = 1, bias: bool = False) -> TaskCost:
+                silu_mul: bool = False, split_k: int = 1, bias: bool = False,
+                weight_bytes: int | None = None) -> TaskCost:
     """Device-memory bytes and flops of one linear (N = weight rows, interleaved with silu_mul).
 
     Counts W, x, the norm weight, the bias and residual once each (per-tile re-reads of x hit L2),
-    the output, and with split_k > 1 the float32 workspace written and read back.
+    the output, and with split_k > 1 the float32 workspace written and read back. The weight
+    is ``weight_bytes`` (its format's, scales included: :meth:`~mk.tasks.linear.format.WeightFormat.nbytes`;
+    default ``N * K * dtype_bytes``), apart from the activations' ``dtype_bytes``.
     Flops: 2*M*N*K for the product, plus the prologue/epilogue's elementwise work.
     """
     n_out = N // 2 if silu_mul else N
-    read = N * K * dtype_bytes + M * K * dtype_bytes
+    read = (N * K * dtype_bytes if weight_bytes is None else weight_bytes) + M * K * dtype_bytes
     written = M * n_out * dtype_bytes
     flops = 2 * M * N * K
     if norm:

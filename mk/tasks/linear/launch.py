@@ -4,6 +4,8 @@ reference :func:`linear_ref`."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -11,6 +13,7 @@ import triton.language as tl
 from .._device import (check_positive_int, check_real, check_same_device, check_same_dtype, check_tensor,
                        enable_device_descriptors, jit, sm_count, smem_per_block, supported_dtypes, use_pdl)
 from .config import LinearConfig, check_config, tile_rows, linear_config, prefetch_lines
+from .format import SCALE_BLOCK, SCALE_BLOCK_CODE, SCALE_CHANNEL, expand_columns
 from .prefetch import _pdl_enter, linear_prefetch_tile
 from .splitk import linear_partial_tile, linear_split_range, linear_splitk_reduce_tile
 from .tile import linear_tile
@@ -24,6 +27,7 @@ def linear_kernel(
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr, PREFETCH_BULK: tl.constexpr,
+    w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     linear_prefetch_tile(w_ptr, pid_n, N, 0, K, stride_wn, PREFETCH_LINES=PREFETCH_LINES, LINE=LINE, BLOCK_N=BLOCK_N,
@@ -32,7 +36,8 @@ def linear_kernel(
     linear_tile(x_ptr, w_ptr, norm_w_ptr, res_ptr, out_ptr, pid_m, pid_n, M, N, K, 0, K,
                 stride_xm, stride_wn, stride_rm, stride_om, eps,
                 HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, bias_ptr=bias_ptr)
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, bias_ptr=bias_ptr, w_scale_ptr=w_scale_ptr,
+                W_SCALE=W_SCALE)
 
 
 @jit
@@ -41,7 +46,7 @@ def linear_partial_kernel(
     M, N, K, split_k, stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_BULK: tl.constexpr,
+    PREFETCH_BULK: tl.constexpr, w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -51,7 +56,8 @@ def linear_partial_kernel(
     _pdl_enter(PDL)
     linear_partial_tile(x_ptr, w_ptr, norm_w_ptr, ws_ptr, pid_m, pid_n, split, M, N, K, k_lo, k_hi,
                         stride_xm, stride_wn, stride_ws_split, stride_ws_m, eps,
-                        HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                        HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, w_scale_ptr=w_scale_ptr,
+                        W_SCALE=W_SCALE)
 
 
 @jit
@@ -102,6 +108,7 @@ def linear(
     config: LinearConfig | None = None,
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y = x @ weight.T (+ bias)``, optionally with an RMSNorm prologue, residual add or SiLU·mul.
 
@@ -122,6 +129,10 @@ def linear(
         bias: optional ``[N]``, one value a weight row (Qwen2's q/k/v biases, in the rows'
             order and permutation), added to the float32 product before the residual add or
             SiLU·mul.
+        weight_scale: the weight's format's scales (:mod:`mk.tasks.linear.format`), float32
+            ``[N]`` (per output channel) or ``[N, ceil(K / 128)]`` (per row and 128 columns):
+            the weight is ``weight * scale``; ``weight`` may then be FP8 (``float8_e4m3fn``)
+            on a GPU, whatever x's dtype.
 
     Prefill rows (more than SKINNY_MAX_M) with 16-bit x, weight and result, no RMSNorm,
     residual or split-K and no config given run :func:`linear_tma_kernel` on a GPU with TMA
@@ -133,7 +144,8 @@ def linear(
     """
     check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
     K = x.shape[-1]
-    check_tensor("weight", weight, ndim=2)
+    # (An FP8 weight needs its scales: _check_weight_scale.)
+    check_tensor("weight", weight, ndim=2, dtype=(*supported_dtypes(x), torch.float8_e4m3fn))
     if weight.shape[1] != K:
         raise ValueError(f"weight must have shape (N, {K}) to match x's last dim, got {tuple(weight.shape)}")
     N = weight.shape[0]
@@ -141,7 +153,8 @@ def linear(
         raise ValueError(f"weight must have at least one row and one column, got shape {tuple(weight.shape)}")
     if weight.numel() >= 2**31:
         raise ValueError(f"weight has {weight.numel()} elements; the kernels index with int32 (< 2**31)")
-    if x.dtype != weight.dtype and x.dtype != torch.float32:
+    w_scale = _check_weight_scale(weight_scale, weight, x)
+    if x.dtype != weight.dtype and x.dtype != torch.float32 and not w_scale:
         raise TypeError(f"x must have weight's dtype ({weight.dtype}) or float32, got {x.dtype}")
     check_same_device(x=x, weight=weight)
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -175,13 +188,18 @@ def linear(
     elif isinstance(config, LinearConfig) and split_k != 1 and split_k != config.split_k:
         raise ValueError(f"split_k={split_k} conflicts with config.split_k={config.split_k}")
     config = check_config(config, K, silu_mul)
+    if w_scale == SCALE_BLOCK_CODE and SCALE_BLOCK % config.block_k:  # (a chunk within one scaled block)
+        config = replace(config, block_k=min(config.block_k, SCALE_BLOCK))
+    if weight.dtype == torch.float8_e4m3fn and config.block_m == 1:
+        # (An e4m3 GEMV tile multiplies on the tensor cores: 16 rows and 32 columns at least.)
+        config = replace(config, block_n=max(config.block_n, 16), block_k=max(config.block_k, 32))
 
     x2 = x.reshape(M, K)
     out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
     if M == 0:
         return out.reshape(*x.shape[:-1], n_out)
-    if pinned is None and bias is None and _tma_gemm_fits(x2, weight, out, norm_weight, residual, config.split_k,
-                                                          silu_mul):
+    if pinned is None and bias is None and not w_scale and _tma_gemm_fits(x2, weight, out, norm_weight, residual,
+                                                                          config.split_k, silu_mul):
         sms = sm_count(x)
         tma = tma_gemm_config(M, N, sms)
         enable_device_descriptors()
@@ -205,6 +223,8 @@ def linear(
     # TMA bulk prefetch needs 16-byte aligned row segments.
     bulk = weight.data_ptr() % 16 == 0 and (weight.stride(0) * eb) % 16 == 0 and (bk * eb) % 16 == 0
     prefetch = dict(PREFETCH_LINES=lines, LINE=line, PDL=pdl, PREFETCH_BULK=bulk)
+    if w_scale:
+        prefetch.update(w_scale_ptr=weight_scale, W_SCALE=w_scale)
     if config.split_k == 1:
         linear_kernel[(tiles,)](
             x2, weight, norm_w, res2, out, bias, M, N, K, x2.stride(0), weight.stride(0), res2.stride(0),
@@ -233,6 +253,7 @@ def linear_ref(
     norm_eps: float = 1e-6,
     silu_mul: bool = False,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch float32 reference of :func:`linear` (same arguments, float32 result).
 
@@ -243,9 +264,29 @@ def linear_ref(
     if norm_weight is not None:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps) * norm_weight.float()
     w = weight.float()
+    if weight_scale is not None:  # the weight's format, dequantized
+        w = w * (weight_scale.float()[:, None] if weight_scale.dim() == 1 else
+                 expand_columns(weight_scale.float(), w.shape[1]))
     b = torch.zeros(w.shape[0], device=w.device) if bias is None else bias.float()
     if silu_mul:
         gate, up = h @ w[0::2].T + b[0::2], h @ w[1::2].T + b[1::2]
         return torch.nn.functional.silu(gate) * up
     y = h @ w.T + b
     return y if residual is None else y + residual.float()
+
+
+def _check_weight_scale(scale, weight: torch.Tensor, x: torch.Tensor) -> int:
+    """The tiles' W_SCALE code of ``scale`` (0 without one), once it fits ``weight`` ``[N, K]``:
+    float32 ``[N]`` or ``[N, ceil(K / 128)]`` on weight's device; an FP8 weight needs one."""
+    if scale is None:
+        if weight.dtype == torch.float8_e4m3fn:
+            raise ValueError("an FP8 weight needs its weight_scale (per output channel or per 128 columns)")
+        return 0
+    N, K = weight.shape
+    check_tensor("weight_scale", scale, ndim=(1, 2), dtype=torch.float32)
+    blocks = -(-K // SCALE_BLOCK)
+    if tuple(scale.shape) not in ((N,), (N, blocks)):
+        raise ValueError(f"weight_scale must have shape ({N},) or ({N}, {blocks}) for a weight of {(N, K)}, got "
+                         f"{tuple(scale.shape)}")
+    check_same_device(weight=weight, weight_scale=scale)
+    return SCALE_CHANNEL if scale.dim() == 1 else SCALE_BLOCK_CODE

@@ -22,6 +22,7 @@ from .._planning import ACTIVATION_BYTES, GREEDY, FusedOnlyKind, OpChoice, OpKin
 from .._spec import make_op
 from .config import (DOT_MIN, SKINNY_MAX_M, X_GROUP, LinearConfig, MegakernelTile, dot_waits_in_stream, gemv_stream,
                      linear_config, linear_cost, linear_smem_bytes, tile_rows, weight_major)
+from .format import SCALE_BLOCK, WeightFormat, weight_format
 
 #: Register bytes per thread a GEMV tile's weight chunk may take. The register path keeps
 #: two chunks in flight (double buffering), and every op of the megakernel shares one
@@ -95,6 +96,16 @@ def reduce_width(node, choice: OpChoice) -> int:
         raise ValueError(f"op {node.name}: reduce_block_n must divide block_n={choice.block_n}, "
                          f"got {choice.reduce_block_n}")
     return width
+
+
+def node_format(node) -> WeightFormat:
+    """The format of a linear op's weight (its dims' ``w_format``; plain without one)."""
+    return weight_format(node.dims.get("w_format", "plain"))
+
+
+def weight_element_bytes(node, dtype_bytes: int) -> int:
+    """Bytes of an element of the op's stored weight (the model's ``dtype_bytes``, or its format's)."""
+    return node_format(node).element_bytes(dtype_bytes)
 
 
 def decode_dot_tile(node) -> bool:
@@ -184,6 +195,10 @@ def _single_tiles(node, device, dtype_bytes: int) -> list[OpChoice]:
         # instead of 128 (1B step 1.009 -> 0.998 ms on an H200).
         shapes = ([(64, 128), (64, 256), (128, 64), (128, 128), (256, 64)] if skinny
                   else [(8, 256), (16, 256), (32, 256)])
+        if not skinny and dtype_bytes == 1:
+            # A box is at most 256 elements a side: one-byte weights keep a chunk's bytes in
+            # taller boxes.
+            shapes += [(64, 256)]
         # A box no wider than K (a wider one only moves zeros; the op then streams without TMA).
         narrow = max(16, 1 << (d["K"].bit_length() - 1))  # the widest power of two within K
         shapes = list(dict.fromkeys((bn, min(bk, narrow)) for bn, bk in shapes))
@@ -205,6 +220,16 @@ def _single_tiles(node, device, dtype_bytes: int) -> list[OpChoice]:
                 for ring in sorted({*rings, whole} if skinny or whole < max(rings) else set(rings)):
                     out.append(OpChoice(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=GEMV_WARPS,
                                         tma_stages=ring))
+    fmt = node_format(node)
+    if fmt.scales == "block":  # a chunk within one 128-column block of scales
+        out = list(dict.fromkeys(replace(c, block_k=min(c.block_k, SCALE_BLOCK)) for c in out))
+    if fmt.quantized and not skinny:  # an e4m3 GEMV multiplies on the tensor cores: 16 rows at least
+        out = [c for c in out if c.block_n >= 16]
+    if fmt.quantized and skinny:
+        # x-major tiles would widen each FP8 weight chunk to bfloat16 through shared memory
+        # for the MMA's right operand, which the shared-memory model does not count: only
+        # weight-major tiles (the chunk the MMA's left operand, widened in registers).
+        out = [c for c in out if not xmajor_decode_tile(node, c)]
     return out
 
 
@@ -217,6 +242,7 @@ class LinearKind(OpKind):
     kind = "linear"
 
     def candidates(self, node, device, dtype_bytes: int = 2, workers: int | None = None) -> list[OpChoice]:
+        dtype_bytes = weight_element_bytes(node, dtype_bytes)
         """Every tile the search tries (before the shared-memory check). With ``workers``, a
         TMA-fed GEMV (M = 1) with more tasks than workers also gets each tile as runs of
         adjacent tiles (:attr:`OpChoice.tiles_per_task`), one run a worker. (A run of
@@ -250,6 +276,7 @@ class LinearKind(OpKind):
     def smem_bytes(self, node, choice: OpChoice, dtype_bytes: int = 2) -> int:
         """One task's, in the megakernel (:func:`mk.tasks.linear.linear_smem_bytes`): with a
         fused RMSNorm its weight chunks ride beside the ring's."""
+        dtype_bytes = weight_element_bytes(node, dtype_bytes)
         d = node.dims
         config = LinearConfig(_block_m(d["M"]), max(choice.block_n, 1), max(choice.block_k, 1),
                               split_k=choice.split_k, num_warps=choice.num_warps)
@@ -293,6 +320,7 @@ class LinearKind(OpKind):
 
     def phase_terms(self, node, choice: OpChoice, device, phase: int, phase_tasks: int, phase_bytes: int,
                     dtype_bytes: int = 2) -> PhaseTerms:
+        dtype_bytes = weight_element_bytes(node, dtype_bytes)
         tma = choice.tma_stages > 0
         if phase != 0:
             return PhaseTerms(tma=tma)
@@ -337,6 +365,7 @@ class LinearKind(OpKind):
         slot), so at least one ``load_latency_s`` stays after the wait. 0 for other tasks.
         Measured (1B on an H100): the O projection's tasks after attention took 4.2 us with
         3 of their 8 chunks in flight before the wait, 3.9 with 7, 3.1 with all 8."""
+        dtype_bytes = weight_element_bytes(node, dtype_bytes)
         if not choice.tma_stages:
             return 0.0
         if dot_tile_waits_in_stream(node, choice):
@@ -360,6 +389,7 @@ class LinearKind(OpKind):
         task ``chunk_exposed_s`` a chunk (measured on GEMV rings; tl.dot tiles' rates carry
         their work a chunk). Decode tl.dot tiles wait inside their stream when weight-major
         (:func:`dot_tile_waits_in_stream`)."""
+        dtype_bytes = weight_element_bytes(node, dtype_bytes)
         if not choice.tma_stages:
             return 0.0
         if decode_dot_tile(node):
@@ -400,7 +430,8 @@ class LinearKind(OpKind):
             raise ValueError(f"lower_decode_step: op {node.name} fuses the argmax with split_k={choice.split_k}"
                              f"{' and RoPE' if rope is not None else ''}: only whole-K LM head tiles fold "
                              f"the argmax")
-        tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype)
+        tiles = dict(block_n=choice.block_n, block_k=choice.block_k, num_warps=choice.num_warps, dtype=dtype,
+                     w_scale=node_format(node).scale_code)
         # How a tile streams its weights: the choice's TMA ring; register GEMV tiles (M = 1)
         # also prefetch PREFETCH_K columns into L2 ahead of their wait.
         gemv = (dict(tma_stages=0, prefetch_k=min(PREFETCH_K, K)) if M == 1 and not choice.tma_stages
@@ -431,6 +462,7 @@ class LinearKind(OpKind):
             sq = dict(norm_sq=bool(part.constexprs["NORM_SQ"]), eps=eps)
             # (Reduce tiles may be narrower than the partials': several a partial tile.)
             red_tiles = dict(tiles, block_n=reduce_width(node, choice), part_block_n=choice.block_n)
+            del red_tiles["w_scale"]  # (the partials finish their products; the reduce sums them)
             red = (make_op("qkv_rope_kv_reduce", batch=M, **heads, split_k=choice.split_k, **sq, **red_tiles)
                    if rope is not None else
                    make_op("linear_reduce", M=M, N=N, K=K, split_k=choice.split_k, **flags, **sq, **red_tiles))
@@ -439,9 +471,11 @@ class LinearKind(OpKind):
             raise ValueError(f"lower_decode_step: op {node.name} ({M}x{N}x{K}) with {choice}: {err}") from None
 
     def buffer_shape(self, node, role: str, max_seq: int):
-        d = node.dims
-        if role == "w":
-            return (d["N"], d["K"]), "weight"
+        d, fmt = node.dims, node_format(node)
+        if role == "w":  # (FP8 as on a GPU: the meta buffers describe a GPU's step)
+            return (d["N"], d["K"]), torch.float8_e4m3fn if fmt.quantized else "weight"
+        if role == "w_scale":
+            return fmt.scale_shape(d["N"], d["K"]), torch.float32
         if role == "bias":
             return (d["N"],), "weight"
         return super().buffer_shape(node, role, max_seq)
@@ -464,7 +498,8 @@ class LinearKind(OpKind):
             out_name, out_cols = silu.outputs[0], N // 2
         if add is not None:
             out_name = add.outputs[0]
-        bind = {"x": x, "w": node.buffers["w"]}
+        bind = {"x": x, "w": node.buffers["w"]} | ({"w_scale": node.buffers["w_scale"]} if "w_scale" in node.buffers
+                                                    else {})
         if norm is not None:
             bind["norm_w"] = norm.buffers["w"]
         first = rope is not None and ctx.first(rope)
@@ -496,7 +531,7 @@ class LinearKind(OpKind):
             return
         part, red = specs
         ws = ctx.activation(f"{node.name}.ws", choice.split_k, M, part.constexprs["WS_N"])
-        ctx.add(node.name, part, **bind, ws=ws)
+        ctx.add(node.name, part, **bind, ws=ws)  # (the scales bind to the partials)
         ctx.add(node.name, red, numbered=numbered, ws=ws, **epilogue)
 
 

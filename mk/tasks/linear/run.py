@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from .._device import jit
-from .._dot import fold_weight_major, mma, mma_weight_major
+from .._dot import finish_channels, fold_weight_major, gemv_acc, scaled_chunk
 from ..argmax import argmax_tile_into
 from .tile import _linear_epilogue, _load_x, _load_x_ahead, _rows_rstd
 
@@ -21,6 +21,7 @@ def linear_run(
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TMA_STAGES: tl.constexpr = 0, WAIT: tl.constexpr = None, wait_args=None, wait_state=None,
     WAIT_FLAGS: tl.constexpr = None, X_GROUP: tl.constexpr = 1, X_STAGES: tl.constexpr = 2,
+    w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     """Tiles (pid_m, pid_n), (pid_m, pid_n + 1), ... (``n_tiles`` of them) over the K range
     [k_lo, k_hi) as one weight stream, ``EPILOGUE(acc, pid_m, tile, epilogue_args,
@@ -56,13 +57,16 @@ def linear_run(
     (:func:`_gemv_grouped_run`; TMA_STAGES is then unused), so x's look-ahead
     is a whole group where the chunk-a-iteration loop's is one chunk (the compiler converts
     a carried x chunk to the weight chunk's layout at the start of the next iteration).
+
+    ``W_SCALE`` (with ``w_scale_ptr``): the weight's format (:mod:`mk.tasks.linear.format`),
+    applied to each chunk's products (2) or to each finished tile before its epilogue (1).
     """
     offs_k = tl.arange(0, BLOCK_K)
     # Decode tiles of wide boxes multiply weight-major: weight_major().
     WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16) & (BLOCK_N >= 128)  # weight_major()
     if BLOCK_M == 1:
         x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         rstd_pre = tl.full([], 1.0, tl.float32)
     else:
@@ -81,7 +85,8 @@ def linear_run(
         if X_GROUP > 1:
             return _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_lo, k_hi, stride_wn,
                                      eps, EPILOGUE, epilogue_args, EPILOGUE_FLAGS, HAS_NORM, BLOCK_N, BLOCK_K,
-                                     X_STAGES, WAIT, wait_args, wait_state, WAIT_FLAGS, X_GROUP)
+                                     X_STAGES, WAIT, wait_args, wait_state, WAIT_FLAGS, X_GROUP,
+                                     w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
         s0, s1, s2, s3 = wait_state
     elif HAS_NORM:
         if not whole_row:
@@ -102,6 +107,7 @@ def linear_run(
         k = k_lo + (i - t * n_k) * BLOCK_K
         cols = k + offs_k
         n0 = (pid_n + t) * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         if TMA_STAGES > 0:
             w = w_desc.load([n0, k])
         else:
@@ -123,27 +129,27 @@ def linear_run(
         else:
             xt = _load_x(x_rows, cols, k_hi, MASKED=True, BLOCK_M=BLOCK_M)
         if BLOCK_M == 1:
-            acc, sum_sq = _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, t == 0, HAS_NORM)
+            acc, sum_sq = _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, t == 0, HAS_NORM,
+                                      w_scale_ptr, offs_n, k, N, K, W_SCALE)
         else:
             if HAS_NORM:
                 xt = xt.to(tl.float32)
                 sum_sq += tl.where(t == 0, xt * xt, 0.0)
                 xt = xt * tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)[None, :]
-            if WEIGHT_MAJOR:
-                acc = mma_weight_major(w, xt, acc)
-            else:
-                acc = mma(xt, tl.trans(w), acc)
+            acc = scaled_chunk(acc, w, xt, w_scale_ptr, offs_n, k, N, K, W_SCALE=W_SCALE, BLOCK_M=BLOCK_M,
+                               WEIGHT_MAJOR=WEIGHT_MAJOR)
         if k + BLOCK_K >= k_hi:  # the tile's last chunk
             if BLOCK_M == 1:
                 y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
-                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
             else:
                 # rstd is one number a row, so it factors out of the row's sum.
                 y = fold_weight_major(acc) if WEIGHT_MAJOR else acc
                 if HAS_NORM:
                     y = y * tl.where(whole_row, 1.0 / tl.sqrt(tl.sum(sum_sq, axis=1) / K + eps), rstd_pre)[:, None]
                 acc = tl.zeros(acc.shape, dtype=tl.float32)
-            EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+            EPILOGUE(finish_channels(y, w_scale_ptr, offs_n, N, W_SCALE=W_SCALE, w_ptr=w_ptr, BLOCK_M=BLOCK_M), pid_m,
+                     pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     if WAITS_IN_LOOP:
         return s0, s1, s2, s3
     else:
@@ -151,14 +157,17 @@ def linear_run(
 
 
 @jit
-def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM: tl.constexpr):
+def _gemv_chunk(acc, sum_sq, w, xt, norm_w_ptr, cols, k_hi, first_tile, HAS_NORM: tl.constexpr,
+                w_scale_ptr=None, offs_n=None, k=0, N=0, K=0, W_SCALE: tl.constexpr = 0):
     """One weight chunk of a GEMV run into its [BLOCK_N, BLOCK_K] accumulator (x RMSNorm-scaled
-    by the norm weights; squares summed while the run streams its first tile)."""
+    by the norm weights; squares summed while the run streams its first tile; the chunk's
+    products scaled by the weight's format, :func:`mk.tasks._dot.scaled_chunk`)."""
     xt = xt.to(tl.float32)
     if HAS_NORM:
         sum_sq += tl.where(first_tile, xt * xt, 0.0)
         xt = xt * tl.load(norm_w_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
-    return acc + w.to(tl.float32) * xt[None, :], sum_sq
+    return scaled_chunk(acc, w, xt, w_scale_ptr, offs_n, k, N, K, W_SCALE=W_SCALE, BLOCK_M=1,
+                        WEIGHT_MAJOR=False), sum_sq
 
 
 @jit
@@ -177,14 +186,14 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
                       EPILOGUE: tl.constexpr, epilogue_args, EPILOGUE_FLAGS: tl.constexpr, HAS_NORM: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_STAGES: tl.constexpr,
                       WAIT: tl.constexpr, wait_args, wait_state, WAIT_FLAGS: tl.constexpr,
-                      X_GROUP: tl.constexpr):
+                      X_GROUP: tl.constexpr, w_scale_ptr=None, W_SCALE: tl.constexpr = 0):
     """:func:`linear_run` of GEMV tiles that wait for x in their stream, X_GROUP (2 or 4)
     weight chunks an iteration. Each iteration asks for the next group's x chunks (volatile
     loads) before it multiplies its own, so an x chunk has a group's streaming time to
     arrive; the ring (X_STAGES - 1 groups in flight) is issued before the wait."""
     tl.static_assert((X_GROUP == 2) | (X_GROUP == 4), "X_GROUP is 2 or 4")
     s0, s1, s2, s3 = wait_state
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     rstd_pre = tl.full([], 1.0, tl.float32)
     whole_row = (k_lo == 0) & (k_hi == K)
@@ -222,21 +231,25 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
             nc = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 6, n_chunks, BLOCK_K=BLOCK_K)
             nd = _load_x_ahead(x_rows, k_lo, k_hi, n_k, i0 + 7, n_chunks, BLOCK_K=BLOCK_K)
         first = t == 0
-        acc, sum_sq = _gemv_chunk(acc, sum_sq, wa, xa, norm_w_ptr, k0 + offs_k, k_hi, first, HAS_NORM)
-        acc, sum_sq = _gemv_chunk(acc, sum_sq, wb, xb, norm_w_ptr, k0 + BLOCK_K + offs_k, k_hi, first, HAS_NORM)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc, sum_sq = _gemv_chunk(acc, sum_sq, wa, xa, norm_w_ptr, k0 + offs_k, k_hi, first, HAS_NORM,
+                                  w_scale_ptr, offs_n, k0, N, K, W_SCALE)
+        acc, sum_sq = _gemv_chunk(acc, sum_sq, wb, xb, norm_w_ptr, k0 + BLOCK_K + offs_k, k_hi, first, HAS_NORM,
+                                  w_scale_ptr, offs_n, k0 + BLOCK_K, N, K, W_SCALE)
         if X_GROUP == 4:
             acc, sum_sq = _gemv_chunk(acc, sum_sq, wc, xc, norm_w_ptr, k0 + 2 * BLOCK_K + offs_k, k_hi, first,
-                                      HAS_NORM)
+                                      HAS_NORM, w_scale_ptr, offs_n, k0 + 2 * BLOCK_K, N, K, W_SCALE)
             acc, sum_sq = _gemv_chunk(acc, sum_sq, wd, xd, norm_w_ptr, k0 + 3 * BLOCK_K + offs_k, k_hi, first,
-                                      HAS_NORM)
+                                      HAS_NORM, w_scale_ptr, offs_n, k0 + 3 * BLOCK_K, N, K, W_SCALE)
             xc = nc
             xd = nd
         xa = na
         xb = nb
         if k0 + X_GROUP * BLOCK_K >= k_hi:  # the tile's last group
             y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            EPILOGUE(y, pid_m, pid_n + t, epilogue_args, EPILOGUE_FLAGS)
+            acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
+            EPILOGUE(finish_channels(y, w_scale_ptr, offs_n, N, W_SCALE=W_SCALE, w_ptr=w_ptr, BLOCK_M=1), pid_m,
+                     pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     return s0, s1, s2, s3
 
 

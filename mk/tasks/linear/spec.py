@@ -15,6 +15,7 @@ from .._spec import OpSpec, Region, as_2d, cdiv, check_sizes, check_tile, regist
 from ..all_reduce import (RANKS_SUM_IMPORT, RANKS_SUM_OPERANDS, _check_rank, ranks_sum_ref, ranks_sum_regions,
                           ranks_sum_tail)
 from ..argmax import argmax_pack_ref
+from .format import SCALE_BLOCK, SCALE_BLOCK_CODE, SCALE_CHANNEL, SCALE_NONE, expand_columns
 from .config import (LinearConfig, check_config, tile_rows, dot_waits_in_stream, gemv_stream, linear_config,
                      linear_k_splits, prefetch_lines)
 
@@ -28,7 +29,7 @@ class LinearShape:
     """
 
     def __init__(self, op, M, N, K, split_k, block_m, block_n, block_k, num_warps, residual, silu_mul,
-                 prefetch_k, dtype, tiles_per_task=1):
+                 prefetch_k, dtype, tiles_per_task=1, w_scale=0):
         check_sizes(op, M=M, N=N, K=K, split_k=split_k, tiles_per_task=tiles_per_task)
         if silu_mul and N % 2:
             raise ValueError(f"{op}: silu_mul needs an even N (gate/up pairs), got N={N}")
@@ -65,11 +66,49 @@ class LinearShape:
         eb = self.eb = torch.empty((), dtype=dtype).element_size()
         self.bulk = int((K * eb) % 16 == 0 and (self.bk * eb) % 16 == 0)
         self.op = op
+        # The weight's format's scales (mk.tasks.linear.format): 0 none, 1 per output channel,
+        # 2 per row and 128 columns (a chunk then lies within one 128-column block).
+        if w_scale not in (SCALE_NONE, SCALE_CHANNEL, SCALE_BLOCK_CODE):
+            raise ValueError(f"{op}: w_scale must be 0, 1 or 2 (mk.tasks.linear.format), got {w_scale!r}")
+        if w_scale == SCALE_BLOCK_CODE and SCALE_BLOCK % self.bk:
+            raise ValueError(f"{op}: a weight scaled per {SCALE_BLOCK} columns needs block_k dividing "
+                             f"{SCALE_BLOCK}, got {self.bk}")
+        self.w_scale = w_scale
 
     def constexprs(self) -> dict:
         return {"M": self.M, "N": self.N, "K": self.K, "N_OUT": self.n_out, "BLOCK_M": self.bm,
                 "BLOCK_N": self.bn, "BLOCK_K": self.bk, "PREFETCH_LINES": self.prefetch_lines, "LINE": self.line,
-                "PREFETCH_BULK": self.bulk, "TILES_PER_TASK": self.run, "TILES_N": self.tiles_n}
+                "PREFETCH_BULK": self.bulk, "TILES_PER_TASK": self.run, "TILES_N": self.tiles_n,
+                **({"W_SCALE": self.w_scale} if self.w_scale else {})}
+
+    # The weight's format: its scales' operand, the tile calls' arguments, the VM's weights.
+
+    @property
+    def scale_operands(self) -> tuple[str, ...]:
+        """Operand ``w_scale`` (float32 ``[N]`` or ``[N, ceil(K / 128)]``) when the weight has scales."""
+        return ("w_scale",) if self.w_scale else ()
+
+    @property
+    def scale_kwargs(self) -> str:
+        """What a tile call adds for the weight's scales (nothing without them)."""
+        return ", w_scale_ptr=w_scale, W_SCALE=W_SCALE" if self.w_scale else ""
+
+    def scale_regions(self, bind, n0: int, n1: int) -> list:
+        """The scales of weight rows [n0, n1) a task reads."""
+        return [Region(bind["w_scale"], n0, n1, 0, self.scale_cols)] if self.w_scale else []
+
+    @property
+    def scale_cols(self) -> int:
+        return cdiv(self.K, SCALE_BLOCK) if self.w_scale == SCALE_BLOCK_CODE else 1
+
+    def weights_ref(self, b, n0: int, n1: int) -> torch.Tensor:
+        """VM: weight rows [n0, n1) as float32, their format's scales applied."""
+        w = as_2d(b["w"])[n0:n1].float()
+        if self.w_scale == SCALE_CHANNEL:
+            return w * b["w_scale"].reshape(-1)[n0:n1].float()[:, None]
+        if self.w_scale == SCALE_BLOCK_CODE:
+            return w * expand_columns(b["w_scale"].reshape(self.N, -1)[n0:n1].float(), self.K)
+        return w
 
     def streams_in_run(self, tma: int) -> bool:
         """Whether a task runs as :func:`mk.tasks.linear.linear_run`: a run of tiles, or a
@@ -120,7 +159,7 @@ class LinearShape:
                 f"tl.minimum(TILES_PER_TASK, TILES_N - pid_n * TILES_PER_TASK), M, N, K, {k_range}, K, K, "
                 f"{'EPS' if norm else '0.0'}, EPILOGUE={epilogue}, epilogue_args=({epilogue_args},), "
                 f"EPILOGUE_FLAGS=EPILOGUE_FLAGS, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
-                f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES")
+                f"BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES{self.scale_kwargs}")
         if wait:
             call = ("ok, last_ev, last_need, t_ready = " + call + ", WAIT=task_wait, wait_args=task_wait_args, "
                     "wait_state=task_wait_state, WAIT_FLAGS=TASK_WAIT_FLAGS, X_GROUP=X_GROUP, X_STAGES=X_STAGES")
@@ -284,7 +323,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
               norm: bool = False, eps: float = 1e-6, silu_mul: bool = False, prefetch_k: int = 0,
               double_buffer: bool = True, preload_weights: bool | None = None, tma_stages: int = 0,
               tiles_per_task: int = 1, argmax: bool = False, all_reduce: int = 0,
-              dtype: torch.dtype | None = None) -> OpSpec:
+              dtype: torch.dtype | None = None, w_scale: int = 0) -> OpSpec:
     """One output tile (pid_m, pid_n) of ``y = x @ W.T`` over all of K, epilogue included.
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm: RMSNorm prologue, eps),
@@ -311,17 +350,21 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
     the all-reduce with no phase of its own. Operands res, total ``[M, N]``, recv int64
     ``[world, M, N]`` (symmetric), peers int64 ``[world]`` besides; args rank and hop (the
     all-reduce's index in the step, :func:`mk.tasks.all_reduce.hop_tag`).
+
+    ``w_scale``: the weight's format's scales (:mod:`mk.tasks.linear.format`: 1 per output
+    channel, 2 per row and 128 columns), operand w_scale float32 after w; ``dtype`` is then
+    the stored weight's (FP8 on a GPU).
     """
     s = LinearShape("linear", M, N, K, 1, block_m, block_n, block_k, num_warps, residual, silu_mul,
-                     prefetch_k, dtype, tiles_per_task)
+                     prefetch_k, dtype, tiles_per_task, w_scale)
     if argmax and (residual or silu_mul):
         raise ValueError("linear: the argmax folds an LM head's logits; no residual or silu_mul epilogue")
     if all_reduce and (argmax or residual or silu_mul or norm):
         raise ValueError("linear: a tile summed over the ranks (all_reduce) has no argmax, residual, silu_mul or "
                          "norm of its own")
     tma, double_buffer, preload = weight_streaming(s, K, tma_stages, dtype, double_buffer, preload_weights)
-    operands = ("x", "w") + (("norm_w",) if norm else ()) + (("res",) if residual else ()) + ("out",)
-    operands += ("best",) if argmax else ()
+    operands = ("x", "w") + s.scale_operands + (("norm_w",) if norm else ()) + (("res",) if residual else ())
+    operands += ("out",) + (("best",) if argmax else ())
     operands += RANKS_SUM_OPERANDS if all_reduce else ()
     # Unused pointer operands get a harmless real pointer, as the launcher does.
     norm_w, res = ("norm_w" if norm else "w"), ("res" if residual else "out")
@@ -330,7 +373,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
             f"HAS_NORM=HAS_NORM, HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, "
             f"BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, "
             f"TMA_STAGES=TMA_STAGES{', w_first=w_first' if preload else ''}"
-            f"{', argmax_best=best' if argmax else ''})")
+            f"{', argmax_best=best' if argmax else ''}{s.scale_kwargs})")
     body = s.waiting(body, tma)
     if s.streams_in_run(tma):
         if argmax:
@@ -356,12 +399,14 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
         r0, r1, n0, n1, _, _ = s.tile(a)
         if all_reduce:  # every rank's partial of these columns (the VM hands over theirs as @x, @w)
             _check_rank("linear", b, a, "x")
-            parts = [as_2d(x)[r0:r1].float() @ as_2d(w)[n0:n1].float().T for x, w in zip(b["@x"], b["@w"])]
+            scales = b.get("@w_scale", [None] * len(b["@w"]))
+            parts = [as_2d(x)[r0:r1].float() @ s.weights_ref({"w": w, "w_scale": sc}, n0, n1).T
+                     for x, w, sc in zip(b["@x"], b["@w"], scales)]
             s.store(b, a, parts[a["rank"]], False)
             ranks_sum_ref(b, _ranks_box(s, a), parts)
             return
         h = prologue_ref(as_2d(b["x"])[r0:r1], b["norm_w"] if norm else None, eps)
-        s.store(b, a, h @ as_2d(b["w"])[n0:n1].float().T, residual)
+        s.store(b, a, h @ s.weights_ref(b, n0, n1).T, residual)
         if argmax:  # the run's columns of the logits as stored, folded into best
             packed = argmax_pack_ref(as_2d(b["out"])[r0:r1, n0:n1], torch.arange(n0, n1)).amax(dim=1)
             best = b["best"].view(-1)
@@ -369,7 +414,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 
     def reads(a, bind):
         r0, r1, n0, n1, c0, c1 = s.tile(a)
-        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)]
+        regs = [Region(bind["x"], r0, r1, 0, K), Region(bind["w"], n0, n1, 0, K)] + s.scale_regions(bind, n0, n1)
         if norm:
             regs.append(Region(bind["norm_w"], 0, 1, 0, K))
         if residual or all_reduce:
@@ -393,7 +438,7 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
                   team=(lambda a: a["pid_m"]) if argmax else None,
                   sync_operands=("best",) if argmax else ("recv",) if all_reduce else (),
                   # (The VM computes every rank's partial from their x and w; the GPU reads their stores.)
-                  peer_operands=("x", "w") if all_reduce else (),
+                  peer_operands=("x", "w") + s.scale_operands if all_reduce else (),
                   imports=("from mk.tasks.linear import linear_argmax_epilogue, linear_prefetch_tile, linear_run, "
                            "linear_store_epilogue, linear_tile, linear_weights_first",)
                   + ((RANKS_SUM_IMPORT,) if all_reduce else ()),
@@ -405,7 +450,8 @@ def linear_op(M: int, N: int, K: int, *, block_m: int | None = None, block_n: in
 def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | None = None,
                       block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                       norm: bool = False, eps: float = 1e-6, prefetch_k: int = 0, double_buffer: bool = True,
-                      tma_stages: int = 0, tiles_per_task: int = 1, dtype: torch.dtype | None = None) -> OpSpec:
+                      tma_stages: int = 0, tiles_per_task: int = 1, dtype: torch.dtype | None = None,
+                      w_scale: int = 0) -> OpSpec:
     """Split-K partial of tile (pid_m, pid_n) over K split ``split``: float32 into ws[split].
 
     Operands: x ``[M, K]``, w ``[N, K]``, norm_w ``[K]`` (with norm), ws float32
@@ -419,11 +465,12 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     Pair with :func:`linear_reduce_op` built from the same sizes. ``double_buffer`` and
     ``tma_stages`` stream the weights as in :func:`linear_op` (GEMV tiles), and ``tiles_per_task``
     makes a task a run of tiles as there (:func:`linear_reduce_op` then pairs with single tiles).
+    ``w_scale``: as :func:`linear_op` (the partial is finished by it, the reduce sums finished partials).
     """
     s = LinearShape("linear_partial", M, N, K, split_k, block_m, block_n, block_k, num_warps, False, False,
-                     prefetch_k, dtype, tiles_per_task)
+                     prefetch_k, dtype, tiles_per_task, w_scale)
     tma = _tma_stages(s, K, tma_stages, dtype)
-    operands = ("x", "w") + (("norm_w",) if norm else ()) + ("ws",)
+    operands = ("x", "w") + s.scale_operands + (("norm_w",) if norm else ()) + ("ws",)
     norm_w = "norm_w" if norm else "w"
     eps_src = "EPS" if norm else "0.0"
     # The K range is computed on the device from the split index, exactly as the split-K
@@ -435,7 +482,8 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
     body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
             + s.waiting(f"linear_partial_tile(x, w, {norm_w}, ws, pid_m, pid_n, split, M, N, K, k_lo, k_hi, K, K, "
                         f"M * WS_N, WS_N, {eps_src}, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, "
-                        f"BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES, NORM_SQ=NORM_SQ)", tma))
+                        f"BLOCK_K=BLOCK_K, DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES, NORM_SQ=NORM_SQ"
+                        f"{s.scale_kwargs})", tma))
     if s.streams_in_run(tma):
         body = ("k_lo, k_hi = linear_split_range(split, SPLIT_K, K, BLOCK_K=BLOCK_K)\n"
                 + s.run_body(norm, "k_lo, k_hi", "linear_partial_epilogue", "ws, split, M, N, M * N, N",
@@ -461,14 +509,14 @@ def linear_partial_op(M: int, N: int, K: int, split_k: int, *, block_m: int | No
             ws[w0:w1, s.N + a["pid_n"]] = x[:, k_lo:k_hi].float().pow(2).sum(-1)
         else:
             h = prologue_ref(x, b["norm_w"] if norm else None, eps)
-        ws[w0:w1, n0:n1] = h[:, k_lo:k_hi] @ as_2d(b["w"])[n0:n1, k_lo:k_hi].float().T
+        ws[w0:w1, n0:n1] = h[:, k_lo:k_hi] @ s.weights_ref(b, n0, n1)[:, k_lo:k_hi].T
 
     def reads(a, bind):
         r0, r1, n0, n1, _, _ = s.tile(a)
         k_lo, k_hi = split_of(a)
         whole = norm and not norm_sq  # the rstd of whole rows
         regs = [Region(bind["x"], r0, r1, 0, K) if whole else Region(bind["x"], r0, r1, k_lo, k_hi),
-                Region(bind["w"], n0, n1, k_lo, k_hi)]
+                Region(bind["w"], n0, n1, k_lo, k_hi)] + s.scale_regions(bind, n0, n1)
         if norm:
             regs.append(Region(bind["norm_w"], 0, 1, 0, K))
         return regs

@@ -29,6 +29,7 @@ def linear_partial_tile(
     HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOUBLE_BUFFER: tl.constexpr = False, TMA_STAGES: tl.constexpr = 0, NORM_SQ: tl.constexpr = False,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
+    w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     """Split-K partial: float32 h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T into ws[split, rows, cols].
 
@@ -41,6 +42,8 @@ def linear_partial_tile(
     x**2 over [k_lo, k_hi) at ws[split, row, N + pid_n]: the workspace then holds
     ``N + cdiv(N, BLOCK_N)`` columns, and the reduce scales by the rstd (:func:`linear_splitk_sum`).
     ``WAIT``: as :func:`mk.tasks.linear.linear_tile` (the wait's new state is returned).
+    ``w_scale_ptr``, ``W_SCALE``: the weight's format, which finishes the partial as it does
+    a whole tile (so the reduce sums finished products).
     """
     WAITS: tl.constexpr = WAIT is not None
     state = 0
@@ -49,22 +52,24 @@ def linear_partial_tile(
             acc, sq, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm,
                                          stride_wn, eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                          BLOCK_K=BLOCK_K, TMA_STAGES=TMA_STAGES, NORM_SQ=True, WAIT=WAIT,
-                                         wait_args=wait_args, wait_state=wait_state, WAIT_FLAGS=WAIT_FLAGS)
+                                         wait_args=wait_args, wait_state=wait_state, WAIT_FLAGS=WAIT_FLAGS,
+                                         w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
         else:
             acc, sq = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
                                   eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                  TMA_STAGES=TMA_STAGES, NORM_SQ=True)
+                                  TMA_STAGES=TMA_STAGES, NORM_SQ=True, w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(ws_ptr + split * stride_ws_split + offs_m * stride_ws_m + N + pid_n, sq, mask=offs_m < M)
     elif WAITS:
         acc, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
                                  eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                  TMA_STAGES=TMA_STAGES, WAIT=WAIT, wait_args=wait_args, wait_state=wait_state,
-                                 WAIT_FLAGS=WAIT_FLAGS)
+                                 WAIT_FLAGS=WAIT_FLAGS, w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
     else:
         acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                           HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                          DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES)
+                          DOUBLE_BUFFER=DOUBLE_BUFFER, TMA_STAGES=TMA_STAGES, w_scale_ptr=w_scale_ptr,
+                          W_SCALE=W_SCALE)
     linear_partial_epilogue(acc, pid_m, pid_n, (ws_ptr, split, M, N, stride_ws_split, stride_ws_m), None)
     return state
 

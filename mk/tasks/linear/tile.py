@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from .._device import jit
-from .._dot import fold_weight_major, mma, mma_weight_major
+from .._dot import finish_channels, fold_weight_major, gemv_acc, scaled_chunk
 from ..argmax import argmax_tile_into
 
 
@@ -54,9 +54,11 @@ def _rows_rstd(x_rows, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 @jit
 def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
                  HAS_NORM: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 WEIGHT_MAJOR: tl.constexpr = False):
+                 WEIGHT_MAJOR: tl.constexpr = False, w_scale_ptr=None, offs_n=None, k=0, N=0, K=0,
+                 W_SCALE: tl.constexpr = 0):
     """Add one BLOCK_K chunk (columns ``cols``) of the product to ``acc`` ([BLOCK_N, 2 BLOCK_M]
-    with WEIGHT_MAJOR: :func:`mk.tasks._dot.mma_weight_major`)."""
+    with WEIGHT_MAJOR: :func:`mk.tasks._dot.mma_weight_major`; weight rows ``offs_n``, their
+    format's chunk scale applied: :func:`mk.tasks._dot.scaled_chunk`)."""
     # GEMV weights are read once per call: evict them first, keep x and partials in L2.
     # Prefill tiles share weight tiles across GROUP_M row tiles, so they keep the default.
     if MASKED:
@@ -77,12 +79,9 @@ def _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, cols, k_hi,
     if BLOCK_M == 1:
         # Element-wise products into the [BLOCK_N, BLOCK_K] accumulator: FMAs only, no
         # cross-thread reduction inside the weight stream.
-        acc += w.to(tl.float32) * xt.to(tl.float32)[None, :]
-    elif WEIGHT_MAJOR:
-        acc = mma_weight_major(w, xt, acc)
-    else:
-        acc = mma(xt, tl.trans(w), acc)
-    return acc
+        xt = xt.to(tl.float32)
+    return scaled_chunk(acc, w, xt, w_scale_ptr, offs_n, k, N, K, W_SCALE=W_SCALE, BLOCK_M=BLOCK_M,
+                        WEIGHT_MAJOR=WEIGHT_MAJOR)
 
 
 @jit
@@ -117,8 +116,13 @@ def _linear_acc(
     DOUBLE_BUFFER: tl.constexpr = False, w_first=None, TMA_STAGES: tl.constexpr = 0,
     NORM_SQ: tl.constexpr = False,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
+    w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     """float32 [BLOCK_M, BLOCK_N] = h[rows, k_lo:k_hi] @ W[cols, k_lo:k_hi].T for tile (pid_m, pid_n).
+
+    ``W_SCALE`` (with ``w_scale_ptr``): the weight's format (:mod:`mk.tasks.linear.format`):
+    1 finishes the product with each row's scale, 2 scales each chunk's products by its
+    rows' scales of that 128-column block.
 
     NORM_SQ (tl.dot tiles through the TMA ring, with HAS_NORM): returns (the product without
     the RMSNorm's rstd, float32 [BLOCK_M] sums of x**2 over [k_lo, k_hi)) for a K split's
@@ -157,7 +161,7 @@ def _linear_acc(
     WAITS: tl.constexpr = WAIT is not None
     tl.static_assert((not WAITS) | ((BLOCK_M > 1) & (TMA_STAGES > 0)), "_linear_acc waits for tl.dot TMA tiles only")
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
     elif WEIGHT_MAJOR:
         acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
     else:
@@ -181,7 +185,8 @@ def _linear_acc(
             if HAS_NORM:
                 sum_sq += xt * xt
                 xt = xt * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
-            acc += w.to(tl.float32) * xt[None, :]
+            acc = scaled_chunk(acc, w, xt, w_scale_ptr, offs_n, k, N, K, W_SCALE=W_SCALE, BLOCK_M=BLOCK_M,
+                               WEIGHT_MAJOR=WEIGHT_MAJOR)
         if HAS_NORM & (k_full < k_hi):
             x_tail = _load_x(x_rows, k_full + offs_k, k_hi, MASKED=True, BLOCK_M=BLOCK_M).to(tl.float32)
             sum_sq += x_tail * x_tail
@@ -216,10 +221,8 @@ def _linear_acc(
                 xt = xt.to(tl.float32)
                 sum_sq += xt * xt
                 xt = xt * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)[None, :]
-            if WEIGHT_MAJOR:
-                acc = mma_weight_major(w, xt, acc)
-            else:
-                acc = mma(xt, tl.trans(w), acc)
+            acc = scaled_chunk(acc, w, xt, w_scale_ptr, offs_n, k, N, K, W_SCALE=W_SCALE, BLOCK_M=BLOCK_M,
+                               WEIGHT_MAJOR=WEIGHT_MAJOR)
         if WAITS:
             if k_full == k_lo:  # no whole chunk: the loop never waited
                 s0, s1, s2, s3 = WAIT(wait_args, wait_state, WAIT_FLAGS)
@@ -241,20 +244,25 @@ def _linear_acc(
             xt = _load_x(x_rows, k + offs_k, k_hi, MASKED=False, BLOCK_M=BLOCK_M).to(tl.float32)
             if HAS_NORM:
                 xt = xt * rstd * tl.load(norm_w_ptr + k + offs_k).to(tl.float32)
-            acc += w_cur.to(tl.float32) * xt[None, :]
+            acc = scaled_chunk(acc, w_cur, xt, w_scale_ptr, offs_n, k, N, K, W_SCALE=W_SCALE, BLOCK_M=BLOCK_M,
+                               WEIGHT_MAJOR=WEIGHT_MAJOR)
             w_cur = w_next
     else:
         for k in range(k_lo, k_full, BLOCK_K):
             acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k + offs_k, k_hi,
-                               HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M, WEIGHT_MAJOR=WEIGHT_MAJOR)
+                               HAS_NORM=HAS_NORM, MASKED=False, BLOCK_M=BLOCK_M, WEIGHT_MAJOR=WEIGHT_MAJOR,
+                               w_scale_ptr=w_scale_ptr, offs_n=offs_n, k=k, N=N, K=K, W_SCALE=W_SCALE)
     if k_full < k_hi:
         acc = _linear_step(acc, x_rows, w_rows, norm_w_ptr, rstd, k_full + offs_k, k_hi,
-                           HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M, WEIGHT_MAJOR=WEIGHT_MAJOR)
+                           HAS_NORM=HAS_NORM, MASKED=True, BLOCK_M=BLOCK_M, WEIGHT_MAJOR=WEIGHT_MAJOR,
+                           w_scale_ptr=w_scale_ptr, offs_n=offs_n, k=k_full, N=N, K=K, W_SCALE=W_SCALE)
     if BLOCK_M == 1:
         # The one cross-thread reduction of the GEMV, after the weight stream.
         acc = tl.sum(acc, axis=1)[None, :]
     elif WEIGHT_MAJOR:
         acc = fold_weight_major(acc)
+    # The weight's format finishes the product, before the rstd and any epilogue.
+    acc = finish_channels(acc, w_scale_ptr, offs_n, N, W_SCALE=W_SCALE, w_ptr=w_ptr, BLOCK_M=BLOCK_M)
     if NORM_SQ:
         if WAITS:
             return acc, tl.sum(sum_sq, axis=1), (s0, s1, s2, s3)
@@ -343,7 +351,7 @@ def linear_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOUBLE_BUFFER: tl.constexpr = False,
     w_first=None, TMA_STAGES: tl.constexpr = 0,
     WAIT: tl.constexpr = None, wait_args=None, wait_state=None, WAIT_FLAGS: tl.constexpr = None,
-    argmax_best=None, bias_ptr=None,
+    argmax_best=None, bias_ptr=None, w_scale_ptr=None, W_SCALE: tl.constexpr = 0,
 ):
     """One output tile of y over the K range [k_lo, k_hi), epilogue included.
 
@@ -361,6 +369,7 @@ def linear_tile(
     the wait's new state is returned. ``argmax_best``: an LM head's tile also folds each
     row's max over its columns into best[row] (:func:`mk.tasks.argmax.argmax_tile_into`).
     ``bias_ptr``: ``[N]`` added to the product (a whole-K tile only: a K split's reduce adds it).
+    ``w_scale_ptr``, ``W_SCALE``: the weight's format's scales (:func:`_linear_acc`).
     """
     WAITS: tl.constexpr = WAIT is not None
     res = None
@@ -368,7 +377,7 @@ def linear_tile(
         acc, state = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn,
                                  eps, HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                                  TMA_STAGES=TMA_STAGES, WAIT=WAIT, wait_args=wait_args, wait_state=wait_state,
-                                 WAIT_FLAGS=WAIT_FLAGS)
+                                 WAIT_FLAGS=WAIT_FLAGS, w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
     else:
         # The residual's round trip overlaps the weight stream instead of following it.
         if HAS_RESIDUAL:
@@ -377,7 +386,7 @@ def linear_tile(
         acc = _linear_acc(x_ptr, w_ptr, norm_w_ptr, pid_m, pid_n, M, N, K, k_lo, k_hi, stride_xm, stride_wn, eps,
                           HAS_NORM=HAS_NORM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                           DOUBLE_BUFFER=DOUBLE_BUFFER, w_first=w_first,
-                          TMA_STAGES=TMA_STAGES)
+                          TMA_STAGES=TMA_STAGES, w_scale_ptr=w_scale_ptr, W_SCALE=W_SCALE)
     y = _linear_epilogue(acc, res_ptr, out_ptr, pid_m, pid_n, M, N, stride_rm, stride_om,
                          HAS_RESIDUAL=HAS_RESIDUAL, SILU_MUL=SILU_MUL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, res=res,
                          bias_ptr=bias_ptr)

@@ -1,0 +1,138 @@
+"""FP8 weights (mk.tasks.linear.format) through ``generate``, against bf16 and peers, same run.
+
+Random weights at the Llama-3.2-1B and Llama-3-8B shapes quantized to FP8 per output channel
+(the LM head too), and the Qwen3-8B shape per 128 x 128 block, batch 1 and 8: a 64-token
+prompt and 256 new tokens through ``generate`` (tokens/s, per-token time, time to first
+token, GPU memory beyond weights + KV cache), the same step launched back to back (the
+kernel), the floor (the bytes a step reads at the copy bandwidth of this run), and for the
+Llama shapes a gpt-fast-style FP8 weight-only peer under torch.compile. Then prefill: the
+time to first token of a 2048-token prompt through ``generate`` against the bf16 peer's
+prefill under torch.compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _llama_peer import TorchLlamaStep
+from _llama_shapes import MAX_SEQ, SHAPES, random_model
+
+PROMPT, NEW = 64, 256
+#: (key, family, config, quantize): the shapes and formats timed.
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                rope_theta=1000000.0, max_position_embeddings=40960, eos_token_id=None)
+CASES = {"1b-fp8": ("llama", SHAPES["1b"], "fp8"), "8b-fp8": ("llama", SHAPES["8b"], "fp8"),
+         "qwen3-8b-fp8-block": ("qwen3", QWEN3_8B, "fp8-block")}
+
+
+def fp8_model(key: str, max_seq_len: int = MAX_SEQ):
+    """A bf16 model of case ``key`` with random weights, its projections and LM head quantized
+    on the GPU."""
+    from mk.models.auto import FAMILIES
+    from mk.models.weights import quantize_weights
+
+    family, shape, quantize = CASES[key]
+    cls = FAMILIES[family]
+    cfg = cls.config_class(**shape)
+    weights = quantize_weights(random_model(cfg), cfg, quantize, lm_head=True)
+    torch.cuda.empty_cache()
+    return cls(cfg, weights, device="cuda", dtype=torch.bfloat16, max_batch_size=8, max_seq_len=max_seq_len,
+               name=key)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def quantized(request):
+    model = fp8_model(request.param)
+    yield request.param, model
+    del model
+    torch.cuda.empty_cache()
+
+
+def _prompts(batch: int, vocab: int, length: int = PROMPT) -> list[list[int]]:
+    return [[(31 * b + 7 * t + 1) % vocab for t in range(length)] for b in range(batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_fp8_generate(benchmark, record, gpu_env, quantized, batch):
+    from mk.timing import event_time_us
+
+    key, model = quantized
+    prompts = _prompts(batch, model.config.vocab_size)
+    model.generate(prompts, max_new_tokens=NEW)  # plan, compile, warm
+    fp = model.footprint()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    runs = []
+
+    def run():
+        model.generate(prompts, max_new_tokens=NEW)
+        runs.append(dict(model.last_stats))
+
+    benchmark.pedantic(run, rounds=3, warmup_rounds=0)
+    extra_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
+    decode_s = sorted(r["decode_s"] for r in runs)[1]
+    prefill_s = sorted(r["prefill_s"] for r in runs)[1]
+    dec = model.last_decoder
+    start = torch.full((batch,), PROMPT, dtype=torch.int32, device="cuda")
+
+    def steps():
+        dec.state["pos"].copy_(start)
+        for _ in range(NEW - 1):
+            dec.kernel.launch()
+
+    kernel_ms = event_time_us(steps, reps=3, warmup=1) / (NEW - 1) / 1e3
+    dec.kernel.check()
+    floor_ms = model.shape.weight_bytes / gpu_env["copy_Bps"] * 1e3
+    row = dict(op="generate", model=key, formats=model.formats, batch=batch, prompt=PROMPT, new_tokens=NEW,
+               generate_ms_per_token=decode_s / (NEW - 1) * 1e3, kernel_ms_per_step=kernel_ms,
+               tokens_per_s=batch * (NEW - 1) / decode_s, time_to_first_token_ms=prefill_s * 1e3, floor_ms=floor_ms,
+               kernel_of_floor=floor_ms / kernel_ms, extra_mib=extra_mib, weights_gib=fp["weights"] / 2**30,
+               kv_cache_gib=fp["kv_cache"] / 2**30, predicted_ms=dec.step.plan.predicted_s * 1e3)
+    if model.config.MODEL_TYPE == "llama" and batch == 1:  # the FP8 weight-only peer, same weights
+        peer = TorchLlamaStep(model, batch)
+        ids = torch.ones(batch, dtype=torch.long, device="cuda")
+        pos = torch.tensor([PROMPT], dtype=torch.long, device="cuda")
+        with torch.no_grad():
+            compiled = torch.compile(peer.step, mode="reduce-overhead")
+            for _ in range(3):
+                compiled(ids, pos)
+            row["peer_compile_ms"] = event_time_us(lambda: compiled(ids, pos), reps=30, warmup=3) / 1e3
+        row["vs_peer"] = row["peer_compile_ms"] / kernel_ms
+        del peer, compiled
+        torch.cuda.empty_cache()
+    record("fp8", **row)
+
+
+@pytest.mark.parametrize("key", ["1b-fp8", "8b-fp8"])
+def test_fp8_time_to_first_token(record, key):
+    """A 2048-token prompt through generate (FP8: W8A8 prefill on the FP8 tensor cores, its
+    CUDA graph captured by a first request) against the same shape's bf16 peer prefill under
+    torch.compile."""
+    from mk.models import Llama, LlamaConfig
+    from mk.timing import event_time_us
+
+    model = fp8_model(key, max_seq_len=4096)
+    prompt = _prompts(1, model.config.vocab_size, 2048)
+    for _ in range(2):
+        model.generate(prompt, max_new_tokens=1)  # capture, then replay
+    ttft = []
+    for _ in range(5):
+        model.generate(prompt, max_new_tokens=1)
+        ttft.append(model.last_stats["prefill_s"])
+    mk_ms = sorted(ttft)[2] * 1e3
+    del model
+    torch.cuda.empty_cache()
+    cfg = LlamaConfig(**CASES[key][1])
+    bf16 = Llama(cfg, random_model(cfg), device="cuda", dtype=torch.bfloat16, max_batch_size=1, max_seq_len=4096)
+    peer = TorchLlamaStep(bf16, 1)
+    ids = torch.tensor(prompt, device="cuda")
+    with torch.no_grad():
+        compiled = torch.compile(peer.prefill)
+        for _ in range(3):
+            compiled(ids)
+        peer_ms = event_time_us(lambda: compiled(ids), reps=10, warmup=2) / 1e3
+    record("fp8", op="time_to_first_token", model=key, prompt=2048, mk_ms=mk_ms, peer_bf16_compile_ms=peer_ms,
+           ratio=mk_ms / peer_ms)
