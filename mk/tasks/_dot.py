@@ -6,53 +6,13 @@ import triton.language as tl
 from ._device import jit
 
 
-#: FP8 (e4m3) weights are never widened element by element in a GEMV: at one byte a weight
-#: the conversions (two instructions an element to float32) would cost more than the stream.
-#: A GEMV tile multiplies the e4m3 chunk as it landed on the tensor cores against x split into
-#: :data:`E4M3_DIGITS` e4m3 digits (:func:`e4m3_digits_chunk`). Tensor-core tiles widen e4m3 to
-#: float16 exactly (one instruction a pair) against x's float16 hi and lo halves, x times
-#: 2**-8 so that none below 1.7e7 overflows; their products are then the true ones times 2**-8,
-#: which the tile's finish (:func:`finish_channels`) undoes.
-E4M3_DIGITS = 4
+#: An FP8 (e4m3) weight chunk in a GEMV tile (one activation row) widens to float32 element by
+#: element: its products with x are exact in float32, and the conversion (e4m3 to f16 to f32)
+#: measured faster than either tensor-core detour tried (docs/PERFORMANCE.md, "FP8 weights").
+#: Tensor-core tiles widen e4m3 to float16 exactly (one instruction a pair) against x's float16
+#: hi and lo halves, x times 2**-8 so that none below 1.7e7 overflows; their products are then
+#: the true ones times 2**-8, which the tile's finish (:func:`finish_channels`) undoes.
 E4M3_DOT_X, E4M3_DOT_FOLD = tl.constexpr(2.0**-8), tl.constexpr(2.0**8)
-
-
-@jit
-def e4m3_digits_chunk(acc, w, x):
-    """``acc`` ``[BLOCK_N, 8]`` plus the products of an e4m3 weight chunk ``w`` ``[BLOCK_N,
-    BLOCK_K]`` with float32 ``x`` ``[BLOCK_K]``, on the tensor cores without widening ``w``:
-    x is split into four e4m3 digits, ``x ~ sum_d q_d * s_d`` with ``s_0`` = max|x| / 448 and
-    each next ``s`` a sixteenth of the last (a digit's rounding error is at most 2**-4 of its
-    value, so the remainder always fits the next), 16 bits of x's 24 as the bf16 hi and lo
-    halves keep; ``w @ [q_0 .. q_3, 0 ..].T`` is one MMA, whose columns the scales then
-    weigh. The tile's sum over ``acc``'s columns is its product."""
-    s0 = tl.max(tl.abs(x), axis=0) / 448.0 + 1e-30
-    s1 = s0 * 0.0625
-    s2 = s1 * 0.0625
-    s3 = s2 * 0.0625
-    q0 = (x / s0).to(tl.float8e4nv)
-    r = x - q0.to(tl.float32) * s0
-    q1 = (r / s1).to(tl.float8e4nv)
-    r = r - q1.to(tl.float32) * s1
-    q2 = (r / s2).to(tl.float8e4nv)
-    r = r - q2.to(tl.float32) * s2
-    q3 = (r / s3).to(tl.float8e4nv)
-    d = tl.arange(0, 8)[:, None]
-    digits = tl.where(d == 0, q0.to(tl.float32)[None, :], tl.where(d == 1, q1.to(tl.float32)[None, :], tl.where(
-        d == 2, q2.to(tl.float32)[None, :], tl.where(d == 3, q3.to(tl.float32)[None, :], 0.0))))
-    c = tl.arange(0, 8)
-    scales = tl.where(c == 0, s0, tl.where(c == 1, s1, tl.where(c == 2, s2, tl.where(c == 3, s3, 0.0))))
-    return acc + tl.dot(w, tl.trans(digits.to(tl.float8e4nv))) * scales[None, :]
-
-
-@jit
-def gemv_acc(w_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A GEMV tile's zeroed float32 accumulator: the element-wise products ``[BLOCK_N, BLOCK_K]``,
-    or for e4m3 weights the digits' products ``[BLOCK_N, 8]`` (:func:`e4m3_digits_chunk`)."""
-    if w_ptr.dtype.element_ty == tl.float8e4nv:
-        return tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
 
 
 @jit
@@ -140,20 +100,14 @@ def scaled_chunk(acc, w, x, w_scale_ptr, offs_n, k, N, K, W_SCALE: tl.constexpr,
     if W_SCALE == 2:
         s = tl.load(w_scale_ptr + tl.minimum(offs_n, N - 1) * tl.cdiv(K, 128) + k // 128)
         if BLOCK_M == 1:
-            if w.dtype == tl.float8e4nv:
-                return acc + e4m3_digits_chunk(tl.zeros(acc.shape, dtype=tl.float32), w, x) * s[:, None]
-            else:
-                return acc + (w.to(tl.float32) * s[:, None]) * x[None, :]
+            return acc + (w.to(tl.float32) * s[:, None]) * x[None, :]
         elif WEIGHT_MAJOR:
             return acc + mma_weight_major(w, x, tl.zeros(acc.shape, dtype=tl.float32)) * s[:, None]
         else:
             return acc + mma(x, tl.trans(w), tl.zeros(acc.shape, dtype=tl.float32)) * s[None, :]
     else:
         if BLOCK_M == 1:
-            if w.dtype == tl.float8e4nv:
-                return e4m3_digits_chunk(acc, w, x)
-            else:
-                return acc + w.to(tl.float32) * x[None, :]
+            return acc + w.to(tl.float32) * x[None, :]
         elif WEIGHT_MAJOR:
             return mma_weight_major(w, x, acc)
         else:

@@ -18,19 +18,11 @@ from tests.persistent._helpers import can_compile_for_cuda, compile_script_ok
 F32 = torch.float32
 EPS = 1e-5
 FORMATS = [pytest.param(FP8_CHANNEL, id="channel"), pytest.param(FP8_BLOCK, id="block")]
-#: How the FP8 values are stored: as float8_e4m3fn (what a GPU runs: the tiles widen them by
-#: moving bits, or to float16 for the tensor cores; the interpreter runs the same code), and
+#: How the FP8 values are stored: as float8_e4m3fn (what a GPU runs: GEMV tiles widen them to
+#: float32, tensor-core tiles to float16; the interpreter runs the same code), and
 #: on the CPU also as float32 holding them (what a model keeps there).
 STORAGE = [pytest.param(torch.float8_e4m3fn, id="e4m3"),
            pytest.param(F32, id="f32", marks=pytest.mark.skipif(default_device().type == "cuda", reason="CPU"))]
-
-
-def _skip_interpreted_digits(storage, M: int) -> None:
-    """An e4m3 GEMV (M = 1) splits x into e4m3 digits (mk.tasks._dot.e4m3_digits_chunk): the
-    Triton interpreter misrounds float32 -> e4m3 where the rounding carries into the exponent
-    (Triton 3.9: -127.89 becomes -64, not -128), so that path is checked on the GPU."""
-    if storage == torch.float8_e4m3fn and M == 1 and default_device().type != "cuda":
-        pytest.skip("the interpreter misrounds float32 -> e4m3: e4m3 GEMV tiles are checked on the GPU")
 
 
 def _quantized(fmt, N, K, storage=torch.float8_e4m3fn):
@@ -81,7 +73,6 @@ def test_bad_scales_are_named(scale, message):
 @pytest.mark.parametrize("M,N,K,kw", [(1, 37, 200, {}), (3, 74, 260, {"silu_mul": True}), (5, 40, 384, {"split_k": 3}),
                                       (2, 24, 130, {"residual": True})])
 def test_the_op_multiplies_the_dequantized_weight(fmt, M, N, K, kw, storage):
-    _skip_interpreted_digits(storage, M)
     q, scale, w = _quantized(fmt, N, K, storage)
     x, g = torch.randn(M, K, device=q.device), 1 + 0.1 * torch.randn(K, device=q.device)
     res = torch.randn(M, N, device=q.device) if kw.pop("residual", False) else None
@@ -101,7 +92,6 @@ def test_the_op_multiplies_the_dequantized_weight(fmt, M, N, K, kw, storage):
 def test_gemv_streams_apply_the_format(fmt, tma, norm, run, storage):
     """GEMV tiles (register path or TMA ring, a run of tiles a task, an RMSNorm prologue): a
     ragged last chunk, a clipped last tile, rows of several 128-row blocks."""
-    _skip_interpreted_digits(storage, 1)
     dev = default_device()
     N, K = 140, 208
     q, scale, w = _quantized(fmt, N, K, storage)
@@ -124,7 +114,6 @@ def test_grouped_streams_split_k_and_tensor_core_tiles_apply_the_format(fmt, sto
     """A grouped GEMV stream that waits for x inside it, split-K partials (finished by the
     format, then summed by the reduce) and decode tensor-core tiles (3 rows, weight-major and
     x-major boxes) all equal torch's chain over the dequantized weights."""
-    _skip_interpreted_digits(storage, 1)
     dev, ring = default_device(), 1 + 2 * X_GROUP
     K1, N1, N2, N3 = 64 * X_GROUP, 136, 48, 130
     (q1, s1, w1), (q2, s2, w2), (q3, s3, w3) = (_quantized(fmt, n, k, storage)

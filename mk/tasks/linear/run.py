@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from .._device import jit
-from .._dot import finish_channels, fold_weight_major, gemv_acc, scaled_chunk
+from .._dot import finish_channels, fold_weight_major, scaled_chunk
 from ..argmax import argmax_tile_into
 from .tile import _linear_epilogue, _load_x, _load_x_ahead, _rows_rstd
 
@@ -66,7 +66,7 @@ def linear_run(
     WEIGHT_MAJOR: tl.constexpr = (BLOCK_M > 1) & (BLOCK_M <= 16) & (BLOCK_N >= 128)  # weight_major()
     if BLOCK_M == 1:
         x_rows = x_ptr + tl.minimum(pid_m, M - 1) * stride_xm
-        acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         rstd_pre = tl.full([], 1.0, tl.float32)
     else:
@@ -141,7 +141,7 @@ def linear_run(
         if k + BLOCK_K >= k_hi:  # the tile's last chunk
             if BLOCK_M == 1:
                 y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
-                acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
+                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
                 # rstd is one number a row, so it factors out of the row's sum.
                 y = fold_weight_major(acc) if WEIGHT_MAJOR else acc
@@ -193,7 +193,7 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
     arrive; the ring (X_STAGES - 1 groups in flight) is issued before the wait."""
     tl.static_assert((X_GROUP == 2) | (X_GROUP == 4), "X_GROUP is 2 or 4")
     s0, s1, s2, s3 = wait_state
-    acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     rstd_pre = tl.full([], 1.0, tl.float32)
     whole_row = (k_lo == 0) & (k_hi == K)
@@ -247,7 +247,7 @@ def _gemv_grouped_run(x_rows, w_ptr, norm_w_ptr, pid_m, pid_n, n_tiles, N, K, k_
         xb = nb
         if k0 + X_GROUP * BLOCK_K >= k_hi:  # the tile's last group
             y = _gemv_tile_end(acc, sum_sq, whole_row, rstd_pre, K, eps, HAS_NORM)
-            acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             EPILOGUE(finish_channels(y, w_scale_ptr, offs_n, N, W_SCALE=W_SCALE, w_ptr=w_ptr, BLOCK_M=1), pid_m,
                      pid_n + t, epilogue_args, EPILOGUE_FLAGS)
     return s0, s1, s2, s3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from .._device import jit
-from .._dot import finish_channels, fold_weight_major, gemv_acc, scaled_chunk
+from .._dot import finish_channels, fold_weight_major, scaled_chunk
 from ..argmax import argmax_tile_into
 
 
@@ -161,7 +161,7 @@ def _linear_acc(
     WAITS: tl.constexpr = WAIT is not None
     tl.static_assert((not WAITS) | ((BLOCK_M > 1) & (TMA_STAGES > 0)), "_linear_acc waits for tl.dot TMA tiles only")
     if BLOCK_M == 1:
-        acc = gemv_acc(w_ptr, BLOCK_N, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     elif WEIGHT_MAJOR:
         acc = tl.zeros([BLOCK_N, 2 * BLOCK_M], dtype=tl.float32)
     else:
