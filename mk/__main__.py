@@ -9,7 +9,7 @@ Commands:
          measure the cost model's constants on the live GPU (copy bandwidth, matrix rate,
          launch, task and dependency-wait overheads) and save them for the planner.
   generate
-         decode with a model (a checkpoint folder of any family, or a small random Llama)
+         decode with a model (a checkpoint folder of any family, a .gguf file, or a small random Llama)
          through the megakernel: the text (or ids) streamed as tokens arrive, then tokens/s
          and a check against the reference.
 
@@ -93,7 +93,7 @@ def _main(argv: list[str] | None) -> int:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     plan = sub.add_parser("plan", help="search a plan for a model shape and print it")
     plan.add_argument("--model", required=True, help="a preset (llama-3.2-1b, llama-3-8b, mistral-7b, qwen2.5-7b, "
-                      "llama-3-70b, qwen3-8b) or a folder with config.json of any family mk runs")
+                      "llama-3-70b, qwen3-8b), a folder with config.json of any family mk runs, or a .gguf file")
     plan.add_argument("--batch", type=int, default=1, help=f"sequences decoded together, 1 to {MAX_BATCH}")
     plan.add_argument("--kv-len", type=int, default=None,
                       help=f"the sequence length the step is planned for (its KV splits); default {PLAN_KV_LEN}, or "
@@ -114,9 +114,10 @@ def _main(argv: list[str] | None) -> int:
         "arrive (its text after the prompt's, or with --chat the reply alone; without a tokenizer its ids); with "
         "--batch > 1 the other rows are printed when decoding ends. Then each row's ids, tokens/s and, when "
         "greedy, a check of the first tokens against the float32 torch reference.")
-    gen.add_argument("--model", default=None, help="a Hugging Face checkpoint folder: Llama, Mistral, Qwen2 or "
-                     "Qwen3 (default: a small random Llama)")
-    gen.add_argument("--prompt", default=None, help="prompt text (needs the folder's tokenizer.json)")
+    gen.add_argument("--model", default=None, help="a Hugging Face checkpoint folder or a .gguf file: Llama, "
+                     "Mistral, Qwen2 or Qwen3 (default: a small random Llama)")
+    gen.add_argument("--prompt", default=None, help="prompt text (needs the checkpoint's tokenizer: tokenizer.json, "
+                     "or the GGUF's own)")
     gen.add_argument("--chat", action="store_true", help="send --prompt as a user message through the "
                      "checkpoint's chat template (Instruct models)")
     gen.add_argument("--ids", default=None, help="prompt token ids, comma-separated, e.g. 1,2,3")
@@ -201,6 +202,7 @@ def run_plan(args) -> int:
     from .planner.device import PRESETS, DeviceSpec
     from .models.blocks import MAX_BATCH, ModelShape, decode_graph
     from .models.auto import AutoConfig
+    from .models.gguf import is_gguf_path
     from .planner.search import Plan, search
     from .tasks._cache import check_cache_dir
 
@@ -229,7 +231,7 @@ def run_plan(args) -> int:
     if not args.no_cache:   # (the plan is kept there; --no-cache neither reads nor writes it)
         check_cache_dir()
     folder = Path(args.model)
-    if folder.is_dir():
+    if folder.is_dir() or is_gguf_path(folder):
         config = AutoConfig.from_pretrained(folder)
         shape = config.to_model_shape(name=folder.name)
         positions = config.max_position_embeddings

@@ -1,7 +1,8 @@
 """``python -m mk generate``: decode through the megakernel, checked against the reference.
 
 With ``--model DIR`` it loads a Hugging Face checkpoint of any family mk runs (Llama,
-Mistral, Qwen2, Qwen3: :class:`~mk.models.AutoModel`); without, it builds a small Llama
+Mistral, Qwen2, Qwen3: :class:`~mk.models.AutoModel`), with ``--model FILE.gguf`` a GGUF
+file of those architectures (:mod:`mk.models.gguf`); without, it builds a small Llama
 with random weights from a fixed seed, so the command works on any machine (on a CPU
 through the Triton interpreter, in well under a minute).
 
@@ -183,11 +184,17 @@ def _check_checkpoint(folder: str):
     """The checkpoint's config and tokenizer (None without tokenizer.json), once the folder,
     config.json, the safetensors headers and the tokenizer files are known good (the tensors
     themselves are checked as they load). The tokenizer is read by the loader the model
-    uses (it reads it too, after the weights), so that a broken one is reported first."""
+    uses (it reads it too, after the weights), so that a broken one is reported first. A
+    GGUF file: its metadata, tensor index and tokenizer, likewise."""
+    from .models.gguf import is_gguf_path, read_gguf
     from .models.tokenizer import load_tokenizer
     from .models.weights import SINGLE_FILE, _read_headers, _weight_files
 
     config = AutoConfig.from_pretrained(folder)
+    if is_gguf_path(folder):
+        gguf = read_gguf(folder)   # (kept: the model's load reads it again)
+        gguf.check_tensors(config)
+        return config, gguf.tokenizer()
     shards = sorted(set(_weight_files(folder).values())) or [os.path.join(folder, SINGLE_FILE)]
     _read_headers(shards)
     return config, load_tokenizer(folder)
@@ -232,7 +239,8 @@ def _prompt_ids(args, tokenizer, config, new: int) -> list[int]:
     if args.prompt is None:
         return _parse_ids(args.ids) if args.ids is not None else DEFAULT_IDS
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer.json: give token ids with --ids")
+        raise ValueError("this model has no tokenizer (no tokenizer.json, or a GGUF tokenizer mk does not build): "
+                         "give token ids with --ids")
     positions = config.max_position_embeddings
     room = positions - new
     if args.chat:   # the message alone first (cheap), then the text the template makes of it

@@ -1,7 +1,8 @@
 """``AutoModel`` / ``AutoConfig``: the family a checkpoint's config.json names.
 
 ``model_type`` picks the family (``architectures`` when there is no ``model_type``);
-every family offers the same API (:class:`~mk.models.decoder.DecoderModel`):
+every family offers the same API (:class:`~mk.models.decoder.DecoderModel`). A GGUF file
+stands for a folder: its metadata is read as a config.json (:mod:`mk.models.gguf`).
 
     model = AutoModel.from_pretrained("path/to/Qwen2.5-0.5B", max_seq_len=4096)
     print(model.generate([[1, 2, 3]], max_new_tokens=16))
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 
 from .config import LlamaConfig, check_family_names, read_config_json
 from .decoder import DecoderModel
+from .gguf import is_gguf_path, read_gguf
 from .llama import Llama
 from .mistral import Mistral
 from .qwen2 import Qwen2
@@ -51,13 +53,22 @@ def family_of(d: Mapping, source: str = "config") -> type[DecoderModel]:
     return Llama
 
 
+def read_config(source: str | os.PathLike) -> tuple[Mapping, str]:
+    """The config.json dict of a checkpoint (a folder's ``config.json``, or a GGUF file's
+    metadata read as one) and the path its errors name."""
+    if is_gguf_path(source):
+        ckpt = read_gguf(source)
+        return ckpt.config, ckpt.path
+    return read_config_json(source)
+
+
 class AutoConfig:
     """The config of whichever family a checkpoint is."""
 
     @staticmethod
     def from_pretrained(folder: str | os.PathLike) -> LlamaConfig:
-        """``folder/config.json`` read by its family's config class."""
-        d, path = read_config_json(folder)
+        """``folder/config.json`` (or a ``.gguf`` file's metadata) read by its family's config class."""
+        d, path = read_config(folder)
         return family_of(d, path).config_class.from_dict(d, path)
 
 
@@ -66,8 +77,8 @@ class AutoModel:
 
     @staticmethod
     def from_pretrained(folder: str | os.PathLike, **kwargs) -> DecoderModel:
-        """Load ``folder`` as its family (:meth:`DecoderModel.from_pretrained`'s arguments)."""
-        d, path = read_config_json(folder)
+        """Load ``folder`` (or a ``.gguf`` file) as its family (:meth:`DecoderModel.from_pretrained`'s arguments)."""
+        d, path = read_config(folder)
         return family_of(d, path).from_pretrained(folder, **kwargs)
 
     @staticmethod
@@ -81,4 +92,4 @@ class AutoModel:
         raise TypeError(f"config must be the config of a family mk runs ({names}), got {got}")
 
 
-__all__ = ["AutoConfig", "AutoModel", "FAMILIES", "family_of"]
+__all__ = ["AutoConfig", "AutoModel", "FAMILIES", "family_of", "read_config"]

@@ -20,6 +20,7 @@ the append task after the launch.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import time
@@ -258,7 +259,9 @@ class DecoderModel:
                         plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
                         prefill_workspace: int | None = None, tp: int = 1, quantize: str | None = None,
                         quantize_lm_head: bool = False) -> "DecoderModel":
-        """Load ``folder`` (config.json + model.safetensors, or shards with an index).
+        """Load ``folder`` (config.json + model.safetensors, or shards with an index), or a
+        GGUF file (:mod:`mk.models.gguf`: its metadata as the config, its tensors
+        dequantized, its tokenizer; ``tp`` and ``quantize`` apply to it as to a folder).
 
         Everything is checked (config, files, every tensor's name and shape) before any
         weight reaches the device; errors name the file or tensor. A ``tokenizer.json`` in
@@ -276,13 +279,15 @@ class DecoderModel:
         too with ``quantize_lm_head``. The decode step reads one byte a weight; its
         activations stay float32 (weight-only quantization).
         """
+        from .gguf import is_gguf_path, read_gguf
         from .tokenizer import load_tokenizer
 
         check_quantize(quantize)
         _check_bool("quantize_lm_head", quantize_lm_head)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
-        config = cls.config_class.from_pretrained(folder)
+        gguf = read_gguf(folder) if is_gguf_path(folder) else None   # (a file: GGUF; a folder: Hugging Face's)
+        config = cls.config_class.from_dict(gguf.config, gguf.path) if gguf else cls.config_class.from_pretrained(folder)
         max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
         _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
@@ -291,13 +296,14 @@ class DecoderModel:
             _prefill.PrefillBudget.make(_prefill_per_token(config, dtype, prefill_precision), prefill_workspace)
         _check_memory(config, device, dtype, kv_dtype, max_batch_size, max_seq_len, tp)
         t0 = time.perf_counter()
-        weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress and rank == 0,
-                               shard=tp_slices(config, tp, rank) if tp > 1 else None)
+        weights = (gguf.load_weights if gguf else functools.partial(load_weights, folder))(
+            config, device=device, dtype=dtype, progress=progress and rank == 0,
+            shard=tp_slices(config, tp, rank) if tp > 1 else None)
         if quantize is not None:
             weights = quantize_weights(weights, config, quantize, lm_head=quantize_lm_head)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
                     max_seq_len=max_seq_len, device_spec=device_spec, name=os.path.basename(os.path.normpath(folder)),
-                    tokenizer=load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype,
+                    tokenizer=gguf.tokenizer() if gguf else load_tokenizer(folder), plan_mode=plan_mode, kv_dtype=kv_dtype,
                     prefill_precision=prefill_precision, prefill_workspace=prefill_workspace, tp=tp, rank=rank)
         model.build_stats["load_s"] = time.perf_counter() - t0
         return model
