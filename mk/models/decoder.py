@@ -45,12 +45,13 @@ from mk.models.blocks import MAX_BATCH, TP_PEERS, cache_keys, weight_key
 from mk.planner.steps import StepCache
 from mk.persistent.runtime import MegakernelTimeout
 
-from .config import LlamaConfig
+from .config import LlamaConfig, read_config_json
 from . import prefill as _prefill
+from .quantization import CheckpointQuantization, read_quantization
 from mk.tasks.linear.format import weight_format
 
-from .weights import (SCALE_SUFFIX, check_quantize, expected_shapes, load_weights, quantize_weights, random_weights,
-                      tp_slices, weight_formats)
+from .weights import (QUANTIZE, SCALE_SUFFIX, check_quantize, check_tp_format, expected_shapes, load_weights,
+                      quantize_weights, random_weights, tp_slices, weight_formats)
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
 #: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
@@ -272,9 +273,16 @@ class DecoderModel:
         model or config is refused on every rank.
 
         ``quantize="fp8"``: the projections are stored in FP8 (e4m3) with a float32 scale per
-        output channel, quantized as they load (:mod:`mk.tasks.linear.format`); the LM head
-        too with ``quantize_lm_head``. The decode step reads one byte a weight; its
-        activations stay float32 (weight-only quantization).
+        output channel, quantized as they load (:mod:`mk.tasks.linear.format`);
+        ``"fp8-block"``: one scale per 128 x 128 block. The LM head too with
+        ``quantize_lm_head``. The decode step reads one byte a weight; its activations stay
+        float32 (weight-only quantization).
+
+        An FP8 checkpoint (config.json's ``quantization_config``: compressed-tensors
+        ``float-quantized``, or transformers' ``fp8`` with 128 x 128 blocks; see
+        :mod:`mk.models.quantization`) loads in its own format, weight-only as well;
+        ``quantize`` may then only name that format, and ``quantize_lm_head`` quantizes an
+        LM head the checkpoint left unquantized.
         """
         from .tokenizer import load_tokenizer
 
@@ -282,8 +290,13 @@ class DecoderModel:
         _check_bool("quantize_lm_head", quantize_lm_head)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
-        config = cls.config_class.from_pretrained(folder)
+        d, path = read_config_json(folder)
+        config = cls.config_class.from_dict(d, path)
+        stored = read_quantization(d, path)
+        quantize = _stored_or_quantize(stored, quantize, quantize_lm_head, path)
         max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
+        if quantize is not None:
+            check_tp_format(config, tp, QUANTIZE[quantize])
         _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
@@ -292,7 +305,7 @@ class DecoderModel:
         _check_memory(config, device, dtype, kv_dtype, max_batch_size, max_seq_len, tp)
         t0 = time.perf_counter()
         weights = load_weights(folder, config, device=device, dtype=dtype, progress=progress and rank == 0,
-                               shard=tp_slices(config, tp, rank) if tp > 1 else None)
+                               shard=tp_slices(config, tp, rank) if tp > 1 else None, quantization=stored)
         if quantize is not None:
             weights = quantize_weights(weights, config, quantize, lm_head=quantize_lm_head)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
@@ -318,6 +331,8 @@ class DecoderModel:
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
+        if quantize is not None:
+            check_tp_format(config, tp, QUANTIZE[quantize])
         _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
@@ -1332,6 +1347,20 @@ def _rows(input_ids) -> list[list[int]]:
                                 f"are ints")
         rows[b] = [int(t) for t in r]
     return rows
+
+
+def _stored_or_quantize(stored: CheckpointQuantization | None, quantize: str | None, lm_head: bool,
+                        source: str) -> str | None:
+    """The format to quantize a checkpoint's float weights to at load: ``quantize`` for a
+    float checkpoint; for a quantized one (``stored``) its own format when its LM head is to be
+    quantized too, else None. ValueError when ``quantize`` names another format than the
+    checkpoint's (its weights would be quantized twice)."""
+    if stored is None:
+        return quantize
+    if quantize is not None and QUANTIZE[quantize] != stored.format.name:
+        raise ValueError(f"{source}: the checkpoint's weights are stored {stored.format.name} ({stored.method}); "
+                         f"quantize={quantize!r} would quantize them again: leave quantize out")
+    return stored.format.name if lm_head else None
 
 
 def _check_bool(name: str, value) -> bool:

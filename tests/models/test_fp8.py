@@ -81,7 +81,7 @@ def test_quantize_at_load_reads_a_bf16_checkpoint_into_fp8(tmp_path):
 @pytest.mark.parametrize("quantize", ["fp8", "fp8-block"])
 def test_fp8_on_the_gpu_decodes_within_bf16_tolerance_of_the_float32_reference(quantize):
     """On a GPU the projections are stored as float8_e4m3fn and widened in the tiles (to
-    float32 for the GEMV streams, to bf16 for the tensor cores, where x goes as two bf16
+    float32 for the GEMV streams, to float16 for the tensor cores, where x goes as two float16
     halves): with exact prefill and a float32 cache, the logits are within the bf16
     tolerance of the float32 reference and the greedy tokens follow it. The fast prefill
     multiplies on the FP8 tensor cores (x quantized a row at a time): within 5%."""
