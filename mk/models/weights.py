@@ -103,9 +103,15 @@ def shard_tensor(name: str, t: torch.Tensor, slices: dict[str, tuple[int, int, i
 
 
 def shard_weights(weights: dict[str, torch.Tensor], slices: dict[str, tuple[int, int, int]]) -> dict[str, torch.Tensor]:
-    """Whole-model weights cut to one rank's share (:func:`tp_slices`), contiguous; a tied
-    LM head's share comes from the embedding."""
-    out = {name: shard_tensor(name, t, slices).contiguous() if name in slices else t for name, t in weights.items()}
+    """Whole-model weights cut to one rank's share (:func:`tp_slices`), contiguous, a quantized
+    weight's scales with it (:func:`shard_scale`); a tied LM head's share comes from the
+    embedding."""
+    def cut(name, t):
+        if name.endswith(SCALE_SUFFIX):
+            return shard_scale(name.removesuffix(SCALE_SUFFIX), t, slices)
+        return shard_tensor(name, t, slices).contiguous() if name in slices else t
+
+    out = {name: cut(name, t) for name, t in weights.items()}
     if "lm_head.weight" in slices and "lm_head.weight" not in weights:
         out["lm_head.weight"] = shard_tensor("lm_head.weight", weights["model.embed_tokens.weight"], slices).contiguous()
     return out
