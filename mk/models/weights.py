@@ -32,11 +32,13 @@ from tqdm.auto import tqdm
 
 from mk.tasks.linear.format import FP8_BLOCK, FP8_CHANNEL, SCALE_BLOCK, weight_format
 
-from .config import LlamaConfig, check_folder
+from .config import LlamaConfig, check_folder, check_regular_file, read_text_file
 from .quantization import UNUSED_SUFFIXES, CheckpointQuantization
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+#: A safetensors index larger than this is refused before it is read (a 400B model's is ~100 KiB).
+MAX_INDEX_BYTES = 64 * 2**20
 
 #: safetensors dtype names mk can load as they are; FP8 values (:data:`_FP8_DTYPE`) only as a
 #: quantized checkpoint's projections (:mod:`mk.models.quantization`).
@@ -158,17 +160,23 @@ def _weight_files(folder: str) -> dict[str, str]:
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.lexists(index_path):
         try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            weight_map = json.loads(read_text_file(index_path, MAX_INDEX_BYTES))["weight_map"]
+        except FileNotFoundError:
+            raise ValueError(f"{index_path}: a link to nothing") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({e!r})") from None
-        except OSError as e:
-            raise ValueError(f"{index_path}: cannot read it: {e.strerror or e}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: weight_map must be an object")
+        for name, shard in weight_map.items():
+            # A shard is a file of the folder, named plainly: an index naming a path elsewhere
+            # ("../x", "/etc/x") would read whatever that is.
+            if (not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard or "\\" in shard
+                    or "\0" in shard):
+                raise ValueError(f"{index_path}: tensor {name!r} is in {shard!r}, which is not a file name of "
+                                 f"the checkpoint folder")
         files = {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
-            if not os.path.isfile(shard):
+            if not os.path.lexists(shard):
                 raise ValueError(f"{index_path} names shard {os.path.basename(shard)!r}, which is missing "
                                  f"from {folder!r}")
         return files
@@ -201,6 +209,7 @@ def _check_readable(path: str) -> None:
     when it cannot be opened for reading; safetensors' own errors do not tell these apart
     from a corrupt file."""
     try:
+        check_regular_file(path)
         with open(path, "rb"):
             pass
     except FileNotFoundError:
