@@ -215,6 +215,8 @@ def run_plan(args) -> int:
     from .planner.device import PRESETS, DeviceSpec
     from .models.blocks import MAX_BATCH, ModelShape, decode_graph
     from .models.auto import AutoConfig
+    from .models.config import read_config_json
+    from .models.quantization import read_quantization
     from .planner.search import Plan, search
     from .tasks._cache import check_cache_dir
 
@@ -248,10 +250,17 @@ def run_plan(args) -> int:
         config = AutoConfig.from_pretrained(folder)
         shape = config.to_model_shape(name=folder.name)
         positions = config.max_position_embeddings
+        stored = read_quantization(*read_config_json(folder))   # an FP8 checkpoint plans in its format
+        if stored is not None:
+            head = not config.tie_word_embeddings and stored.quantizes("lm_head")
+            shape = replace(shape, linear_format=stored.format.name,
+                            lm_head_format=stored.format.name if head or args.quantize_lm_head else "plain")
+            if args.quantize and args.quantize != stored.format.name:
+                raise ValueError(f"--quantize {args.quantize}: {folder} is stored {stored.format.name} already")
     else:
         shape = ModelShape.preset(args.model)
         positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
-    if args.quantize:   # (the names of QUANTIZE are the formats')
+    if args.quantize and shape.linear_format == "plain":   # (the names of QUANTIZE are the formats')
         shape = replace(shape, linear_format=args.quantize,
                         lm_head_format=args.quantize if args.quantize_lm_head else "plain")
     shape = shape.shard(args.tp)  # (names what does not split over the ranks)

@@ -411,3 +411,19 @@ def test_plan_prices_and_names_the_weights_format(capsys):
         assert line == f"  weights: {weights}"
         predicted[len(flags)] = float(re.search(r"([0-9.]+) ms predicted", head).group(1))
     assert predicted[0] > predicted[2] > predicted[3]
+
+
+def test_plan_reads_an_fp8_checkpoint_in_its_format(tmp_path, capsys):
+    """A checkpoint whose config.json says it is FP8 plans in that format, without --quantize."""
+    from tests.models.test_fp8_checkpoints import CT_CHANNEL, HF_BLOCK, _write
+
+    for qconfig, scale, weights in ((CT_CHANNEL, "weight_scale", "fp8 (e4m3, per-channel scales; LM head 16-bit)"),
+                                    (HF_BLOCK, "weight_scale_inv",
+                                     "fp8-block (e4m3, a scale per 128x128 block; LM head 16-bit)")):
+        folder = tmp_path / scale
+        _write(folder, "channel" if scale == "weight_scale" else "block", qconfig, scale_name=scale)
+        assert main(["plan", "--model", str(folder), "--device", "h200", "--no-cache"]) == 0
+        assert capsys.readouterr().out.splitlines()[1] == f"  weights: {weights}"
+    assert main(["plan", "--model", str(folder), "--device", "h200", "--quantize", "fp8", "--no-cache"]) == 1
+    err = capsys.readouterr().err
+    assert "--quantize fp8: " in err and "is stored fp8-block already" in err
