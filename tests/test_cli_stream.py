@@ -174,16 +174,6 @@ def test_max_new_tokens_zero_gives_the_prompts_back_as_the_api_does(capsys):
     assert "nothing decoded" in out and "check:" not in out
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model fails the test: bad arguments must be refused before."""
-    def built(*args, **kwargs):
-        raise AssertionError("a model was built")
-
-    monkeypatch.setattr(Llama, "from_config", built)
-    monkeypatch.setattr(Llama, "from_pretrained", built)
-
-
 GENERATE_ERRORS = [
     (["--check-steps", "-1"], "--check-steps must be >= 0, got -1"),
     (["--temperature", "-0.5"], "--temperature: temperature must be a finite number >= 0, got -0.5"),
