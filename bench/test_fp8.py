@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _harness import PROMPT, measure_generate, prompts
 from _llama_peer import TorchLlamaStep
 from _llama_shapes import MAX_SEQ, SHAPES, random_model
 
-PROMPT, NEW = 64, 256
 #: (key, family, config, quantize): the shapes and formats timed.
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
@@ -50,47 +50,13 @@ def quantized(request):
     torch.cuda.empty_cache()
 
 
-def _prompts(batch: int, vocab: int, length: int = PROMPT) -> list[list[int]]:
-    return [[(31 * b + 7 * t + 1) % vocab for t in range(length)] for b in range(batch)]
-
-
 @pytest.mark.parametrize("batch", [1, 8])
 def test_fp8_generate(benchmark, record, gpu_env, quantized, batch):
     from mk.timing import event_time_us
 
     key, model = quantized
-    prompts = _prompts(batch, model.config.vocab_size)
-    model.generate(prompts, max_new_tokens=NEW)  # plan, compile, warm
-    fp = model.footprint()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    runs = []
-
-    def run():
-        model.generate(prompts, max_new_tokens=NEW)
-        runs.append(dict(model.last_stats))
-
-    benchmark.pedantic(run, rounds=3, warmup_rounds=0)
-    extra_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
-    decode_s = sorted(r["decode_s"] for r in runs)[1]
-    prefill_s = sorted(r["prefill_s"] for r in runs)[1]
-    dec = model.last_decoder
-    start = torch.full((batch,), PROMPT, dtype=torch.int32, device="cuda")
-
-    def steps():
-        dec.state["pos"].copy_(start)
-        for _ in range(NEW - 1):
-            dec.kernel.launch()
-
-    kernel_ms = event_time_us(steps, reps=3, warmup=1) / (NEW - 1) / 1e3
-    dec.kernel.check()
-    floor_ms = model.shape.weight_bytes / gpu_env["copy_Bps"] * 1e3
-    row = dict(op="generate", model=key, formats=model.formats, batch=batch, prompt=PROMPT, new_tokens=NEW,
-               generate_ms_per_token=decode_s / (NEW - 1) * 1e3, kernel_ms_per_step=kernel_ms,
-               tokens_per_s=batch * (NEW - 1) / decode_s, time_to_first_token_ms=prefill_s * 1e3, floor_ms=floor_ms,
-               kernel_of_floor=floor_ms / kernel_ms, extra_mib=extra_mib, weights_gib=fp["weights"] / 2**30,
-               kv_cache_gib=fp["kv_cache"] / 2**30, predicted_ms=dec.step.plan.predicted_s * 1e3)
+    row = dict(model=key, formats=model.formats, **measure_generate(benchmark, model, batch, gpu_env["copy_Bps"]))
+    kernel_ms = row["kernel_ms_per_step"]
     if model.config.MODEL_TYPE == "llama" and batch == 1:  # the FP8 weight-only peer, same weights
         peer = TorchLlamaStep(model, batch)
         ids = torch.ones(batch, dtype=torch.long, device="cuda")
@@ -115,7 +81,7 @@ def test_fp8_time_to_first_token(record, key):
     from mk.timing import event_time_us
 
     model = fp8_model(key, max_seq_len=4096)
-    prompt = _prompts(1, model.config.vocab_size, 2048)
+    prompt = prompts(1, model.config.vocab_size, 2048)
     for _ in range(2):
         model.generate(prompt, max_new_tokens=1)  # capture, then replay
     ttft = []

@@ -20,58 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from _harness import measure_generate
 from _llama_shapes import SHAPES, random_model
 
-PROMPT, NEW = 64, 256
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _prompts(batch: int, vocab: int) -> list[list[int]]:
-    return [[(31 * b + 7 * t + 1) % vocab for t in range(PROMPT)] for b in range(batch)]
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_generate(benchmark, record, gpu_env, llama, batch):
-    from mk.timing import event_time_us
-
     key, model = llama
-    prompts = _prompts(batch, model.config.vocab_size)
-    model.generate(prompts, max_new_tokens=NEW)  # plan, compile, warm
-    fp = model.footprint()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    runs = []
-
-    def run():
-        out = model.generate(prompts, max_new_tokens=NEW)
-        runs.append(dict(model.last_stats))
-        assert all(len(o) == PROMPT + NEW for o in out)  # no EOS in these configs: every token decoded
-
-    benchmark.pedantic(run, rounds=3, warmup_rounds=0)
-    extra_mib = (torch.cuda.max_memory_allocated() - before) / 2**20
-    decode_s = sorted(r["decode_s"] for r in runs)[len(runs) // 2]
-    prefill_s = sorted(r["prefill_s"] for r in runs)[len(runs) // 2]
-    per_token_ms = decode_s / (NEW - 1) * 1e3  # the prefill chose the first token
-
-    # The same step, launched back to back from the same positions (its kernel time).
-    dec = model.last_decoder
-    start = torch.full((batch,), PROMPT, dtype=torch.int32, device="cuda")
-
-    def steps():
-        dec.state["pos"].copy_(start)
-        for _ in range(NEW - 1):
-            dec.kernel.launch()
-
-    kernel_ms = event_time_us(steps, reps=3, warmup=1) / (NEW - 1) / 1e3
-    dec.kernel.check()
-    floor_ms = model.shape.weight_bytes / gpu_env["copy_Bps"] * 1e3
-    record("generate", op="generate", model=key, batch=batch, prompt=PROMPT, new_tokens=NEW,
-           generate_ms_per_token=per_token_ms, kernel_ms_per_step=kernel_ms, gap=per_token_ms / kernel_ms,
-           tokens_per_s=batch * (NEW - 1) / decode_s, time_to_first_token_ms=prefill_s * 1e3,
-           floor_ms=floor_ms, kernel_of_floor=floor_ms / kernel_ms, extra_mib=extra_mib,
-           weights_gib=fp["weights"] / 2**30, kv_cache_gib=fp["kv_cache"] / 2**30,
-           workers=dec.kernel.program.num_workers, tasks=len(dec.step.graph.tasks))
+    record("generate", model=key, **measure_generate(benchmark, model, batch, gpu_env["copy_Bps"]))
 
 
 FIRST_TOKEN = r"""

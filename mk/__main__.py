@@ -4,14 +4,15 @@ Commands:
   demo   run every task op on random inputs, check it against its torch reference,
          and print the error and time of each (CPU: Triton interpreter; GPU: compiled).
   plan   plan a decode step for a model shape (a preset name or a checkpoint folder with
-         config.json) on a device (a preset or the live GPU) and print the plan.
+         config.json) on a device (a preset or the live GPU) and print the plan
+         (``--quantize fp8``: for projections stored in FP8).
   calibrate
          measure the cost model's constants on the live GPU (copy bandwidth, matrix rate,
          launch, task and dependency-wait overheads) and save them for the planner.
   generate
          decode with a model (a checkpoint folder of any family, a .gguf file, or a small random Llama)
          through the megakernel: the text (or ids) streamed as tokens arrive, then tokens/s
-         and a check against the reference.
+         and a check against the reference (``--quantize fp8``: FP8 projections).
 
 Results go to stdout; what a command is doing goes to stderr (a status line and progress
 bars on a terminal, plain ``mk: ...`` lines elsewhere). Bad arguments or checkpoints are
@@ -85,6 +86,14 @@ def _drop_stdout() -> None:
 def _main(argv: list[str] | None) -> int:
     from . import __version__
     from .models.blocks import MAX_BATCH
+    from .models.weights import QUANTIZE
+
+    def quantize_flags(command) -> None:
+        command.add_argument("--quantize", default=None, choices=sorted(QUANTIZE),
+                             help="store the projections in FP8 (e4m3): fp8 with a float32 scale per output channel, "
+                             "fp8-block with one per 128x128 block (default: as the checkpoint stores them)")
+        command.add_argument("--quantize-lm-head", action="store_true",
+                             help="with --quantize: the LM head too (default: it keeps the weights' dtype)")
 
     parser = argparse.ArgumentParser(prog="python -m mk", description="mk: LLM decoding as one persistent Triton kernel")
     parser.add_argument("--version", action="version", version=f"mk {__version__}")
@@ -103,6 +112,7 @@ def _main(argv: list[str] | None) -> int:
     plan.add_argument("--smem-budget", default=None, help="shared memory per block to plan for, e.g. 99KiB")
     plan.add_argument("--beam", type=int, default=6, help="beam width of the search")
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the plan of one rank's share")
+    quantize_flags(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--no-cache", action="store_true", help="search again even if a cached plan exists")
     cal = sub.add_parser("calibrate", help="measure the planner's cost-model constants on the live GPU")
@@ -133,6 +143,7 @@ def _main(argv: list[str] | None) -> int:
                      help="KV-cache dtype (default: the weights'); float32 rounds nothing but the weights")
     gen.add_argument("--prefill-precision", default="fast", choices=["fast", "exact"],
                      help="fast (default): bf16 matmul operands in prefill; exact: float32 activations")
+    quantize_flags(gen)
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
     args = parser.parse_args(argv)
     debug = debug_wanted()
@@ -189,20 +200,24 @@ PLAN_KV_LEN = 1024
 
 
 def run_plan(args) -> int:
-    """``python -m mk plan``: shape + device -> the best plan, explained (or as JSON).
+    """``python -m mk plan``: shape + device -> the best plan, explained (or as JSON); with
+    ``--quantize`` (``--quantize-lm-head``) for projections (and LM head) stored in that format.
 
     The device, the shape, ``--batch`` (1 to :data:`~mk.models.blocks.MAX_BATCH`) and
     ``--kv-len`` (1 to the model's positions; default :data:`PLAN_KV_LEN` or fewer) are
     checked before the search; without ``--device`` the live GPU is planned for, and a
     machine without one is told to name a preset."""
+    from dataclasses import replace
     from pathlib import Path
 
-    from .generate import Status
+    from .generate import Status, check_quantize_flags
+    from .models.decoder import StepPlan
     from .planner.cache import cached_plan
     from .planner.device import PRESETS, DeviceSpec
     from .models.blocks import MAX_BATCH, ModelShape, decode_graph
-    from .models.auto import AutoConfig
+    from .models.auto import AutoConfig, read_config
     from .models.gguf import is_gguf_path
+    from .models.quantization import read_quantization
     from .planner.search import Plan, search
     from .tasks._cache import check_cache_dir
 
@@ -228,6 +243,7 @@ def run_plan(args) -> int:
         raise ValueError(f"--batch must be in [1, {MAX_BATCH}] (sequences a decode step holds), got {args.batch}")
     if not args.model.strip():
         raise ValueError("--model is empty: give a preset or a checkpoint folder")
+    check_quantize_flags(args)
     if not args.no_cache:   # (the plan is kept there; --no-cache neither reads nor writes it)
         check_cache_dir()
     folder = Path(args.model)
@@ -235,9 +251,19 @@ def run_plan(args) -> int:
         config = AutoConfig.from_pretrained(folder)
         shape = config.to_model_shape(name=folder.name)
         positions = config.max_position_embeddings
+        stored = read_quantization(*read_config(folder))   # an FP8 checkpoint plans in its format (a GGUF: None)
+        if stored is not None:
+            head = not config.tie_word_embeddings and stored.quantizes("lm_head")
+            shape = replace(shape, linear_format=stored.format.name,
+                            lm_head_format=stored.format.name if head or args.quantize_lm_head else "plain")
+            if args.quantize and args.quantize != stored.format.name:
+                raise ValueError(f"--quantize {args.quantize}: {folder} is stored {stored.format.name} already")
     else:
         shape = ModelShape.preset(args.model)
         positions = PRESET_MAX_POSITIONS.get(shape.name, DEFAULT_MAX_POSITIONS)
+    if args.quantize and shape.linear_format == "plain":   # (the names of QUANTIZE are the formats')
+        shape = replace(shape, linear_format=args.quantize,
+                        lm_head_format=args.quantize if args.quantize_lm_head else "plain")
     shape = shape.shard(args.tp)  # (names what does not split over the ranks)
     kv_len = min(PLAN_KV_LEN, positions) if args.kv_len is None else args.kv_len
     if not 1 <= kv_len <= positions:
@@ -251,7 +277,7 @@ def run_plan(args) -> int:
         best, _ = cached_plan(graph, device, beam_width=args.beam, progress=status.tty)
         best = Plan.from_json(best.to_json(), graph, device)  # per-op estimates for explain()
     status.clear()
-    print(best.to_json() if args.json else best.explain())
+    print(best.to_json() if args.json else StepPlan(best, graph, device))
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 
 from .models import AutoConfig, AutoModel, Llama, LlamaConfig, ReferenceLlama, greedy_generate
 from .models.blocks import MAX_BATCH
+from .models.decoder import MIN_TEMPERATURE, describe_formats
 from .persistent.symmetric import SETUP_TIMEOUT_S, check_gpu_ranks, launch_env
 from .tasks import supported_dtypes
 from .tasks._cache import check_cache_dir
@@ -144,6 +145,12 @@ def _flag(flag: str, check, value):
         raise ValueError(f"{flag}: {err}") from None
 
 
+def check_quantize_flags(args) -> None:
+    """``--quantize-lm-head`` only with ``--quantize`` (argparse refuses an unknown format)."""
+    if args.quantize_lm_head and not args.quantize:
+        raise ValueError("--quantize-lm-head needs --quantize (the format: fp8 or fp8-block)")
+
+
 def _check_args(args) -> int:
     """Every check that needs no model (flags, their ranges, torchrun's environment, the
     cache folder); returns max-new-tokens."""
@@ -164,6 +171,7 @@ def _check_args(args) -> int:
     _flag("--top-k", _check_top_k, args.top_k)
     _flag("--top-p", _check_top_p, args.top_p)
     _flag("--seed", lambda v: _check_counter("seed", v), args.seed)
+    check_quantize_flags(args)
     # The model goes to the GPU when there is one (mk.tasks.default_device; its type only
     # here: no CUDA context is made before torchrun's rank picks its GPU).
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,6 +206,31 @@ def _check_checkpoint(folder: str):
     shards = sorted(set(_weight_files(folder).values())) or [os.path.join(folder, SINGLE_FILE)]
     _read_headers(shards)
     return config, load_tokenizer(folder)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as people read them: ``1.1 GiB``, ``12.5 MiB``, ``3.0 KiB``."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+def model_line(model, ready_s: float) -> str:
+    """What the commands say of a model once it is ready: its family and sizes, how its
+    weights are stored and their bytes on its device (``footprint()``), its KV cache, its
+    prefill precision and where it runs. FP8 weights on the CPU are held in float32 (the
+    interpreter computes in float32): the line says so, as their bytes are four a weight."""
+    config, fp = model.config, model.footprint()
+    dtype, kv = (str(d).replace("torch.", "") for d in (model.dtype, model.kv_dtype))
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU (Triton interpreter)"
+    held = ("" if model.device.type == "cuda" or fp["weight_format"] == fp["lm_head_format"] == "plain"
+            else ", FP8 values held in float32")
+    return (f"model {model.name} ({config.MODEL_TYPE}): {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+            f"vocab {config.vocab_size}; weights {describe_formats(fp['weight_format'], fp['lm_head_format'], dtype)} "
+            f"{_size(fp['weights'])}{' a rank' if model.tp > 1 else ''}, KV cache {kv} {_size(fp['kv_cache'])}, "
+            f"{model.prefill_precision} prefill; on "
+            f"{where}{held} (ready in {ready_s:.1f} s)")
 
 
 def _speed(stats: dict, rows: list[list[int]]) -> str:
@@ -261,6 +294,8 @@ def run_generate(args) -> int:
     """
     new = _check_args(args)
     temperature, top_k, top_p = args.temperature, args.top_k, args.top_p
+    if temperature < MIN_TEMPERATURE:   # greedy, as the model decodes it (and so checked against the reference)
+        temperature = 0.0
     status = Status()
     t0 = time.perf_counter()
     tokenizer = None
@@ -295,18 +330,16 @@ def run_generate(args) -> int:
         status(f"loading weights from {args.model}" + (f" (this rank's share of {tp})" if tp > 1 else ""))
         model = AutoModel.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total,
                                           kv_dtype=kv_dtype, progress=status.tty,
-                                          prefill_precision=args.prefill_precision, tp=tp)
+                                          prefill_precision=args.prefill_precision, tp=tp, quantize=args.quantize,
+                                          quantize_lm_head=args.quantize_lm_head)
     else:
         status("building the default model (random weights)")
         model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=total,
                                   name="mk-default-llama", kv_dtype=kv_dtype,
-                                  prefill_precision=args.prefill_precision)
+                                  prefill_precision=args.prefill_precision, quantize=args.quantize,
+                                  quantize_lm_head=args.quantize_lm_head)
     status.clear()
-    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU (Triton interpreter)"
-    print(f"model {model.name} ({config.MODEL_TYPE}): {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
-          f"{config.vocab_size}, {str(model.dtype).replace('torch.', '')} (KV cache "
-          f"{str(model.kv_dtype).replace('torch.', '')}, {model.prefill_precision} prefill) on {where} "
-          f"(ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+    print(model_line(model, time.perf_counter() - t0), flush=True)
     prompts = [ids] * args.batch
     if new == 0:   # as Llama.generate: the prompts come back unchanged
         out = model.generate(prompts, max_new_tokens=0)

@@ -70,6 +70,18 @@ def _seed(request):
 
 
 @pytest.fixture
+def no_model(monkeypatch):
+    """Building a model fails the test: bad input must be refused before."""
+    from mk.models import Llama
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(Llama, "from_config", built)
+    monkeypatch.setattr(Llama, "from_pretrained", built)
+
+
+@pytest.fixture
 def device() -> torch.device:
     return default_device()
 

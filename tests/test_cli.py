@@ -29,6 +29,7 @@ def test_generate_command_runs_the_default_model_and_checks_it(capsys):
     assert main(["generate", "--max-new-tokens", "3", "--batch", "2", "--prefill-precision", "exact"]) == 0
     out, err = capsys.readouterr()
     assert "model mk-default-llama" in out and "exact prefill" in out and "plan:" in out and "tokens/s" in out
+    assert "; weights float32 " in out and ", KV cache float32 " in out   # no format: the weights' dtype
     # Row 0's ids line is streamed, row 1's printed at the end: the same greedy tokens.
     row0 = out.split("[0] [1, 17, 42, 311, 7, 99] -> ")[1].split("\n")[0]
     assert len(row0.split(",")) == 3 and f"[1] [1, 17, 42, 311, 7, 99] -> {row0}\n" in out

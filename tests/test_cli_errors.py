@@ -19,16 +19,6 @@ from mk.models import Llama
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model fails the test: bad input must be refused before."""
-    def built(*args, **kwargs):
-        raise AssertionError("a model was built")
-
-    monkeypatch.setattr(Llama, "from_config", built)
-    monkeypatch.setattr(Llama, "from_pretrained", built)
-
-
 def _one_error_line(capsys, *fragments) -> str:
     err = capsys.readouterr().err
     assert err.startswith("mk: error: ") and err.count("\n") == 1 and "Traceback" not in err, err

@@ -174,16 +174,6 @@ def test_max_new_tokens_zero_gives_the_prompts_back_as_the_api_does(capsys):
     assert "nothing decoded" in out and "check:" not in out
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Building a model fails the test: bad arguments must be refused before."""
-    def built(*args, **kwargs):
-        raise AssertionError("a model was built")
-
-    monkeypatch.setattr(Llama, "from_config", built)
-    monkeypatch.setattr(Llama, "from_pretrained", built)
-
-
 GENERATE_ERRORS = [
     (["--check-steps", "-1"], "--check-steps must be >= 0, got -1"),
     (["--temperature", "-0.5"], "--temperature: temperature must be a finite number >= 0, got -0.5"),
@@ -199,6 +189,7 @@ GENERATE_ERRORS = [
     (["--chat"], "--chat needs --prompt"),
     (["--chat", "--prompt", "hi"], "no tokenizer.json"),
     (["--ids", "1,2", "--max-new-tokens", "2047"], "2 prompt tokens + 2047 new exceed the model's 2048 positions"),
+    (["--quantize-lm-head"], "--quantize-lm-head needs --quantize (the format: fp8 or fp8-block)"),
 ]
 
 
@@ -246,6 +237,7 @@ PLAN_ERRORS = [
     (["--model", "llama-3.2-1b", "--device", "h200", "--batch", "0"], "--batch must be in [1, 64]"),
     (["--model", "llama-3.2-1b", "--device", "h200", "--batch", "100000"], "--batch must be in [1, 64]"),
     (["--model", "llama-3.2-1b"], "name a device with --device (one of a100-sxm, h100-sxm, h200"),
+    (["--model", "llama-3.2-1b", "--device", "h200", "--quantize-lm-head"], "--quantize-lm-head needs --quantize"),
 ]
 
 
@@ -347,3 +339,81 @@ def test_plan_refuses_an_empty_model_and_a_budget_beyond_the_device(capsys):
     err = capsys.readouterr().err
     assert err.startswith("mk: error: --smem-budget: shared-memory budget '1000GiB' (1073741824000 bytes) exceeds "
                           "the 232448 bytes (227 KiB) a block of NVIDIA H200 may use"), err
+
+
+# ------------------------------------------------------------------ issue 53: --quantize
+
+
+@pytest.mark.parametrize("command", [["generate"], ["plan", "--model", "llama-3.2-1b", "--device", "h200"]])
+def test_an_unknown_quantize_format_is_a_usage_error_naming_it_and_the_choices(command, capsys, no_model):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--quantize", "int8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    last = err.splitlines()[-1]   # (after argparse's usage lines, as for any flag it cannot read)
+    assert "error: argument --quantize: invalid choice: 'int8'" in last and "fp8" in last and "fp8-block" in last
+
+
+def test_generate_quantizes_a_checkpoint_and_names_its_format(checkpoint, capsys):
+    """--quantize reaches from_pretrained: the model line names the format and the bytes the
+    model holds (footprint()), and the greedy tokens follow the float32 reference of the
+    same FP8 weights."""
+    from mk.generate import _size
+    from mk.models import AutoModel
+
+    assert main(["generate", "--model", str(checkpoint), "--ids", "5,9,11", "--max-new-tokens", "2",
+                 "--quantize", "fp8-block", "--quantize-lm-head"]) == 0
+    out = capsys.readouterr().out
+    same = AutoModel.from_pretrained(checkpoint, quantize="fp8-block", quantize_lm_head=True, max_batch_size=1,
+                                     max_seq_len=5, progress=False)
+    fp = same.footprint()
+    assert fp["weight_format"] == fp["lm_head_format"] == "fp8-block"
+    line = next(line for line in out.splitlines() if line.startswith("model "))
+    kv = str(same.kv_dtype).replace("torch.", "")
+    assert (f"weights fp8-block (e4m3, a scale per 128x128 block; LM head included) {_size(fp['weights'])}, KV cache "
+            f"{kv} {_size(fp['kv_cache'])}, fast prefill; on ") in line, line
+    assert same.device.type == "cuda" or "on CPU (Triton interpreter), FP8 values held in float32 (ready in" in line
+    assert "check: first 2 greedy tokens match the float32 torch reference (2/2)" in out
+
+
+def test_generate_hands_quantize_to_the_default_model(monkeypatch, capsys):
+    seen = {}
+
+    def built(config, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("built")
+
+    monkeypatch.setattr(Llama, "from_config", built)
+    assert main(["generate", "--quantize", "fp8"]) == 1
+    assert (seen["quantize"], seen["quantize_lm_head"]) == ("fp8", False)
+    assert main(["generate", "--quantize", "fp8-block", "--quantize-lm-head"]) == 1
+    assert (seen["quantize"], seen["quantize_lm_head"]) == ("fp8-block", True)
+
+
+def test_plan_prices_and_names_the_weights_format(capsys):
+    """One byte a projection weight: the 1B step reads fewer bytes and is predicted faster."""
+    predicted = {}
+    for flags, weights in (([], "16-bit"), (["--quantize", "fp8"], "fp8 (e4m3, per-channel scales; LM head 16-bit)"),
+                           (["--quantize", "fp8", "--quantize-lm-head"],
+                            "fp8 (e4m3, per-channel scales; LM head included)")):
+        assert main(["plan", "--model", "llama-3.2-1b", "--device", "h200", *flags]) == 0
+        head, line = capsys.readouterr().out.splitlines()[:2]
+        assert line == f"  weights: {weights}"
+        predicted[len(flags)] = float(re.search(r"([0-9.]+) ms predicted", head).group(1))
+    assert predicted[0] > predicted[2] > predicted[3]
+
+
+def test_plan_reads_an_fp8_checkpoint_in_its_format(tmp_path, capsys):
+    """A checkpoint whose config.json says it is FP8 plans in that format, without --quantize."""
+    from tests.models.test_fp8_checkpoints import CT_CHANNEL, HF_BLOCK, _write
+
+    for qconfig, scale, weights in ((CT_CHANNEL, "weight_scale", "fp8 (e4m3, per-channel scales; LM head 16-bit)"),
+                                    (HF_BLOCK, "weight_scale_inv",
+                                     "fp8-block (e4m3, a scale per 128x128 block; LM head 16-bit)")):
+        folder = tmp_path / scale
+        _write(folder, "channel" if scale == "weight_scale" else "block", qconfig, scale_name=scale)
+        assert main(["plan", "--model", str(folder), "--device", "h200", "--no-cache"]) == 0
+        assert capsys.readouterr().out.splitlines()[1] == f"  weights: {weights}"
+    assert main(["plan", "--model", str(folder), "--device", "h200", "--quantize", "fp8", "--no-cache"]) == 1
+    err = capsys.readouterr().err
+    assert "--quantize fp8: " in err and "is stored fp8-block already" in err

@@ -352,6 +352,18 @@ def parse_config_json(text: str, source: str) -> Any:
         raise ValueError(f"{source}: invalid JSON (nested too deeply to read)") from None
 
 
+def check_regular_file(path: str) -> os.stat_result:
+    """``path``'s stat, once it is known to be a regular file (a link to one included):
+    ValueError naming what it is instead (a folder, a FIFO or a device would hang ``open`` or
+    a read, or never end); FileNotFoundError and other OSErrors as the OS raised them."""
+    st = os.stat(path)   # (a FIFO would block open(): look before opening)
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file")
+        raise ValueError(f"{path}: is {kind}, not a regular file")
+    return st
+
+
 def read_text_file(path: str, max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
     """The text of a small UTF-8 file of a checkpoint (config.json, tokenizer_config.json, a
     chat template), newlines read as Python's text mode reads them.
@@ -360,11 +372,7 @@ def read_text_file(path: str, max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
     naming the file when it is not a regular file (a folder, a FIFO or a device would hang
     or never end), holds more than ``max_bytes``, is not UTF-8, or cannot be read."""
     try:
-        st = os.stat(path)   # (a FIFO would block open(): look before opening)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
-                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file")
-            raise ValueError(f"{path}: is {kind}, not a regular file")
+        st = check_regular_file(path)
         too_big = f"{path}: larger than the {max_bytes // 2**20} MiB mk reads of such a file"
         if st.st_size > max_bytes:
             raise ValueError(f"{too_big} ({st.st_size} bytes)")

@@ -46,12 +46,13 @@ from mk.models.blocks import MAX_BATCH, TP_PEERS, cache_keys, weight_key
 from mk.planner.steps import StepCache
 from mk.persistent.runtime import MegakernelTimeout
 
-from .config import LlamaConfig
+from .config import LlamaConfig, read_config_json
 from . import prefill as _prefill
+from .quantization import CheckpointQuantization, read_quantization
 from mk.tasks.linear.format import weight_format
 
-from .weights import (SCALE_SUFFIX, check_quantize, expected_shapes, load_weights, quantize_weights, random_weights,
-                      tp_slices, weight_formats)
+from .weights import (QUANTIZE, SCALE_SUFFIX, check_quantize, check_tp_format, expected_shapes, load_weights,
+                      quantize_weights, random_weights, tp_slices, weight_formats)
 
 #: How a model picks each batch size's decode plan: the planner's best prediction, or
 #: the fastest of its top plans timed on the device (:meth:`DecoderModel.plan`).
@@ -63,6 +64,20 @@ def _check_plan_mode(plan_mode) -> None:
 
 #: measure mode: decode steps per timed burst, and bursts (after one warm-up) per plan.
 MEASURE_BURST, MEASURE_REPS = 20, 3
+#: Temperatures above 0 and below this decode greedily, as temperature 0 does: the draw is
+#: ``argmax(logits / temperature + noise)``, and a logit divided by a temperature this small
+#: or smaller (1e-45, a float32 denormal) overflows float32 into inf and NaN; well before it
+#: the noise (a few units) no longer moves the argmax. vLLM's threshold too.
+MIN_TEMPERATURE = 1e-5
+
+
+def _check_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
+    """The sampling arguments checked (mk.tasks.sample's checks, naming each), a temperature
+    below :data:`MIN_TEMPERATURE` made 0 (greedy)."""
+    temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+    return (0.0 if temperature < MIN_TEMPERATURE else temperature), top_k, top_p
+
+
 #: The sequence lengths decode steps are planned for: a request's step is planned for the
 #: first of these (or max_seq_len) that its longest sequence can reach. Decode attention is
 #: cut into KV splits for the planned length, and the splits a shorter sequence leaves empty
@@ -108,9 +123,42 @@ class StepPlan:
         plan = self.plan
         if not plan.estimates:  # (a plan read from the cache): each op's estimate, for the listing
             plan = Plan.from_json(plan.to_json(), self.graph, self.device)
-        return plan.explain()
+        head, _, ops = plan.explain().partition("\n")
+        return "\n".join([head, f"  weights: {self.describe_weights()}"] + ([ops] if ops else []))
+
+    def describe_weights(self) -> str:
+        """How the step's weights are stored, as the graph was planned for them: the
+        projections' format and the LM head's (:func:`describe_formats`; weights without a
+        format are named by their element size, which is all the planner prices)."""
+        dims = {n.name: n.dims for n in self.graph.nodes}
+        layers = next((d.get("w_format", "plain") for name, d in dims.items() if name.endswith(".qkv")), "plain")
+        lm_head = dims.get("lm_head", {}).get("w_format", "plain")
+        return describe_formats(layers, lm_head, plain=f"{8 * self.graph.dtype_bytes}-bit")
 
     __str__ = __repr__
+
+
+#: What each quantized weight format (:data:`mk.tasks.linear.format.FORMATS`) stores, as a
+#: plan's listing and the CLI's model line say it.
+FORMAT_DETAILS = {"fp8": "e4m3, per-channel scales", "fp8-block": "e4m3, a scale per 128x128 block"}
+
+
+def describe_formats(layers: str, lm_head: str, plain: str = "plain") -> str:
+    """The weights' formats as a user reads them, from the format names of the projections
+    and of the LM head: ``"fp8 (e4m3, per-channel scales; LM head bfloat16)"``,
+    ``"fp8-block (e4m3, a scale per 128x128 block; LM head included)"``, or ``plain`` (the
+    name of the dtype weights without a format are stored in) where nothing is quantized.
+    The embedding and the norms are always stored without a format."""
+    def name(fmt: str) -> str:
+        return plain if not weight_format(fmt).quantized else fmt
+
+    details = [FORMAT_DETAILS[layers]] if weight_format(layers).quantized else []
+    if lm_head != layers:
+        details.append(f"LM head {name(lm_head)}" + (f": {FORMAT_DETAILS[lm_head]}" if lm_head in FORMAT_DETAILS
+                                                    else ""))
+    elif details:
+        details.append("LM head included")
+    return name(layers) + (f" ({'; '.join(details)})" if details else "")
 
 
 @dataclass
@@ -175,6 +223,7 @@ class DecoderModel:
                  tokenizer=None, plan_mode: str = "predict", kv_dtype=None, prefill_precision: str = "fast",
                  prefill_workspace: int | None = None, tp: int = 1, rank: int = 0):
         self._check_config(config)
+        _check_device_spec(device_spec)
         name = config.MODEL_TYPE if name is None else name
         self.device, self.dtype, self.kv_dtype = _resolve_target(device, dtype, kv_dtype)
         max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
@@ -215,6 +264,9 @@ class DecoderModel:
         #: decoder dropped from _decoders is bound to new tensors from here, not lowered again).
         self._steps = StepCache()
         self.last_decoder: _Decoder | None = None  # the step the last stream() ran
+        #: The running stream (a token of its own), from its first token until it finishes or
+        #: is closed: it owns the KV cache and its step's state until then (see :meth:`stream`).
+        self._streaming: object | None = None
         #: Seconds of the last request: prefill_s, decode_s, and the build phases it paid
         #: (plan_s, lower_s, compile_s, and share_s under tensor parallelism; 0 when its step
         #: was built before).
@@ -275,20 +327,33 @@ class DecoderModel:
         model or config is refused on every rank.
 
         ``quantize="fp8"``: the projections are stored in FP8 (e4m3) with a float32 scale per
-        output channel, quantized as they load (:mod:`mk.tasks.linear.format`); the LM head
-        too with ``quantize_lm_head``. The decode step reads one byte a weight; its
-        activations stay float32 (weight-only quantization).
+        output channel, quantized as they load (:mod:`mk.tasks.linear.format`);
+        ``"fp8-block"``: one scale per 128 x 128 block. The LM head too with
+        ``quantize_lm_head``. The decode step reads one byte a weight; its activations stay
+        float32 (weight-only quantization).
+
+        An FP8 checkpoint (config.json's ``quantization_config``: compressed-tensors
+        ``float-quantized``, or transformers' ``fp8`` with 128 x 128 blocks; see
+        :mod:`mk.models.quantization`) loads in its own format, weight-only as well;
+        ``quantize`` may then only name that format, and ``quantize_lm_head`` quantizes an
+        LM head the checkpoint left unquantized.
         """
         from .gguf import is_gguf_path, read_gguf
         from .tokenizer import load_tokenizer
 
         check_quantize(quantize)
         _check_bool("quantize_lm_head", quantize_lm_head)
+        _check_device_spec(device_spec)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         gguf = read_gguf(folder) if is_gguf_path(folder) else None   # (a file: GGUF; a folder: Hugging Face's)
-        config = cls.config_class.from_dict(gguf.config, gguf.path) if gguf else cls.config_class.from_pretrained(folder)
+        d, path = (gguf.config, gguf.path) if gguf else read_config_json(folder)
+        config = cls.config_class.from_dict(d, path)
+        stored = None if gguf else read_quantization(d, path)   # (a GGUF's tensors dequantize to float)
+        quantize = _stored_or_quantize(stored, quantize, quantize_lm_head, path)
         max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
+        if quantize is not None:
+            check_tp_format(config, tp, QUANTIZE[quantize])
         _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
@@ -296,9 +361,9 @@ class DecoderModel:
             _prefill.PrefillBudget.make(_prefill_per_token(config, dtype, prefill_precision), prefill_workspace)
         _check_memory(config, device, dtype, kv_dtype, max_batch_size, max_seq_len, tp)
         t0 = time.perf_counter()
-        weights = (gguf.load_weights if gguf else functools.partial(load_weights, folder))(
-            config, device=device, dtype=dtype, progress=progress and rank == 0,
-            shard=tp_slices(config, tp, rank) if tp > 1 else None)
+        load = gguf.load_weights if gguf else functools.partial(load_weights, folder, quantization=stored)
+        weights = load(config, device=device, dtype=dtype, progress=progress and rank == 0,
+                       shard=tp_slices(config, tp, rank) if tp > 1 else None)
         if quantize is not None:
             weights = quantize_weights(weights, config, quantize, lm_head=quantize_lm_head)
         model = cls(config, weights, device=device, dtype=dtype, max_batch_size=max_batch_size,
@@ -320,10 +385,13 @@ class DecoderModel:
         cls._check_config(config)
         check_quantize(quantize)
         _check_bool("quantize_lm_head", quantize_lm_head)
+        _check_device_spec(device_spec)
         _check_counter("seed", seed)
         _check_plan_mode(plan_mode)
         _prefill.check_precision(prefill_precision)
         max_seq_len = _check_sizes(config, max_batch_size, max_seq_len)
+        if quantize is not None:
+            check_tp_format(config, tp, QUANTIZE[quantize])
         _resolve_target(device, dtype, kv_dtype)  # (refused before any rank joins)
         rank, device = _tp_setup(config, tp, device)
         device, dtype, kv_dtype = _resolve_target(device, dtype, kv_dtype)
@@ -357,8 +425,10 @@ class DecoderModel:
             dtype = dtype or (hf[name].dtype if hf[name].dtype in (torch.float8_e4m3fn,) else self.dtype)
             t = hf[name].to(device=self.device, dtype=dtype).contiguous()
             # The megakernel's buffers start 16-byte aligned (vector loads, TMA); a tensor
-            # read from safetensors as is may start 8 bytes off.
-            return t if t.data_ptr() % 16 == 0 else t.clone()
+            # read from safetensors as is may start 8 bytes off. A view of a larger tensor
+            # (block scales cut to the weight's rows) would keep all of it alive.
+            whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            return t if t.data_ptr() % 16 == 0 and whole else t.clone()
 
         def proj(name):
             """A projection's weight in its format's storage type, and its scales (or None)."""
@@ -447,17 +517,28 @@ class DecoderModel:
 
     # ------------------------------------------------------------------ planning
 
-    def footprint(self) -> dict[str, int]:
-        """Bytes this model holds on its device, ``weights`` (tied tensors once) and
-        ``kv_cache``, and the most its prefill's activations take at once,
-        ``prefill_workspace`` (a full chunk's; see :attr:`prefill_budget`), and the outputs
-        the captured prefill chunks keep now, ``prefill_graphs`` (at most
-        :data:`~mk.models.prefill.MAX_GRAPHS` chunks of ``tokens x hidden`` float32, twice
-        under tensor parallelism, with the staging buffer of the sums over the ranks; their
-        activations share one memory pool the size of a chunk's workspace, held by PyTorch's
-        allocator). Generation adds the decode steps' activations and state, a few tens of MiB."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.weights.values()}
-        return {"weights": sum(storages.values()),
+    def footprint(self) -> dict[str, int | str]:
+        """Bytes this model holds on its device, and how its weights are stored.
+
+        ``weights``: the bytes of every stored weight tensor (tied tensors once), scales
+        included, as they are stored: FP8 projections one byte an element on a GPU, but four
+        on the CPU, where their e4m3 values are held in float32 (the interpreter computes in
+        float32); ``scale_bytes``: of those, the float32 scales of the projections stored in a
+        format (0 without one); ``weight_format`` and ``lm_head_format``: the projections' and
+        the LM head's format (:attr:`formats`: ``"plain"``, ``"fp8"`` or ``"fp8-block"``).
+        ``kv_cache``; the most the prefill's activations take at once, ``prefill_workspace``
+        (a full chunk's; see :attr:`prefill_budget`); and the outputs the captured prefill
+        chunks keep now, ``prefill_graphs`` (at most :data:`~mk.models.prefill.MAX_GRAPHS`
+        chunks of ``tokens x hidden`` float32, twice under tensor parallelism, with the
+        staging buffer of the sums over the ranks; their activations share one memory pool
+        the size of a chunk's workspace, held by PyTorch's allocator). Generation adds the
+        decode steps' activations and state, a few tens of MiB."""
+        def stored(tensors) -> int:  # (views of one storage, as a tied LM head is, count once)
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+        return {"weights": stored(self.weights.values()),
+                "scale_bytes": stored(t for k, t in self.weights.items() if k.endswith(".scale")),
+                "weight_format": self.formats["layers"], "lm_head_format": self.formats["lm_head"],
                 "kv_cache": self.k_cache.numel() * self.k_cache.element_size() * 2,
                 "prefill_workspace": self.prefill_budget.bound,
                 "prefill_graphs": sum(out.numel() * out.element_size() + chunk.staging_bytes
@@ -476,7 +557,14 @@ class DecoderModel:
 
     def plan_length(self, tokens: int) -> int:
         """The length a step is planned for when sequences reach ``tokens`` tokens: the first
-        of :data:`PLAN_LENGTHS` at or above it, at most ``max_seq_len``."""
+        of :data:`PLAN_LENGTHS` at or above it, at most ``max_seq_len``. ``tokens`` is an int
+        in ``[1, max_seq_len]`` (no sequence of this model gets longer); TypeError or
+        ValueError naming it otherwise."""
+        if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral):
+            raise TypeError(f"tokens must be an int, got {type(tokens).__name__} {tokens!r}")
+        if not 1 <= tokens <= self.max_seq_len:
+            raise ValueError(f"tokens must be in [1, max_seq_len={self.max_seq_len}] (the longest a sequence of "
+                             f"this model gets), got {tokens}")
         return min(next((n for n in PLAN_LENGTHS if n >= tokens), self.max_seq_len), self.max_seq_len)
 
     def plan(self, batch: int, kv_len: int | None = None, *, progress: bool = False) -> "StepPlan":
@@ -527,7 +615,7 @@ class DecoderModel:
         and under tensor parallelism share_s (the buffers shared with the other ranks: the
         symmetric workspace and its rendezvous); zeros for a step built before."""
         self._check_in_step()
-        temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+        temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= self.max_batch_size:
             raise ValueError(f"batch must be an int in [1, max_batch_size={self.max_batch_size}], got {batch!r}")
         if isinstance(total_len, bool) or not isinstance(total_len, int) or not 1 <= total_len <= self.max_seq_len:
@@ -1008,7 +1096,10 @@ class DecoderModel:
 
     @torch.no_grad()
     def logits(self, input_ids) -> torch.Tensor:
-        """Prefill logits, float32 ``[B, T, V]`` (rows past a shorter prompt's end: padding)."""
+        """Prefill logits, float32 ``[B, T, V]`` (rows past a shorter prompt's end: padding).
+        Refused (RuntimeError) while a :meth:`stream` of this model is unfinished: the
+        prefill writes the KV cache that stream decodes from."""
+        self._check_not_streaming("logits()")
         ids, lengths = self._check_prompts(input_ids, 0)
         return self._prefill(ids, lengths, all_logits=True)
 
@@ -1025,11 +1116,11 @@ class DecoderModel:
             return (scale_logits_ref(logits, temperature) + noise).argmax(dim=1).to(torch.int32)
         return sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=0).to(torch.int32)
 
-    @torch.no_grad()
     def stream(self, input_ids, max_new_tokens: int = 64, *, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int = 0, eos_token_id=None, read_every: int = 8
                ) -> Iterator[torch.Tensor]:
-        """Yield each step's new tokens (LongTensor ``[B]``, on the CPU) as they are read back.
+        """An iterator over each step's new tokens (LongTensor ``[B]``, on the CPU) as they
+        are read back.
 
         Decode steps are enqueued back to back, in blocks of ``read_every``. Each block ends
         with an asynchronous copy of the device-side history (and the watchdog's error
@@ -1038,21 +1129,73 @@ class DecoderModel:
         produced an EOS token (``eos_token_id``: an id or a list of ids; default the
         config's): at most one block past it has run. Rows that finished keep yielding
         their EOS id.
+
+        ``temperature``: 0 decodes greedily; so does any temperature below
+        :data:`MIN_TEMPERATURE` (its logits / temperature would overflow float32, and the
+        draw is the argmax anyway), ignoring ``top_k``, ``top_p`` and ``seed``.
+
+        Every argument and the prompts are checked here, at the call (errors name them,
+        before any work); the decode step is built, the prompts prefilled and the steps run
+        as tokens are asked for. The KV cache is the model's, so one stream runs at a time:
+        from its first token until it is exhausted or closed (``close()``, a ``break`` out
+        of a ``for`` loop over it, or its last reference dropped), another :meth:`stream`,
+        :meth:`generate` or :meth:`logits` of this model is refused with a RuntimeError,
+        and the running stream carries on unharmed.
         """
+        return self._open_stream("stream()", input_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                 eos_token_id, read_every)
+
+    def _open_stream(self, caller: str, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                     read_every) -> Iterator[torch.Tensor]:
+        """:meth:`stream`'s checks, every one before any work (``caller``: the method the
+        errors name); the generator that does the work (:meth:`_stream`)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
             raise ValueError(f"read_every must be an int >= 1, got {read_every!r}")
-        temperature, top_k, top_p = _check_temperature(temperature), _check_top_k(top_k), _check_top_p(top_p)
+        temperature, top_k, top_p = _check_sampling(temperature, top_k, top_p)
         _check_counter("seed", seed)
         eos = self._eos_ids(eos_token_id)
+        self._check_not_streaming(caller)
         ids, lengths = self._check_prompts(input_ids, max_new_tokens)
         if max_new_tokens == 0:
-            return
+            return iter(())
         next_token = self._next_token_rule(temperature, top_k, top_p)
         if self._ranks_joined and self.device.type != "cuda":
             raise ValueError(f"decoding over {self.tp} processes runs one CUDA GPU a rank (the ranks' steps meet in "
                              f"each other's GPU memory); on the CPU, tensor-parallel models prefill (logits) only")
+        # The prefill's workspace, before the decode step is built (planning and compiling it
+        # takes seconds the first time); the prefill checks again, with what is free then.
+        self.prefill_budget.check_fits(self.device, sum(lengths))
+        return self._stream(caller, ids, lengths, max_new_tokens, next_token, temperature, top_k, top_p, seed, eos,
+                            read_every)
+
+    def _check_not_streaming(self, caller: str) -> None:
+        """RuntimeError naming ``caller`` while a stream of this model is unfinished: it owns
+        the KV cache (and its step's state) until it ends or is closed."""
+        if self._streaming is not None:
+            raise RuntimeError(f"{caller}: a stream() of this model is still running (it owns the KV cache until "
+                               f"it ends); exhaust it or call its close() first")
+
+    @torch.no_grad()
+    def _stream(self, caller: str, ids: torch.Tensor, lengths: list[int], max_new_tokens: int, next_token: str,
+                temperature: float, top_k: int | None, top_p: float | None, seed: int, eos: set[int],
+                read_every: int) -> Iterator[torch.Tensor]:
+        """:meth:`stream`'s work, on checked arguments: it runs from the first token asked for,
+        and holds the model (:attr:`_streaming`) until it returns, fails or is closed."""
+        self._check_not_streaming(caller)  # (another stream created earlier may have started since)
+        self._streaming = mine = object()
+        try:
+            yield from self._decode(ids, lengths, max_new_tokens, next_token, temperature, top_k, top_p, seed, eos,
+                                    read_every)
+        finally:
+            if self._streaming is mine:
+                self._streaming = None
+
+    def _decode(self, ids: torch.Tensor, lengths: list[int], max_new_tokens: int, next_token: str, temperature: float,
+                top_k: int | None, top_p: float | None, seed: int, eos: set[int], read_every: int
+                ) -> Iterator[torch.Tensor]:
+        """Prefill, then the decode steps, yielding each step's tokens (:meth:`stream`)."""
         B = ids.shape[0]
         dec = self.last_decoder = self._decoder(B, next_token, self.plan_length(max(lengths) + max_new_tokens))
         phases = dec.unreported_build()
@@ -1138,9 +1281,14 @@ class DecoderModel:
         decoding stops once every row has produced EOS, and finished rows are padded with
         their EOS id), or a list of token-id lists of any lengths (returns a list of lists,
         each cut after its EOS).
+
+        ``temperature`` 0 (or below :data:`MIN_TEMPERATURE`) decodes greedily; above, it
+        samples (with ``top_k`` / ``top_p`` if given, drawn from ``seed``). Arguments are
+        checked before any work; refused (RuntimeError) while a :meth:`stream` of this model
+        is unfinished.
         """
-        steps = list(self.stream(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, eos_token_id=eos_token_id))
+        steps = list(self._open_stream("generate()", input_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                       eos_token_id, 8))
         new = torch.stack(steps, dim=1) if steps else torch.zeros(0, 0, dtype=torch.long)
         if isinstance(input_ids, torch.Tensor):
             prompt = input_ids if input_ids.dim() == 2 else input_ids[None]
@@ -1338,6 +1486,29 @@ def _rows(input_ids) -> list[list[int]]:
                                 f"are ints")
         rows[b] = [int(t) for t in r]
     return rows
+
+
+def _stored_or_quantize(stored: CheckpointQuantization | None, quantize: str | None, lm_head: bool,
+                        source: str) -> str | None:
+    """The format to quantize a checkpoint's float weights to at load: ``quantize`` for a
+    float checkpoint; for a quantized one (``stored``) its own format when its LM head is to be
+    quantized too, else None. ValueError when ``quantize`` names another format than the
+    checkpoint's (its weights would be quantized twice)."""
+    if stored is None:
+        return quantize
+    if quantize is not None and QUANTIZE[quantize] != stored.format.name:
+        raise ValueError(f"{source}: the checkpoint's weights are stored {stored.format.name} ({stored.method}); "
+                         f"quantize={quantize!r} would quantize them again: leave quantize out")
+    return stored.format.name if lm_head else None
+
+
+def _check_device_spec(device_spec) -> None:
+    """TypeError unless ``device_spec`` is None or a :class:`~mk.planner.device.DeviceSpec`."""
+    from mk.planner.device import DeviceSpec
+
+    if device_spec is not None and not isinstance(device_spec, DeviceSpec):
+        raise TypeError(f"device_spec must be a mk.planner.device.DeviceSpec or None (DeviceSpec.preset('h100') "
+                        f"names one), got {type(device_spec).__name__} {device_spec!r:.80}")
 
 
 def _check_bool(name: str, value) -> bool:

@@ -30,15 +30,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from mk.tasks.linear.format import FP8_BLOCK, FP8_CHANNEL, weight_format
+from mk.tasks.linear.format import FP8_BLOCK, FP8_CHANNEL, SCALE_BLOCK, weight_format
 
-from .config import LlamaConfig, check_folder
+from .config import LlamaConfig, check_folder, check_regular_file, read_text_file
+from .quantization import UNUSED_SUFFIXES, CheckpointQuantization
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+#: A safetensors index larger than this is refused before it is read (a 400B model's is ~100 KiB).
+MAX_INDEX_BYTES = 64 * 2**20
 
-#: safetensors dtype names mk can load (quantized checkpoints are not Llama-as-stored).
+#: safetensors dtype names mk can load as they are; FP8 values (:data:`_FP8_DTYPE`) only as a
+#: quantized checkpoint's projections (:mod:`mk.models.quantization`).
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_FP8_DTYPE = "F8_E4M3"
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -100,12 +105,50 @@ def shard_tensor(name: str, t: torch.Tensor, slices: dict[str, tuple[int, int, i
 
 
 def shard_weights(weights: dict[str, torch.Tensor], slices: dict[str, tuple[int, int, int]]) -> dict[str, torch.Tensor]:
-    """Whole-model weights cut to one rank's share (:func:`tp_slices`), contiguous; a tied
-    LM head's share comes from the embedding."""
-    out = {name: shard_tensor(name, t, slices).contiguous() if name in slices else t for name, t in weights.items()}
+    """Whole-model weights cut to one rank's share (:func:`tp_slices`), contiguous, a quantized
+    weight's scales with it (:func:`shard_scale`); a tied LM head's share comes from the
+    embedding."""
+    def cut(name, t):
+        if name.endswith(SCALE_SUFFIX):
+            return shard_scale(name.removesuffix(SCALE_SUFFIX), t, slices)
+        return shard_tensor(name, t, slices).contiguous() if name in slices else t
+
+    out = {name: cut(name, t) for name, t in weights.items()}
     if "lm_head.weight" in slices and "lm_head.weight" not in weights:
         out["lm_head.weight"] = shard_tensor("lm_head.weight", weights["model.embed_tokens.weight"], slices).contiguous()
     return out
+
+
+def shard_scale(weight: str, scale: torch.Tensor, slices: dict[str, tuple[int, int, int]]) -> torch.Tensor:
+    """The share in ``slices`` (:func:`tp_slices`) of weight ``weight``'s float32 scales (mk's
+    format: ``[N]`` per channel, ``[N, ceil(K/128)]`` per row and 128 columns), contiguous:
+    the weight's rows' scales where its rows are split; where its columns are, per-channel
+    scales whole and block scales the split's blocks (ValueError unless it starts on one)."""
+    if weight not in slices:
+        return scale
+    dim, a, b = slices[weight]
+    if dim == 0:
+        return scale[a:b].contiguous()
+    if scale.dim() == 1:
+        return scale
+    if a % SCALE_BLOCK:
+        raise ValueError(f"{weight}: a rank's columns [{a}, {b}) do not start on a block of {SCALE_BLOCK}: "
+                         f"its block scales do not split over the ranks")
+    return scale[:, a // SCALE_BLOCK:-(-b // SCALE_BLOCK)].contiguous()
+
+
+def check_tp_format(config: LlamaConfig, tp: int, fmt: str) -> None:
+    """ValueError naming the size when weights in format ``fmt`` do not split over ``tp``
+    ranks: a block-scaled (``fp8-block``) projection split by columns (O by heads, down by
+    MLP columns) must give each rank whole 128-column blocks."""
+    if tp == 1 or weight_format(fmt).scales != "block":
+        return
+    shard = config.to_model_shape().shard(tp)
+    for what, cols in (("o_proj", shard.heads * config.head_dim), ("down_proj", shard.intermediate)):
+        if cols % SCALE_BLOCK:
+            raise ValueError(f"{fmt} weights split over tp={tp} ranks give each rank {cols} of {what}'s input "
+                             f"columns, not a multiple of the {SCALE_BLOCK}-column scale blocks; use fewer ranks "
+                             f"or quantize per channel (fp8)")
 
 
 # --------------------------------------------------------------------------- loading
@@ -117,17 +160,23 @@ def _weight_files(folder: str) -> dict[str, str]:
     index_path = os.path.join(folder, INDEX_FILE)
     if os.path.lexists(index_path):
         try:
-            with open(index_path, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            weight_map = json.loads(read_text_file(index_path, MAX_INDEX_BYTES))["weight_map"]
+        except FileNotFoundError:
+            raise ValueError(f"{index_path}: a link to nothing") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path}: not a safetensors index with a weight_map ({e!r})") from None
-        except OSError as e:
-            raise ValueError(f"{index_path}: cannot read it: {e.strerror or e}") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index_path}: weight_map must be an object")
+        for name, shard in weight_map.items():
+            # A shard is a file of the folder, named plainly: an index naming a path elsewhere
+            # ("../x", "/etc/x") would read whatever that is.
+            if (not isinstance(shard, str) or not shard or shard in (".", "..") or "/" in shard or "\\" in shard
+                    or "\0" in shard):
+                raise ValueError(f"{index_path}: tensor {name!r} is in {shard!r}, which is not a file name of "
+                                 f"the checkpoint folder")
         files = {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
         for shard in sorted(set(files.values())):
-            if not os.path.isfile(shard):
+            if not os.path.lexists(shard):
                 raise ValueError(f"{index_path} names shard {os.path.basename(shard)!r}, which is missing "
                                  f"from {folder!r}")
         return files
@@ -160,6 +209,7 @@ def _check_readable(path: str) -> None:
     when it cannot be opened for reading; safetensors' own errors do not tell these apart
     from a corrupt file."""
     try:
+        check_regular_file(path)
         with open(path, "rb"):
             pass
     except FileNotFoundError:
@@ -173,19 +223,23 @@ def _check_readable(path: str) -> None:
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _unused_tensors(names, config: LlamaConfig) -> list[str]:
+def _unused_tensors(names, config: LlamaConfig, scales: dict[str, str]) -> list[str]:
     """Names of a checkpoint's tensors that a model of ``config`` would not read, other than
-    :data:`_IGNORED_SUFFIXES` and a tied LM head's copy of the embedding (transformers ties
-    them on load too): a bias Llama does not have, a norm of another family. Running
-    without them would compute another model than the checkpoint describes."""
+    :data:`_IGNORED_SUFFIXES`, a tied LM head's copy of the embedding (transformers ties them
+    on load too), a quantized projection's scales (``scales``: weight -> its scales' name)
+    and a quantized checkpoint's activation scales: a bias Llama does not have, a norm of
+    another family. Running without them would compute another model than the checkpoint
+    describes."""
     expected = expected_shapes(config)
-    allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    return sorted(n for n in names if n not in expected and n not in allowed and not n.endswith(_IGNORED_SUFFIXES))
+    allowed = ({"lm_head.weight"} if config.tie_word_embeddings else set()) | set(scales.values())
+    ignored = _IGNORED_SUFFIXES + (UNUSED_SUFFIXES if scales else ())
+    return sorted(n for n in names if n not in expected and n not in allowed and not n.endswith(ignored))
 
 
 def load_weights(
     folder: str | os.PathLike, config: LlamaConfig, *, device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None, progress: bool = True, shard: dict[str, tuple[int, int, int]] | None = None,
+    quantization: CheckpointQuantization | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a Hugging Face Llama checkpoint's weights (``model.safetensors`` or sharded).
 
@@ -198,19 +252,24 @@ def load_weights(
         progress: show a tqdm bar over the tensors.
         shard: one tensor-parallel rank's share (:func:`tp_slices`): those tensors are read
             as slices of the file, never whole.
+        quantization: how the checkpoint stores its quantized projections (config.json's
+            ``quantization_config``, :func:`mk.models.quantization.read_quantization`).
 
     Returns:
         ``{name: tensor}`` for exactly :func:`expected_shapes`'s names; a rotary table
         (``rotary_emb.inv_freq``) or a tied ``lm_head.weight`` in the checkpoint is skipped.
+        A quantized projection ``name`` holds its FP8 values (float32 holding them off a
+        GPU) and ``name + "_scale"`` its float32 scales in mk's format (:data:`SCALE_SUFFIX`).
 
     Raises:
         ValueError naming the file or tensor: missing folder or weight file, a file the OS
         will not let this process read (what it said), a shard the index names but the
         folder lacks, a truncated or corrupt file, a missing tensor, a tensor the config's
         model would not use (e.g. a bias Llama does not have), a tensor of the wrong shape or
-        a non-float dtype, a tensor holding NaN or Inf (also after the conversion to
-        ``dtype``: a value beyond its range). Every header is checked before any tensor
-        data is read or moved to ``device``.
+        a non-float dtype, FP8 values without a quantization config, a quantized weight
+        without its scales or with scales of the wrong shape, zero or not finite, a tensor
+        holding NaN or Inf (also after the conversion to ``dtype``: a value beyond its
+        range). Every header is checked before any tensor data is read or moved to ``device``.
     """
     folder = os.fspath(folder)
     mapped = _weight_files(folder)
@@ -225,10 +284,16 @@ def load_weights(
         where[name] = path
 
     expected = expected_shapes(config)
-    missing = [n for n in expected if n not in where]
+    scales = _quantized_weights(config, quantization)
+    missing = [n for n in expected if n not in where] + [s for s in scales.values() if s not in where]
     if missing:
         raise ValueError(f"checkpoint {folder!r} lacks tensor(s) {_some(missing)}")
-    unused = _unused_tensors(where, config)
+    if quantization is None:
+        fp8 = [n for n in [*expected, *sorted(where)] if n in where and headers[where[n]][n][1] == _FP8_DTYPE]
+        if fp8:
+            raise ValueError(f"{where[fp8[0]]}: tensor {fp8[0]!r} has dtype {_FP8_DTYPE}; config.json has no "
+                             f"quantization_config that says how to read it (its scales, its format)")
+    unused = _unused_tensors(where, config, scales)
     if unused:
         raise ValueError(f"checkpoint {folder!r} holds tensor(s) a {config.MODEL_TYPE} model of this config does not "
                          f"use: {_some(unused)}; running without them would compute another model than the "
@@ -238,26 +303,59 @@ def load_weights(
         if tuple(got) != shape:
             raise ValueError(f"{where[name]}: tensor {name!r} has shape {tuple(got)}, expected {shape} "
                              f"for this config")
-        if st_dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{where[name]}: tensor {name!r} has dtype {st_dtype}; mk loads float weights only")
+        want = {_FP8_DTYPE} if name in scales else _FLOAT_DTYPES
+        if st_dtype not in want:
+            raise ValueError(f"{where[name]}: tensor {name!r} has dtype {st_dtype}; "
+                             + (f"the checkpoint's quantization_config ({quantization.method}) stores it as "
+                                f"{_FP8_DTYPE}" if name in scales else
+                                "config.json has no quantization_config that says how to read it"
+                                if st_dtype == _FP8_DTYPE else "mk loads float weights only"))
+    storage = quantization.format.storage_dtype(torch.device(device), dtype or torch.float32) if scales else None
 
     weights: dict[str, torch.Tensor] = {}
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path in paths:   # one open per file, in file order
             names = [n for n in expected if where[n] == path]
-            if not names:
+            scale_names = {w: s for w, s in scales.items() if where[s] == path}
+            if not names and not scale_names:
                 continue
             with safe_open(path, framework="pt", device="cpu") as f:
+                for weight, scale_name in scale_names.items():   # (small: read whole, checked, then cut)
+                    N, K = expected[weight]
+                    try:
+                        stored = f.get_tensor(scale_name)
+                    except Exception as e:
+                        raise ValueError(f"{path}: reading tensor {scale_name!r} failed: {e}") from None
+                    scale = quantization.to_format(weight, stored, N, K)
+                    weights[weight + SCALE_SUFFIX] = shard_scale(weight, scale, shard or {}).to(device)
                 for name in names:
                     try:
                         t = _read(f, name, (shard or {}).get(name))
                     except Exception as e:
                         raise ValueError(f"{path}: reading tensor {name!r} failed: {e}") from None
-                    weights[name] = _finite(t.to(device=device, dtype=dtype), name, path)
+                    t = t.to(device=device, dtype=storage if name in scales else dtype)
+                    weights[name] = _finite(t, name, path)
                     bar.update(1)
     out = {name: weights[name] for name in expected}
+    out.update({w + SCALE_SUFFIX: weights[w + SCALE_SUFFIX] for w in scales})
     if shard and "lm_head.weight" in shard and "lm_head.weight" not in out:  # tied: the embedding's rows
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # (read as the same share)
+    return out
+
+
+def _quantized_weights(config: LlamaConfig, quantization: CheckpointQuantization | None) -> dict[str, str]:
+    """The weights a checkpoint stores quantized, each with its scales' name there; ValueError
+    when it leaves some projections of the layers unquantized and not others (mk runs every
+    layer's projections in one format)."""
+    if quantization is None:
+        return {}
+    names = projection_weights(config, lm_head=not config.tie_word_embeddings)
+    out = {n: n + quantization.scale_suffix for n in names if quantization.quantizes(n.removesuffix(".weight"))}
+    layers = [n for n in names if n != "lm_head.weight"]
+    plain = [n for n in layers if n not in out]
+    if plain and len(plain) < len(layers):
+        raise ValueError(f"the checkpoint's quantization_config leaves {_some(plain)} unquantized and quantizes the "
+                         f"other projections; mk runs every layer's projections in one format")
     return out
 
 
@@ -270,6 +368,11 @@ def _finite(t: torch.Tensor, name: str, path: str) -> torch.Tensor:
     """``t``, once every value is finite (checked where it now lives: on a GPU, at its speed);
     ValueError naming the tensor otherwise: a corrupt checkpoint, or values beyond the range
     of the dtype it was converted to."""
+    if t.dtype == torch.float8_e4m3fn:   # (e4m3fn has no Inf; NaN is every bit of the magnitude set)
+        bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        if bad:
+            raise ValueError(f"{path}: tensor {name!r} holds {bad} NaN value(s): the checkpoint is corrupt")
+        return t
     # (min and max propagate NaN, and need no temporary the tensor's size)
     if t.is_floating_point() and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
         bad = int((~torch.isfinite(t)).sum())
@@ -392,12 +495,15 @@ def quantize_weights(weights: dict[str, torch.Tensor], config: LlamaConfig, quan
     LM head, a tied one as a copy of the embedding's) stored in format ``quantize``: each
     ``name`` FP8 values (float32 holding them off a GPU) and ``name + "_scale"`` its float32
     scales (:meth:`mk.tasks.linear.format.WeightFormat.quantize`), computed where the tensor
-    is. Returns a new dict; the others are kept as they are."""
+    is; one already stored so (with its scales) is kept. Returns a new dict; the others are
+    kept as they are."""
     fmt = weight_format(QUANTIZE[check_quantize(quantize)])
     out = dict(weights)
     if lm_head and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     for name in projection_weights(config, lm_head):
+        if name + SCALE_SUFFIX in out:
+            continue
         q, scale = fmt.quantize(out[name])
         out[name] = q.to(fmt.storage_dtype(q.device, out[name].dtype))
         out[name + SCALE_SUFFIX] = scale

@@ -60,7 +60,7 @@ def test_a_quantized_model_stores_one_byte_a_weight_plus_its_scales():
     h, i = config.hidden_size, config.intermediate_size
     gate_up = fp8.weights["w.l0.gate_up"]
     assert gate_up.shape == (2 * i, h) and fp8.weights["w.l0.gate_up.scale"].shape == (2 * i,)
-    assert torch.equal(gate_up, gate_up.to(torch.float8_e4m3fn).float())   # e4m3 values
+    assert torch.equal(gate_up.float(), gate_up.to(torch.float8_e4m3fn).float())   # e4m3 values
     for bad, error in (("int8", ValueError), (True, ValueError)):
         with pytest.raises(error, match="quantize must be None or one of"):
             Llama.from_config(config, quantize=bad)
@@ -81,7 +81,7 @@ def test_quantize_at_load_reads_a_bf16_checkpoint_into_fp8(tmp_path):
 @pytest.mark.parametrize("quantize", ["fp8", "fp8-block"])
 def test_fp8_on_the_gpu_decodes_within_bf16_tolerance_of_the_float32_reference(quantize):
     """On a GPU the projections are stored as float8_e4m3fn and widened in the tiles (to
-    float32 for the GEMV streams, to bf16 for the tensor cores, where x goes as two bf16
+    float32 for the GEMV streams, to float16 for the tensor cores, where x goes as two float16
     halves): with exact prefill and a float32 cache, the logits are within the bf16
     tolerance of the float32 reference and the greedy tokens follow it. The fast prefill
     multiplies on the FP8 tensor cores (x quantized a row at a time): within 5%."""
@@ -102,3 +102,62 @@ def test_fp8_on_the_gpu_decodes_within_bf16_tolerance_of_the_float32_reference(q
     model.prefill_precision = "fast"
     got, (want, _) = model.logits(long), prefill_logits(ref, long)
     assert (got - want).norm() / want.norm() < 5e-2
+
+
+def _bytes_from_config(config, quantize, lm_head, dtype_bytes, fp8_bytes):
+    """(weights, scales) a model of ``config`` stores, from the config alone: every tensor's
+    elements times its element size (``fp8_bytes`` for a quantized projection: 1 on a GPU, 4
+    on the CPU where e4m3 values are held in float32; ``dtype_bytes`` for the rest), the
+    float32 scales (a projection's rows, times its 128-column blocks for fp8-block), and the
+    float32 RoPE frequencies; a tied LM head counted once, or twice once quantized (its copy)."""
+    import math
+
+    from mk.models.weights import expected_shapes
+
+    shapes = dict(expected_shapes(config))
+    if quantize and lm_head:
+        shapes.setdefault("lm_head.weight", (config.vocab_size, config.hidden_size))
+    weights = scales = 0
+    for name, shape in shapes.items():
+        quantized = quantize and (name.endswith("_proj.weight") or (lm_head and name == "lm_head.weight"))
+        weights += math.prod(shape) * (fp8_bytes if quantized else dtype_bytes)
+        if quantized:
+            N, K = shape
+            scales += 4 * N * (1 if quantize == "fp8" else -(-K // 128))
+    return weights + scales + 4 * (config.head_dim // 2), scales
+
+
+@pytest.mark.parametrize("device,dtype,fp8_bytes", [("cpu", torch.float32, 4),
+                                                    pytest.param("cuda", torch.bfloat16, 1, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name,quantize,lm_head", [("llama", None, False), ("llama", "fp8", False),
+                                                    ("qwen2-bias-tied", "fp8-block", True),
+                                                    ("qwen2-bias-tied", None, False), ("qwen3-qknorm", "fp8", True)])
+def test_footprint_counts_each_weight_at_its_stored_bytes_and_names_the_format(device, dtype, fp8_bytes, name,
+                                                                               quantize, lm_head):
+    from mk.models.auto import FAMILIES
+
+    config = CONFIGS[name]
+    model = FAMILIES[config.MODEL_TYPE].from_config(config, device=device, dtype=dtype, max_batch_size=1,
+                                                    max_seq_len=16, quantize=quantize, quantize_lm_head=lm_head)
+    fp = model.footprint()
+    weights, scales = _bytes_from_config(config, quantize, lm_head, dtype.itemsize, fp8_bytes)
+    assert (fp["weights"], fp["scale_bytes"]) == (weights, scales)
+    assert fp["weight_format"] == (quantize or "plain")
+    assert fp["lm_head_format"] == (quantize if lm_head else "plain")
+    if quantize:
+        projection = model.weights["w.l0.gate_up"]
+        assert projection.element_size() == fp8_bytes
+        assert projection.dtype == (torch.float8_e4m3fn if device == "cuda" else torch.float32)
+
+
+def test_a_plan_says_how_its_weights_are_stored():
+    config = CONFIGS["llama"]
+    plain = Llama.from_config(config, max_batch_size=1, max_seq_len=16)
+    fp8 = Llama.from_config(config, max_batch_size=1, max_seq_len=16, quantize="fp8-block", quantize_lm_head=True)
+    bits = 8 * plain.shape.dtype_bytes
+    assert repr(plain.plan(1, 16)).splitlines()[1] == f"  weights: {bits}-bit"
+    shown = repr(fp8.plan(1, 16)).splitlines()
+    assert shown[0].startswith("plan for ") and "l0.qkv" in "\n".join(shown)
+    assert shown[1] == "  weights: fp8-block (e4m3, a scale per 128x128 block; LM head included)"
+    fp8 = Llama.from_config(config, max_batch_size=1, max_seq_len=16, quantize="fp8")
+    assert repr(fp8.plan(1, 16)).splitlines()[1] == f"  weights: fp8 (e4m3, per-channel scales; LM head {bits}-bit)"

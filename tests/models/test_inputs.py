@@ -3,6 +3,7 @@ ints for sizes) and refuses the rest with a TypeError or ValueError naming the a
 before any work: nothing is built, loaded or written."""
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -153,3 +154,118 @@ def test_a_config_naming_no_family_is_read_as_llama_and_said(tmp_path):
 def test_a_device_torch_does_not_know_is_named():
     with pytest.raises(ValueError, match="device 'foo' is not a device"):
         Llama.from_config(CONFIG, device="foo")
+
+
+# ------------------------------------------------------------------ issue 52: the rest
+
+STREAM_ERRORS = [
+    (dict(input_ids="hello"), TypeError, "input_ids must be a list of token ids"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens must be an int >= 0, got -1"),
+    (dict(read_every=0), ValueError, "read_every must be an int >= 1, got 0"),
+    (dict(temperature=-1.0), ValueError, "temperature must be a finite number >= 0"),
+    (dict(top_p=2.0, temperature=1.0), ValueError, r"top_p must be in \(0, 1\]"),
+    (dict(max_new_tokens=30), ValueError, r"prompt 0: 2 tokens \+ 30 new exceed max_seq_len=24"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", [c for c in STREAM_ERRORS], ids=[m[:24] for _, _, m in STREAM_ERRORS])
+def test_stream_refuses_bad_arguments_at_the_call_not_at_the_first_token(model, kwargs, error, message):
+    before = model.k_cache.clone()
+    with pytest.raises(error, match=message):
+        model.stream(**{"input_ids": [[1, 2]], "max_new_tokens": 2, **kwargs})   # no next(): the call itself
+    assert torch.equal(model.k_cache, before)
+
+
+def _greedy(model, prompts, n):
+    from mk.models import ReferenceLlama, greedy_generate
+
+    return greedy_generate(ReferenceLlama(model.config, model.hf_weights()), prompts, n)
+
+
+def test_one_stream_at_a_time_the_running_one_unharmed(model):
+    """A stream owns the KV cache from its first token until it ends or is closed: another
+    stream(), generate() or logits() meanwhile is refused (the first decodes on as if alone),
+    and one that ended, was closed or was left by a break blocks nothing."""
+    a, b = [3, 14, 15], [9, 2, 6, 5]
+    want_a, want_b = _greedy(model, [a], 4)[0], _greedy(model, [b], 3)[0]
+    first = model.stream([a], 4, read_every=1)
+    early = model.stream([b], 3)   # made before the first started: refused at its own first token
+    got = [int(next(first)[0])]
+    for what, call in (("stream()", lambda: model.stream([b], 3)), ("generate()", lambda: model.generate([b], 3)),
+                       ("logits()", lambda: model.logits([b]))):
+        with pytest.raises(RuntimeError, match=rf"{re.escape(what)}: a stream\(\) of this model is still running .* call its "
+                                                rf"close\(\) first"):
+            call()
+    with pytest.raises(RuntimeError, match=r"stream\(\): a stream\(\) of this model is still running"):
+        next(early)
+    got += [int(t[0]) for t in first]
+    assert got == want_a
+    assert model.generate([b], 3) == [b + want_b]          # it ended: the model is free
+    closed = model.stream([a], 4)
+    next(closed)
+    closed.close()
+    assert model.generate([b], 3) == [b + want_b]          # closed
+    for _ in model.stream([a], 4):
+        break
+    assert model.generate([b], 3) == [b + want_b]          # left by a break (the loop dropped it)
+
+
+def test_a_tiny_temperature_decodes_greedily_not_into_inf(model):
+    """logits / 1e-45 overflows float32 (inf, then NaN in the draw); below MIN_TEMPERATURE
+    the draw is the argmax anyway, and so it is decoded greedily, whatever the seed."""
+    from mk.models.decoder import MIN_TEMPERATURE
+
+    prompts = [[3, 14, 15], [9, 2]]
+    want = [p + t for p, t in zip(prompts, _greedy(model, prompts, 3))]
+    # (Each way of choosing a token: in the megakernel, or the sampler after it.)
+    for temperature, kw in ((1e-45, {}), (1e-40, dict(top_k=5)), (MIN_TEMPERATURE / 2, dict(top_p=0.9))):
+        assert model.generate(prompts, 3, temperature=temperature, seed=7, **kw) == want, (temperature, kw)
+
+
+def test_device_spec_must_be_a_device_spec(tmp_path, monkeypatch):
+    from mk.planner.device import DeviceSpec
+
+    message = r"device_spec must be a mk.planner.device.DeviceSpec or None .* got str 'h100'"
+    with pytest.raises(TypeError, match=message):
+        Llama.from_config(CONFIG, device_spec="h100")
+    with pytest.raises(TypeError, match=message):
+        Llama(CONFIG, random_weights(CONFIG), device_spec="h100", max_seq_len=24)
+    save_weights(random_weights(CONFIG, seed=0), CONFIG, tmp_path)
+
+    def read(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr("mk.models.decoder.load_weights", read)
+    with pytest.raises(TypeError, match="device_spec must be a mk.planner.device.DeviceSpec or None"):
+        AutoModel.from_pretrained(tmp_path, device_spec={"name": "h100"})
+    spec = DeviceSpec.preset("h100")
+    assert Llama.from_config(CONFIG, device_spec=spec, max_batch_size=1, max_seq_len=8).device_spec is spec
+
+
+def test_plan_length_takes_a_reachable_length_only(model):
+    from mk.models.decoder import PLAN_LENGTHS
+
+    big = Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=48)
+    # The first of PLAN_LENGTHS at or above, at most max_seq_len (PLAN_LENGTHS[0] = 64 > 48).
+    assert PLAN_LENGTHS[0] > 48 and [big.plan_length(n) for n in (1, 47, np.int64(48))] == [48, 48, 48]
+    for bad, error, message in ((0, ValueError, r"tokens must be in \[1, max_seq_len=24\] .* got 0"),
+                                (-3, ValueError, "got -3"), (25, ValueError, "got 25"),
+                                (True, TypeError, "tokens must be an int, got bool"),
+                                (4.0, TypeError, "got float"), ("4", TypeError, "got str"),
+                                (None, TypeError, "got NoneType")):
+        with pytest.raises(error, match=message):
+            model.plan_length(bad)
+
+
+def test_the_prefill_memory_check_comes_before_the_decode_step_is_built(model, monkeypatch):
+    """The cheap checks (the prompts against the cache, the prefill's workspace against free
+    memory) come before planning and compiling the step, at the call."""
+    def build(*args, **kwargs):
+        raise AssertionError("the decode step was built")
+
+    monkeypatch.setattr(model, "_decoder", build)
+    monkeypatch.setattr("mk.models.prefill.free_bytes", lambda device, need=0: 1024)   # as a full GPU
+    with pytest.raises(MemoryError, match="prefill needs .* MiB of workspace"):
+        model.stream([[1, 2, 3]], 2)
+    with pytest.raises(MemoryError, match="prefill needs"):
+        model.generate([[1, 2, 3]], 2)

@@ -15,7 +15,8 @@ from mk.models.qwen3 import Qwen3, Qwen3Config
 from mk.models.blocks import ModelShape
 from mk.models.llama import Llama
 from mk.models.qwen2 import Qwen2
-from mk.models.weights import load_weights, save_weights, shard_weights, tp_slices
+from mk.models.weights import SCALE_SUFFIX, load_weights, quantize_weights, save_weights, shard_weights, tp_slices
+from mk.tasks.linear.format import FP8_CHANNEL
 from mk.persistent.graph import lower
 from mk.persistent.vm import run_vm_ranks
 from tests.conftest import HAS_CUDA, rel_err
@@ -39,6 +40,12 @@ CASES = {"llama-tp2": (Llama, LlamaConfig.tiny(**SIZES, num_attention_heads=4, n
                                                             sliding_window=5), 4)}
 
 
+def _dequantized(weights: dict) -> dict:
+    """The float32 weights FP8 ones with per-channel scales stand for (the others as they are)."""
+    return {n: FP8_CHANNEL.dequantize(t, weights[n + SCALE_SUFFIX]) if n + SCALE_SUFFIX in weights else t
+            for n, t in weights.items() if not n.endswith(SCALE_SUFFIX)}
+
+
 def _all_reduces(plan, how: str):
     """``plan`` with the O / down projections' all-reduces as ``how`` says: "own" (their own
     tiles after the projection), "split-k" (the projections that fuse them split over K, so
@@ -59,12 +66,18 @@ def _all_reduces(plan, how: str):
     return replace(plan, choices=choices)
 
 
-@pytest.mark.parametrize("name,all_reduces", [(n, "as planned") for n in sorted(CASES)]
-                         + [("llama-tp2", "own"), ("llama-tp4", "split-k"), ("qwen2-bias-tp2", "split-k")])
-def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces):
+@pytest.mark.parametrize("name,all_reduces,quantize", [(n, "as planned", None) for n in sorted(CASES)]
+                         + [("llama-tp2", "own", None), ("llama-tp4", "split-k", None),
+                            ("qwen2-bias-tp2", "split-k", None), ("llama-tp2", "as planned", "fp8"),
+                            ("qwen3-qk-norm-tp2", "split-k", "fp8")])
+def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces, quantize):
+    """``quantize``: the whole model's projections and LM head in FP8 with per-channel scales,
+    each rank given its share of the values and of the scales (shard_weights)."""
     cls, config, tp = CASES[name]
     weights = random_weights(config, seed=3)
-    ref = ReferenceLlama(config, weights)
+    if quantize:
+        weights = quantize_weights(weights, config, quantize, lm_head=True)
+    ref = ReferenceLlama(config, _dequantized(weights))
     cache = ref.new_cache(B, S)
     history = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(5))
     for b, n in enumerate(POSITIONS):
@@ -78,6 +91,7 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces):
     for rank in range(tp):
         model = cls(config, shard_weights(weights, tp_slices(config, tp, rank)), device="cpu", dtype=torch.float32,
                     max_batch_size=B, max_seq_len=S, tp=tp, rank=rank)
+        assert model.formats == {"layers": quantize or "plain", "lm_head": quantize or "plain"}
         kv = model.shape.kv_heads
         model.k_cache.copy_(k0[:, :, rank * kv:(rank + 1) * kv])
         model.v_cache.copy_(v0[:, :, rank * kv:(rank + 1) * kv])

@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,25 @@ def test_an_unlistable_folder_is_reported_as_the_os_says(tmp_path, monkeypatch):
     for read in (lambda: AutoConfig.from_pretrained(tmp_path), lambda: load_weights(tmp_path, CONFIG)):
         with pytest.raises(ValueError, match="cannot read it: Permission denied"):
             read()
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/x.safetensors", "sub/x.safetensors", ".."])
+def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path, shard):
+    save_weights(random_weights(CONFIG), CONFIG, tmp_path, shard_bytes=20_000)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = shard
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"tensor {name!r} is in {shard!r}, which is not a file name of the "
+                                         f"checkpoint folder"):
+        load_weights(tmp_path, CONFIG, progress=False)
+
+
+@pytest.mark.parametrize("victim", [SINGLE_FILE, INDEX_FILE])
+def test_a_fifo_for_a_weight_file_is_refused_not_waited_on(tmp_path, victim):
+    """open() of a FIFO blocks until a writer comes: the loader looks before it opens."""
+    save_weights(random_weights(CONFIG), CONFIG, tmp_path)
+    (tmp_path / SINGLE_FILE).unlink()
+    os.mkfifo(tmp_path / victim)
+    with pytest.raises(ValueError, match=f"{victim}: is a FIFO, not a regular file"):
+        load_weights(tmp_path, CONFIG, progress=False)

@@ -128,7 +128,9 @@ class WeightFormat:
 
 def block_scales_per_row(blocks: torch.Tensor, N: int) -> torch.Tensor:
     """128 x 128 block scales ``[ceil(N/128), ceil(K/128)]`` as each row's ``[N, ceil(K/128)]``."""
-    return blocks.repeat_interleave(SCALE_BLOCK, 0)[:N].contiguous()
+    # (a gather, so the result owns its N rows: a slice of the repeated blocks would keep
+    # their padding to a multiple of 128 rows alive)
+    return blocks[torch.arange(N, device=blocks.device) // SCALE_BLOCK]
 
 
 def expand_columns(scale: torch.Tensor, K: int) -> torch.Tensor:
