@@ -432,10 +432,13 @@ def test_without_the_gguf_package_a_gguf_is_refused_saying_what_to_install(tmp_p
 
 def test_the_cli_generates_from_a_gguf_and_reports_bad_ones_in_one_line(tmp_path, capsys):
     path, config, want = family_file(tmp_path, "qwen2")
-    assert main(["generate", "--model", path, "--prompt", "hello world", "--max-new-tokens", "2"]) == 0
+    assert main(["generate", "--model", path, "--prompt", "hello world", "--max-new-tokens", "2",
+                 "--quantize", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert f"model qwen2.gguf (qwen2): 2 layers, hidden 64, vocab {V_QWEN}" in out
+    assert f"model qwen2.gguf (qwen2): 2 layers, hidden 64, vocab {V_QWEN}; weights fp8 (e4m3" in out
     assert "check: first 2 greedy tokens match the float32 torch reference (2/2)" in out
+    assert main(["plan", "--model", path, "--device", "h100", "--quantize", "fp8-block"]) == 0
+    assert "plan for qwen2.gguf" in capsys.readouterr().out
     bad = write_gguf(tmp_path / "phi.gguf", config, want, arch="phi3")
     assert main(["generate", "--model", bad, "--ids", "1,2"]) == 1
     err = capsys.readouterr().err
@@ -619,11 +622,11 @@ FP8_AGREEMENT = 0.92
 @needs_smollm2
 def test_smollm2_in_fp8_agrees_with_float32_on_real_text(smollm2):
     """Teacher-forced top-1 agreement over 1024 positions of real text, per-channel and
-    per-block FP8 against the unquantized model. On the CPU a quantized model's prefill
-    applies its scales to the float32 product (mk.models.decoder._mm_scaled), which is the
-    float32 reference forward of its dequantized weights: mk's own prefill is checked to equal
-    it over the text's start (the interpreter takes about a second a token at this size), the
-    reference gives the figure."""
+    per-block FP8 (quantized as the GGUF loads) against the unquantized model. The figure
+    comes from the float32 reference forward of each model's weights as it holds them (its
+    FP8 values times their scales): what mk's scaled tiles compute, as tests/models/test_fp8.py
+    checks for both formats on tiny models of the families (here the interpreter would take
+    about a second a token: too slow for 1024 positions)."""
     _, _, _, ids, want = smollm2
     figures = {}
     for quantize in ("fp8", "fp8-block"):
@@ -632,8 +635,6 @@ def test_smollm2_in_fp8_agrees_with_float32_on_real_text(smollm2):
         assert model.formats == {"layers": quantize, "lm_head": "plain"}
         got, _ = prefill_logits(ReferenceLlama(model.config, model.hf_weights()), [ids])
         figures[quantize] = float((got[0].argmax(-1) == want.argmax(-1)).float().mean())
-        head = model.logits([ids[:2]])[0]   # mk's own prefill, on the scaled path
-        assert (head - got[0, :2]).abs().max() / got[0, :2].abs().max() < 1e-4
         del model
     print(f"\nSmolLM2-135M-Instruct Q4_1, top-1 agreement with float32 over {len(ids)} positions: "
           + ", ".join(f"{k} {v:.2%}" for k, v in figures.items()))
