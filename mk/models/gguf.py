@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import LlamaConfig
-from .weights import _finite, _some, expected_shapes, shard_tensor
+from .weights import _check_readable, _finite, _some, expected_shapes, shard_tensor
 
 #: ``general.architecture`` values mk reads.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -112,12 +112,8 @@ def read_gguf(path: str | os.PathLike) -> "GGUFCheckpoint":
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"a GGUF path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fspath(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    _check_readable(path)   # (missing, a folder or a FIFO, not readable: one line naming it)
+    st = os.stat(path)
     return _read_cached(path, os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -135,7 +131,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str):
         self.path = path
         gguf = _gguf()
-        _check_regular(path)
+        _check_magic(path)
         try:
             self.reader = gguf.GGUFReader(path)
         except Exception as e:   # the reader's own errors: ValueError, IndexError, KeyError, numpy's
@@ -366,11 +362,9 @@ _KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "
           "layer int": "an integer (or one per layer)"}
 
 
-def _check_regular(path: str) -> None:
-    """ValueError naming ``path`` unless it is a regular file this process can open (a folder
-    or a FIFO would not map; the reader's error would not say why)."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: not a regular file (mk reads a checkpoint folder or a .gguf file)")
+def _check_magic(path: str) -> None:
+    """ValueError naming ``path`` unless it starts as a GGUF file does (the reader's own error
+    on another file would not say so)."""
     try:
         with open(path, "rb") as f:
             head = f.read(4)

@@ -70,16 +70,12 @@ def build_tokenizer(ckpt) -> Tokenizer | None:
     if model is None or model == "none":
         return None
     if model not in MODELS:
-        warnings.warn(f"{path}: tokenizer.ggml.model is {model!r}; mk builds "
-                      f"{' and '.join(f'{k!r} ({v})' for k, v in MODELS.items())} tokenizers, so this model works "
-                      f"on token ids (no text prompts, no chat template)", UserWarning, stacklevel=2)
-        return None
+        return _ids_only(f"{path}: tokenizer.ggml.model is {model!r}; mk builds "
+                         f"{' and '.join(f'{k!r} ({v})' for k, v in MODELS.items())} tokenizers")
     pre = ckpt.get("tokenizer.ggml.pre", "str", "default") if model == "gpt2" else None
     if model == "gpt2" and pre not in PRE_SPLITS:
-        warnings.warn(f"{path}: tokenizer.ggml.pre is {pre!r}, a pre-tokenizer mk does not know (it knows "
-                      f"{', '.join(sorted(PRE_SPLITS))}), so this model works on token ids (no text prompts, no chat "
-                      f"template)", UserWarning, stacklevel=2)
-        return None
+        return _ids_only(f"{path}: tokenizer.ggml.pre is {pre!r}, a pre-tokenizer mk does not know (it knows "
+                         f"{', '.join(sorted(PRE_SPLITS))})")
     tokens = ckpt.get("tokenizer.ggml.tokens", "strs")
     n = len(tokens)
     vocab = {}
@@ -119,6 +115,12 @@ def build_tokenizer(ckpt) -> Tokenizer | None:
     template = ckpt.get("tokenizer.chat_template", "str", None)
     return Tokenizer(tok, bos, eos_ids, add_bos=add_bos, chat_template=template, special_tokens=special_tokens,
                      chat_template_source=f"{path} (tokenizer.chat_template)")
+
+
+def _ids_only(why: str) -> None:
+    """No tokenizer: a warning saying ``why`` and what the model then works on."""
+    warnings.warn(f"{why}, so this model works on token ids (no text prompts, no chat template)", UserWarning,
+                  stacklevel=3)
 
 
 def _per_token(ckpt, key: str, kind: str, n: int, default):
