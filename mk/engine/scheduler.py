@@ -112,11 +112,13 @@ class Scheduler:
 
     ``max_queue``: requests waiting for a slot before :meth:`submit` refuses
     (:class:`QueueFull`). ``read_every``: decode steps a block (tokens are read back, and
-    requests join and leave, between blocks). ``prefill_chunk``: most prompt tokens prefilled
+    requests join and leave, between blocks; default 8 on a GPU, 1 on the CPU). ``prefill_chunk``: most prompt tokens prefilled
     between two blocks, so a running stream waits at most that long for an arriving prompt
     (default: what the model's prefill workspace holds, at most 256)."""
 
-    def __init__(self, model, *, max_queue: int = 64, read_every: int = 8, prefill_chunk: int | None = None):
+    def __init__(self, model, *, max_queue: int = 64, read_every: int | None = None, prefill_chunk: int | None = None):
+        if read_every is None:  # (the interpreter takes long enough a step to read each one)
+            read_every = 8 if model.device.type == "cuda" else 1
         for name, value in (("max_queue", max_queue), ("read_every", read_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
