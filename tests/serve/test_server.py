@@ -236,3 +236,21 @@ def _metrics(server) -> dict[str, float]:
     text = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
     return {name: float(value) for name, value in (line.split() for line in text.splitlines()
                                                      if line and not line.startswith("#") and "{" not in line)}
+
+
+def test_the_readme_s_client_snippet_and_curl_line_run_against_the_server(server, capsys):
+    """The README's serve examples, pointed at this server: the openai snippet streams the
+    chat reply; the curl line's body is a valid completion request."""
+    import re
+
+    from tests.test_readme import README, SERVE_SNIPPETS, SERVED
+
+    for snippet in SERVE_SNIPPETS:
+        # (this server's cache is small, and the interpreter slow: a shorter reply)
+        short = re.sub(r"max_tokens=\d+", "max_tokens=4", snippet.replace(SERVED, server))
+        exec(compile(short, "README.md serve example", "exec"), {})
+    assert capsys.readouterr().out.endswith("\n")
+    (body,) = re.findall(r"-d '(\{.*?\})'", README.read_text())
+    request = dict(json.loads(body), model="tiny", prompt="hello", max_tokens=2)
+    code, answer, _ = _post(server, "/v1/completions", request)
+    assert code == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
