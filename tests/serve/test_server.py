@@ -254,3 +254,32 @@ def test_the_readme_s_client_snippet_and_curl_line_run_against_the_server(server
     request = dict(json.loads(body), model="tiny", prompt="hello", max_tokens=2)
     code, answer, _ = _post(server, "/v1/completions", request)
     assert code == 200 and answer["choices"][0]["finish_reason"] in ("stop", "length"), answer
+
+
+@pytest.mark.parametrize("flags, env, words", [
+    (["--max-batch", "0"], {}, "--max-batch must be in [1, "),
+    (["--port", "70000"], {}, "--port must be in [1, 65535]"),
+    (["--max-queue", "0"], {}, "--max-queue must be >= 1"),
+    (["--prefill-chunk", "0"], {}, "--prefill-chunk must be >= 1"),
+    ([], {"WORLD_SIZE": "2"}, "serving a tensor-parallel model (torchrun) is not built"),
+    (["--host", "no.such.host.invalid"], {}, "--host 'no.such.host.invalid'"),
+])
+def test_serve_refuses_bad_flags_in_one_line_before_loading(checkpoint, capsys, monkeypatch, no_model, flags, env,
+                                                           words):
+    from mk.__main__ import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", "--model", str(checkpoint[0])] + flags) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mk: error: ") and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_refuses_a_port_in_use(checkpoint, capsys, no_model):
+    from mk.__main__ import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["serve", "--model", str(checkpoint[0]), "--port", str(s.getsockname()[1])]) == 1
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
