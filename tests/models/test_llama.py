@@ -412,7 +412,8 @@ def test_generation_holds_at_most_the_stated_workspace_beyond_weights_and_cache(
     footprint() states, and at most 64 MiB more (the decode step's activations and state).
     Long prompts at batch 8 run in several chunks, whatever the workspace."""
     cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, eos_token_id=None)
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, eos_token_id=None,
+                           max_position_embeddings=2048)
     model = Llama.from_config(cfg, seed=1, max_batch_size=8, max_seq_len=2048)
     prompts = [[(7 * b + 13 * t) % 32000 for t in range(1500 + 50 * b)] for b in range(8)]
     for workspace in (None, 64 * 2**20):
