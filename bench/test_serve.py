@@ -189,8 +189,8 @@ def test_streams_equal_their_request_alone_with_a_float32_cache(record):
     sched = Scheduler(model).start()
     for i, (p, n) in enumerate(reqs):
         def emit(ev, i=i):
-            if ev[0] == "token":
-                got[i].append(ev[1])
+            if ev[0] == "tokens":
+                got[i] += ev[1]
             elif ev[0] in ("done", "error"):
                 done[i].set()
         sched.submit(Request(prompt=p, max_tokens=n, emit=emit))

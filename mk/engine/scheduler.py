@@ -7,8 +7,9 @@ One thread runs the :class:`Scheduler`'s loop (:meth:`Scheduler.start`); any thr
 ``emit`` callback, called on the scheduler's thread, in order:
 
 - ``("prompt_logprobs", [None, lp1, lp2, ...])`` once, if asked for (``prompt_logprobs``);
-- ``("token", id, logprob)`` for each new token (``logprob``: None, or
-  ``(its logprob, [(id, logprob), ...] top-n)`` when ``logprobs`` is set);
+- ``("tokens", [id, ...], [logprob, ...])`` with each block's new tokens (the first token
+  alone, after the prefill), each ``logprob`` None, or ``(its logprob, [(id, logprob), ...]
+  top-n)`` when ``logprobs`` is set;
 - ``("done", reason)`` with reason ``"stop"`` (a stop id) or ``"length"`` (``max_tokens``),
   or ``("error", message)`` if its prefill or a decode step failed. Nothing follows either.
 
@@ -287,7 +288,7 @@ class Scheduler:
         self.metrics.count("prompt_tokens", len(r.prompt))
         r.enqueued = 1
         self.live.append(r)
-        self._emit_token(r, token, lp)
+        self._emit_tokens(r, [token], [lp])
 
     @staticmethod
     def _prompt_logprobs(r: Request, start: int, stop: int, logits: torch.Tensor) -> list:
@@ -350,23 +351,27 @@ class Scheduler:
         self.metrics.count("decoded_tokens", block * len(rows))
         self._last_read = now
         for b, r in enumerate(rows):
-            start = len(r.prompt)
-            for i in range(block):
-                if r.gone:
-                    break
-                self._emit_token(r, int(history[b, start + r.produced]),
-                                 read_logprob(choices[i][b]) if choices else None)
+            if r.gone:
+                continue
+            start = len(r.prompt) + r.produced
+            tokens = history[b, start:start + block].tolist()
+            self._emit_tokens(r, tokens, [read_logprob(c[b]) for c in choices] if choices else [None] * block)
 
-    def _emit_token(self, r: Request, token: int, lp) -> None:
-        """Hand ``token`` to ``r``; it finishes at a stop id or at ``max_tokens`` (its row is
-        given back at the next boundary with nothing in flight)."""
-        r.produced += 1
-        self.metrics.count("generated_tokens")
-        r.emit(("token", token, lp))
-        if token in r.stop_ids:
-            self._finish(r, "stop")
-        elif r.produced >= r.max_tokens:
-            self._finish(r, "length")
+    def _emit_tokens(self, r: Request, tokens: list[int], lps: list) -> None:
+        """Hand ``r`` its next ``tokens`` (one event); it finishes at a stop id (the tokens
+        after it are dropped) or at ``max_tokens``, and its row goes back at the next
+        boundary with nothing in flight."""
+        reason = None
+        for n, token in enumerate(tokens, 1):
+            if token in r.stop_ids or r.produced + n >= r.max_tokens:
+                reason = "stop" if token in r.stop_ids else "length"
+                tokens, lps = tokens[:n], lps[:n]
+                break
+        r.produced += len(tokens)
+        self.metrics.count("generated_tokens", len(tokens))
+        r.emit(("tokens", tokens, lps))
+        if reason:
+            self._finish(r, reason)
 
     def _drop_gone(self) -> None:
         """Give back the rows of requests that finished or were cancelled: the last live row's

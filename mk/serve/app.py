@@ -286,15 +286,21 @@ class _Answer:
             self.failed = ev[1]
             self.cancel()
             return []
-        if what == "token":
-            token, lp = ev[1], ev[2]
-            piece, stopped = self.texts[i].put(token)
-            self.tokens[i].append((token, lp))
+        if what == "tokens":
+            text, kept, stopped = [], [], False
+            for token, lp in zip(ev[1], ev[2]):
+                piece, stopped = self.texts[i].put(token)
+                text.append(piece)
+                kept.append((token, lp))
+                if stopped:
+                    break
+            self.tokens[i] += kept
+            lps = [lp for _, lp in kept] if kept[0][1] is not None else None
             if stopped:
                 self.reqs[i].cancelled = True   # its slot goes back at the next boundary
                 self.finish[i] = "stop"
-                return [self._chunk(i, piece, lp, "stop")]
-            return [self._chunk(i, piece, lp, None)] if piece or lp else []
+                return [self._chunk(i, "".join(text), kept if lps else None, "stop")]
+            return [self._chunk(i, "".join(text), kept if lps else None, None)] if any(text) or lps else []
         # "done": the scheduler stopped it (a stop id: "stop"; max_tokens: "length").
         piece = self.texts[i].end()
         self.finish[i] = "stop" if self.texts[i].stopped else ev[1]
@@ -325,13 +331,15 @@ class _Answer:
 
         return {"content": [dict(one(t, lp[0]), top_logprobs=[one(a, v) for a, v in lp[1]]) for t, lp in entries]}
 
-    def _chunk(self, i: int, text: str, lp, finish: str | None) -> dict:
+    def _chunk(self, i: int, text: str, entries: list | None, finish: str | None) -> dict:
+        """A stream chunk of choice ``i``: its new ``text``, its tokens' logprobs (``entries``:
+        [(id, logprob)], or None), its finish reason once it has one."""
         if self.chat:
             choice = {"index": i, "delta": {"content": text} if text else {}, "finish_reason": finish,
-                      "logprobs": self._logprobs_chat([(self.tokens[i][-1][0], lp)]) if lp else None}
+                      "logprobs": self._logprobs_chat(entries) if entries else None}
         else:
             choice = {"index": i, "text": text, "finish_reason": finish,
-                      "logprobs": self._logprobs_completion([self.tokens[i][-1]]) if lp else None}
+                      "logprobs": self._logprobs_completion(entries) if entries else None}
         return {"id": self.id, "object": self.kind + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.name, "choices": [choice]}
 

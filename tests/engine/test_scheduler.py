@@ -41,8 +41,8 @@ class Collect:
 
     def __call__(self, ev):
         self.events.append(ev)
-        if ev[0] == "token":
-            self.tokens.append(ev[1])
+        if ev[0] == "tokens":
+            self.tokens += ev[1]
         if ev[0] in ("done", "error"):
             self.ended.set()
 
@@ -96,8 +96,8 @@ def test_logprobs_and_sampling_choose_per_request(model, reference):
     assert drawn.emit.tokens == again.emit.tokens and all(0 <= t < CONFIG.vocab_size for t in drawn.emit.tokens)
     seq = prompt + want
     ref = torch.log_softmax(prefill_logits(reference, [seq])[0][0].float(), dim=-1)
-    got = [ev for ev in greedy.emit.events if ev[0] == "token"]
-    for k, (_, token, (lp, top)) in enumerate(got):
+    got = [(token, lp) for ev in greedy.emit.events if ev[0] == "tokens" for token, lp in zip(ev[1], ev[2])]
+    for k, (token, (lp, top)) in enumerate(got):
         at = len(prompt) - 1 + k
         assert lp == pytest.approx(ref[at, token].item(), abs=1e-4)
         assert [t for t, _ in top] == torch.topk(ref[at], 2).indices.tolist()
