@@ -43,6 +43,7 @@ def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
     # Small enough for the interpreter to decode a few tokens a second at batch 3.
     config = LlamaConfig(**{**DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
+                            "num_hidden_layers": 1,
                             "vocab_size": 288, "bos_token_id": 0, "eos_token_id": 1})
     weights = random_weights(config, seed=5, dtype=torch.bfloat16)
     save_weights(weights, config, folder)
