@@ -108,7 +108,7 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
     if own is not None:
         # The same step with the projections' all-reduces in tiles of their own, as the
         # planner could have had them: what summing in the projections' tiles gains.
-        own_dec = model._build_agreed(own, graph, batch, "argmax")
+        own_dec = model.steps.build_agreed(own, graph, batch, "argmax")
         row["kernel_ms_all_reduces_own_tiles"] = _kernel_ms(own_dec, batch, spec, world)
         del own_dec
         _progress(f"batch {batch}: the all-reduces in own tiles timed")
@@ -124,7 +124,7 @@ def _generate_figures(model, batch: int, spec: dict, world: int) -> dict:
         if row["measured_plan_is_predicted"]:
             row["kernel_ms_measured_plan"] = row["kernel_ms_per_step"]
         else:
-            measured_dec = model._build_agreed(measured, graph, batch, "argmax")
+            measured_dec = model.steps.build_agreed(measured, graph, batch, "argmax")
             row["kernel_ms_measured_plan"] = _kernel_ms(measured_dec, batch, spec, world)
             del measured_dec
         _progress(f"batch {batch}: the measured plan timed")

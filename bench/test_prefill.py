@@ -52,14 +52,14 @@ def test_prefill(benchmark, record, long_llama, request_name):
     ids, lengths = model._check_prompts(prompts, 0)
     with torch.no_grad():
         reps = 3 if key == "8b" else 5
-        benchmark.pedantic(lambda: (model._prefill(ids, lengths), torch.cuda.synchronize()), rounds=reps,
+        benchmark.pedantic(lambda: (model.prefiller.run(ids, lengths), torch.cuda.synchronize()), rounds=reps,
                            warmup_rounds=1)
-        fast_ms = back_to_back_ms(lambda: model._prefill(ids, lengths), reps=reps, warmup=1)
-        fast = model._prefill(ids, lengths)
+        fast_ms = back_to_back_ms(lambda: model.prefiller.run(ids, lengths), reps=reps, warmup=1)
+        fast = model.prefiller.run(ids, lengths)
         model.prefill_precision = "exact"
         try:
-            exact_ms = back_to_back_ms(lambda: model._prefill(ids, lengths), reps=2, warmup=1)
-            exact = model._prefill(ids, lengths)
+            exact_ms = back_to_back_ms(lambda: model.prefiller.run(ids, lengths), reps=2, warmup=1)
+            exact = model.prefiller.run(ids, lengths)
         finally:
             model.prefill_precision = "fast"
         # The peer: static shapes, so the ragged batch is padded to its longest prompt at
@@ -111,7 +111,7 @@ def test_generate_time_to_first_token(record, long_llama):
         for _ in range(2):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            model._prefill(ids, lengths)
+            model.prefiller.run(ids, lengths)
             torch.cuda.synchronize()
             first_and_next.append((time.perf_counter() - t) * 1e3)
     record("prefill", op="generate", model=key, prompt=2048, new_tokens=128,

@@ -13,6 +13,8 @@ Commands:
          decode with a model (a checkpoint folder of any family, a .gguf file, or a small random Llama)
          through the megakernel: the text (or ids) streamed as tokens arrive, then tokens/s
          and a check against the reference (``--quantize fp8``: FP8 projections).
+  serve  serve a checkpoint over HTTP with the OpenAI API (completions, chat completions,
+         models, health, metrics), requests batched continuously (:mod:`mk.serve`).
 
 Results go to stdout; what a command is doing goes to stderr (a status line and progress
 bars on a terminal, plain ``mk: ...`` lines elsewhere). Bad arguments or checkpoints are
@@ -145,6 +147,8 @@ def _main(argv: list[str] | None) -> int:
                      help="fast (default): bf16 matmul operands in prefill; exact: float32 activations")
     quantize_flags(gen)
     gen.add_argument("--check-steps", type=int, default=4, help="greedy steps checked against the reference")
+    from .serve.cli import add_serve_parser
+    add_serve_parser(sub, quantize_flags)
     args = parser.parse_args(argv)
     debug = debug_wanted()
     try:
@@ -184,6 +188,10 @@ def _run(args) -> int:
         from .planner.calibrate import run_calibrate
 
         return run_calibrate(save=not args.no_save)
+    if args.command == "serve":
+        from .serve.cli import run_serve
+
+        return run_serve(args)
     from .generate import run_generate
 
     return run_generate(args)

@@ -78,34 +78,44 @@ class TextStreamer:
     """A row's text, piece by piece as its tokens arrive: ``put(token)`` returns the text
     that token adds, ``end()`` whatever is still held back.
 
-    Each :meth:`put` decodes the prompt and every new token so far and returns what was not
-    returned before, so a character spread over several tokens (the UTF-8 bytes of a
-    byte-level vocabulary) comes out whole: text ending in an incomplete character (U+FFFD)
-    is held until the token that completes it. Decoding from the prompt on keeps the space
-    between prompt and continuation that a decoder strips from a sequence's first token.
+    Each :meth:`put` decodes a short window of the sequence: the tokens since the last text
+    it returned, after a few before them (:data:`ANCHOR` tokens of the prompt at first), and
+    returns what the window's text adds to the anchor's. Decoding after an anchor keeps the
+    space between tokens that a decoder strips from a sequence's first token; a character
+    spread over several tokens (the UTF-8 bytes of a byte-level vocabulary) comes out whole:
+    text ending in an incomplete character (U+FFFD) is held until the token that completes
+    it. The work a token is constant, however long the sequence.
     """
+
+    #: Prompt tokens decoded before the first new token (the anchor of the first window).
+    ANCHOR = 6
 
     def __init__(self, tokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
         self.prompt = list(prompt_ids)
         self.ids: list[int] = []
         self.prompt_text = tokenizer.decode(self.prompt)
-        self._done = len(self.prompt_text)
+        self._all = list(self.prompt)
+        self._anchor = max(0, len(self._all) - self.ANCHOR)  # the window starts here...
+        self._read = len(self._all)  # ...and its text up to here was returned
 
     def put(self, token: int) -> str:
         """Add one generated token; return the new text it completes (may be empty)."""
         self.ids.append(int(token))
-        text = self.tokenizer.decode(self.prompt + self.ids)
-        return "" if text.endswith("\ufffd") else self._take(text)
+        self._all.append(int(token))
+        text = self.tokenizer.decode(self._all[self._anchor:])
+        if text.endswith("\ufffd"):
+            return ""
+        return self._take(text, len(self._all))
 
     def end(self) -> str:
         """The text still held back (an incomplete last character comes out as U+FFFD)."""
-        return self._take(self.tokenizer.decode(self.prompt + self.ids))
+        return self._take(self.tokenizer.decode(self._all[self._anchor:]), len(self._all))
 
-    def _take(self, text: str) -> str:
-        new = text[self._done:]
-        self._done = max(self._done, len(text))
-        return new
+    def _take(self, text: str, upto: int) -> str:
+        seen = self.tokenizer.decode(self._all[self._anchor:self._read])
+        self._anchor, self._read = self._read, upto
+        return text[len(seen):]
 
 
 #: An id of ``--ids``: ASCII digits, a leading minus allowed (refused by value, as out of range).

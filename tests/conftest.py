@@ -7,6 +7,7 @@ and bfloat16 variants (marked ``gpu``) must match a float32 reference to 1e-2.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -104,3 +105,29 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     err = rel_err(out, ref)
     tol = tolerance(dtype)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
+
+
+#: A chat template in Jinja, as tokenizer_config.json carries one.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def byte_level_tokenizer(folder, chat_template=CHAT_TEMPLATE):
+    """A byte-level BPE (a character may take several tokens), 272 ids: fits the default model's vocab."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from mk.models import load_tokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, the cat"], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"],
+        show_progress=False))
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return load_tokenizer(folder)

@@ -8,33 +8,14 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from mk.__main__ import main
+from tests.conftest import byte_level_tokenizer
 from mk.generate import DEFAULT_CONFIG, Status, TextStreamer
 from mk.models import Llama, LlamaConfig, load_tokenizer, random_weights, save_weights
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 #: What a progress bar or an in-place status line would leave in a captured stream.
 JUNK = ("\r", "\033", "%|", "\u2588", "it/s", "tensor/s", "op/s")
-
-
-def _byte_level_tokenizer(folder, chat_template=CHAT_TEMPLATE):
-    """A byte-level BPE (a character may take several tokens), 272 ids: fits the default model's vocab."""
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["hello world, the cat"], trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"],
-        show_progress=False))
-    tok.save(str(folder / "tokenizer.json"))
-    cfg = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": True}
-    if chat_template:
-        cfg["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return load_tokenizer(folder)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +26,7 @@ def checkpoint(tmp_path_factory):
     # Stored in bf16: load_weights keeps a float32 tensor as safetensors hands it over, and that
     # may sit 8 bytes off the 16-byte alignment megakernel buffers need (reported, not ours to fix).
     save_weights(random_weights(config, seed=0, dtype=torch.bfloat16), config, folder)
-    _byte_level_tokenizer(folder)
+    byte_level_tokenizer(folder)
     return folder
 
 
@@ -58,7 +39,7 @@ def _no_junk(*streams):
 
 
 def test_text_streamer_keeps_multibyte_characters_whole(tmp_path):
-    tok = _byte_level_tokenizer(tmp_path)
+    tok = byte_level_tokenizer(tmp_path)
     prompt = tok.encode("hello")
     ids = tok.encode("é world 🙂!", add_bos=False)
     assert len(tok.encode("🙂", add_bos=False)) == 4   # a character may take several tokens
@@ -227,7 +208,7 @@ def _no_template(checkpoint, tmp_path):
     folder.mkdir()
     for f in ("config.json", "model.safetensors"):
         (folder / f).symlink_to(checkpoint / f)
-    _byte_level_tokenizer(folder, chat_template=None)
+    byte_level_tokenizer(folder, chat_template=None)
     return folder
 
 

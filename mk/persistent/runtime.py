@@ -122,8 +122,10 @@ class Megakernel:
         if self.interpret and program.num_workers != 1:
             raise MegakernelError("under the Triton interpreter programs run one after another: "
                                   "lower the graph for num_workers=1 (use the VM for more workers)")
-        if any(spec.constexprs.get("TMA_STAGES", 0) for spec, _ in program.variants):
-            enable_device_descriptors()  # scratch for the descriptors the TMA bodies make
+        #: Whether its TMA bodies make descriptors on the device (scratch from Triton's allocator).
+        self.descriptors = any(spec.constexprs.get("TMA_STAGES", 0) for spec, _ in program.variants)
+        if self.descriptors:
+            enable_device_descriptors()
         self.source = generate_source(program, gpu=not self.interpret)
         self.backoff_ns, self.defer_signals = int(backoff_ns), bool(defer_signals)
         self.kernel, self.digest = load_kernel(self.source)
@@ -176,6 +178,8 @@ class Megakernel:
                 f"{self.program.num_workers} workers cannot all be resident: the kernel uses {res.n_regs} registers "
                 f"and {res.shared_bytes} B of shared memory with {res.num_warps} warps, so at most "
                 f"{res.blocks_per_sm} per SM × {res.sm_count} SMs = {res.max_workers}")
+        if self.descriptors:
+            enable_device_descriptors()  # (per thread: a scheduler's thread launches too)
         args, kw = self._args()
         self.kernel[(self.program.num_workers,)](*args, **kw)
 

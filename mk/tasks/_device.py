@@ -307,15 +307,17 @@ def smem_per_block(t: torch.Tensor) -> int | None:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 49152))
 
 
-_ALLOCATOR_SET = False
+#: Threads whose Triton allocator is set: Triton keeps it in a context variable, so each
+#: thread that launches (a server's scheduler thread too) needs its own.
+_ALLOCATOR = threading.local()
 
 
 def enable_device_descriptors() -> None:
     """Give Triton an allocator for the scratch memory of tensor descriptors made on the
-    device (``tl.make_tensor_descriptor``), which TMA-streamed task bodies use. Sets Triton's
-    process-wide allocator once (torch's caching allocator: CUDA-graph capture works)."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET or not torch.cuda.is_available():
+    device (``tl.make_tensor_descriptor``), which TMA-streamed task bodies use. Triton's
+    allocator is per thread (a context variable): set once in each thread that calls this
+    (torch's caching allocator: CUDA-graph capture works)."""
+    if getattr(_ALLOCATOR, "set", False) or not torch.cuda.is_available():
         return
     import triton
 
@@ -323,4 +325,4 @@ def enable_device_descriptors() -> None:
         return torch.empty(size, dtype=torch.int8, device="cuda")
 
     triton.set_allocator(alloc)
-    _ALLOCATOR_SET = True
+    _ALLOCATOR.set = True

@@ -51,7 +51,7 @@ free = []
 for _ in range(4):
     for new in (24, 200):
         model.generate(prompts, max_new_tokens=new)
-    assert len([k for k in model._decoders if k[0] == 2]) == 1, list(model._decoders)
+    assert len([k for k in model.steps.built if k[0] == 2]) == 1, list(model.steps.built)
     torch.cuda.synchronize()
     free.append(torch.cuda.mem_get_info(model.device)[0])
 assert free[-1] >= free[0] - 8 * 2**20, f"free memory fell by {(free[0] - free[-1]) / 2**20:.1f} MiB over the rounds"
@@ -76,8 +76,8 @@ for name, (cls, fam_config, tp) in CASES.items():
 # holding a NCCL collective would leave destroy_process_group hanging.
 fast = Llama.from_config(config, tp=world, seed=3, dtype=torch.bfloat16, max_batch_size=1, max_seq_len=512)
 eager, replayed = fast.logits(prompts[:1]), fast.logits(prompts[:1])
-assert fast._prefill_graphs and not fast._graphs_failed, "the tensor-parallel prefill chunk was not captured"
-(chunk, _, _), = fast._prefill_graphs.values()
+assert fast.prefiller.graphs and not fast.prefiller.graphs_failed, "the tensor-parallel prefill chunk was not captured"
+(chunk, _, _), = fast.prefiller.graphs.values()
 assert len(chunk.graphs) == 2 * config.num_hidden_layers + 2, len(chunk.graphs)
 assert torch.equal(eager, replayed), float((eager - replayed).abs().max())
 exact = model.logits(prompts[:1])

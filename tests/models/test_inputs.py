@@ -263,7 +263,7 @@ def test_the_prefill_memory_check_comes_before_the_decode_step_is_built(model, m
     def build(*args, **kwargs):
         raise AssertionError("the decode step was built")
 
-    monkeypatch.setattr(model, "_decoder", build)
+    monkeypatch.setattr(model.steps, "get", build)
     monkeypatch.setattr("mk.models.prefill.free_bytes", lambda device, need=0: 1024)   # as a full GPU
     with pytest.raises(MemoryError, match="prefill needs .* MiB of workspace"):
         model.stream([[1, 2, 3]], 2)

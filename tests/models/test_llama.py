@@ -13,6 +13,8 @@ import triton
 
 import mk.models.prefill
 import mk.persistent.runtime
+from mk.engine.steps import Steps
+from mk.engine.stream import decode_step
 from mk.models import Llama, LlamaConfig, ReferenceLlama, random_weights, save_weights
 from mk.models.reference import prefill_logits
 from mk.tasks import default_device
@@ -72,7 +74,7 @@ def test_prompts_prefilled_a_chunk_at_a_time_are_the_same_prompts(pair, precisio
         for b, p in enumerate(PROMPTS):
             assert rel_err(got[b, :len(p)], want[b, :len(p)]) < (1e-4 if not HAS_CUDA else tolerance(torch.float32)), b
         ids, lengths = model._check_prompts(PROMPTS, 0)
-        last = model._prefill(ids, lengths)
+        last = model.prefiller.run(ids, lengths)
         assert rel_err(last, torch.stack([want[b, n - 1] for b, n in enumerate(lengths)])) < 1e-4
         for b, p in enumerate(PROMPTS):
             cache = ref.new_cache(1, len(p))
@@ -205,7 +207,7 @@ def test_one_decode_step_is_one_kernel_launch(pair, monkeypatch):
             return func(*args, **(kwargs or {}))
 
     with CountOps():
-        model._decode_step(dec, 1)
+        decode_step(dec, 1)
     assert launched == ["megakernel"] and ops == [], (launched, ops)
 
 
@@ -274,7 +276,7 @@ def test_one_decode_step_is_one_cuda_kernel(pair):
     dec = model.last_decoder
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model._decode_step(dec, 1)
+        decode_step(dec, 1)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1 and "megakernel" in kernels[0], kernels
@@ -293,8 +295,8 @@ def test_measure_mode_times_the_top_plans_and_decodes_the_same(pair, tmp_path, m
     measured = Llama.from_config(CONFIG, seed=3, max_batch_size=3, max_seq_len=16, dtype=torch.float32,
                                  plan_mode="measure")
     timed = []
-    original = Llama._time_plan
-    monkeypatch.setattr(Llama, "_time_plan", lambda self, *a: timed.append(original(self, *a)) or timed[-1])
+    original = Steps.time_plan
+    monkeypatch.setattr(Steps, "time_plan", lambda self, *a: timed.append(original(self, *a)) or timed[-1])
     assert measured.generate(PROMPTS, max_new_tokens=3) == model.generate(PROMPTS, max_new_tokens=3)
     plan, _ = measured.plan(3)
     assert len(timed) >= 2 and all(t > 0 for t in timed) and plan.measured_s == min(timed)
@@ -370,11 +372,11 @@ def test_fast_prefill_logits_are_within_the_stated_tolerance_and_greedy_decode_f
     # One whole prompt a chunk runs as a CUDA graph captured for its length rounded up to
     # 128 tokens: the first request of a length runs eagerly and captures, the next replays
     # (here a shorter prompt of the same bucket, its padding written past its end).
-    assert not model._prefill_graphs
+    assert not model.prefiller.graphs
     for n in (300, 290, 300):
         got = model.logits([prompts[0][:n]])[0]
         assert rel_err(got, want[0, :n]) < 3e-2, n
-    assert list(model._prefill_graphs) == [(0, 384)]
+    assert list(model.prefiller.graphs) == [(0, 384)]
     short = prompts[0][:290]
     got, want_short = model.generate([short], max_new_tokens=steps)[0][290:], greedy_generate(ref, [short], steps)[0]
     same = next((i for i, (a, b) in enumerate(zip(got, want_short)) if a != b), steps)
@@ -410,7 +412,8 @@ def test_generation_holds_at_most_the_stated_workspace_beyond_weights_and_cache(
     footprint() states, and at most 64 MiB more (the decode step's activations and state).
     Long prompts at batch 8 run in several chunks, whatever the workspace."""
     cfg = LlamaConfig.tiny(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, eos_token_id=None)
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=64, eos_token_id=None,
+                           max_position_embeddings=2048)
     model = Llama.from_config(cfg, seed=1, max_batch_size=8, max_seq_len=2048)
     prompts = [[(7 * b + 13 * t) % 32000 for t in range(1500 + 50 * b)] for b in range(8)]
     for workspace in (None, 64 * 2**20):
@@ -442,7 +445,7 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
     model, _ = pair
     list(model.stream(PROMPTS, max_new_tokens=2))
     assert model.last_decoder.step.plan.kv_len == model.plan_length(max(map(len, PROMPTS)) + 2) == 16
-    assert [k for k in model._decoders if k[:2] == (3, "argmax")] == [(3, "argmax", 16)]
+    assert [k for k in model.steps.built if k[:2] == (3, "argmax")] == [(3, "argmax", 16)]
     long = Llama.from_config(CONFIG, max_batch_size=1, max_seq_len=300)
     assert [long.plan_length(n) for n in (1, 64, 65, 256, 257, 300)] == [64, 64, 256, 256, 300, 300]
     assert PLAN_LENGTHS[0] == 64 and list(PLAN_LENGTHS) == sorted(PLAN_LENGTHS)
@@ -456,10 +459,10 @@ def test_steps_are_planned_for_the_length_the_request_reaches(pair):
         with pytest.raises(ValueError, match="kv_len"):
             long.plan(1, bad)
     # One step a batch size and next-token rule stays built: another planned length replaces it.
-    first = long._decoder(1, "argmax", 64)
-    assert long._decoder(1, "argmax", 64) is first
-    long._decoder(1, "argmax", 300)
-    assert list(long._decoders) == [(1, "argmax", 300)]
+    first = long.steps.get(1, "argmax", 64)
+    assert long.steps.get(1, "argmax", 64) is first
+    long.steps.get(1, "argmax", 300)
+    assert list(long.steps.built) == [(1, "argmax", 300)]
 
 
 @pytest.mark.gpu
@@ -505,16 +508,16 @@ def test_a_step_lowered_before_is_bound_again_not_lowered(monkeypatch, tmp_path)
 
     monkeypatch.setattr(taskgraph, "dependency_intervals", deps.dependency_intervals)
     model = Llama.from_config(CONFIG, seed=3, max_batch_size=2, max_seq_len=300, dtype=torch.float32)
-    model._decoder(1, "argmax", 64)
+    model.steps.get(1, "argmax", 64)
     first = dict(calls)
     assert all(first.values()), first
-    model._decoder(1, "argmax", 300)  # another length bucket: lowered, and replaces the first decoder
-    model._decoder(2, "argmax", 64)  # another batch size
+    model.steps.get(1, "argmax", 300)  # another length bucket: lowered, and replaces the first decoder
+    model.steps.get(2, "argmax", 64)  # another batch size
     built = dict(calls)
     out = model.generate([[3, 4, 5]], max_new_tokens=3)  # plans for 64 again
     again = model.generate([[3, 4, 5]], max_new_tokens=3)
     assert calls == built, "a step lowered before was lowered again"
-    assert sorted(model._decoders) == [(1, "argmax", 64), (2, "argmax", 64)]
+    assert sorted(model.steps.built) == [(1, "argmax", 64), (2, "argmax", 64)]
     assert out == again
     fresh = Llama.from_config(CONFIG, seed=3, max_batch_size=2, max_seq_len=300, dtype=torch.float32)
     assert fresh.generate([[3, 4, 5]], max_new_tokens=3) == out

@@ -98,7 +98,7 @@ def test_every_rank_s_share_of_a_step_matches_the_reference(name, all_reduces, q
         # The step as generate builds it (the model's own plan, lowering and buffers), run by the VM.
         plan, graph = model.plan(B, S)
         plan = _all_reduces(plan, all_reduces)
-        dec = model._build_decoder(plan, graph, B, "argmax")
+        dec = model.steps.build(plan, graph, B, "argmax")
         dec.state["ids"].copy_(fed), dec.state["pos"].copy_(torch.tensor(POSITIONS)), dec.state["tokens"].copy_(history)
         programs.append(lower(dec.step.graph, num_workers=3, schedule="list"))
         states.append(dec.state)
@@ -530,7 +530,7 @@ def test_a_tensor_parallel_model_refuses_sampling_before_any_work():
             model.generate([[1, 2, 3]], max_new_tokens=2, **kw)
         with pytest.raises(ValueError, match="decodes greedily"):
             model.prepare(1, S, **kw)
-    assert not model._decoders and model.last_decoder is None
+    assert not model.steps.built and model.last_decoder is None
 
 
 def test_measured_planning_over_ranks_is_refused_on_the_cpu_naming_why():
@@ -551,10 +551,10 @@ def test_a_rank_left_out_of_step_with_its_peers_refuses_every_later_prompt():
                   dtype=torch.float32, max_batch_size=1, max_seq_len=S, tp=tp, rank=0)
     # (What a failed replay of a captured prefill chunk leaves on a GPU: its peers may still
     # wait in one of its sums.)
-    model._ranks_out_of_step = "replaying a captured prefill chunk failed on rank 0: boom"
+    model.ranks.out_of_step = "replaying a captured prefill chunk failed on rank 0: boom"
     for work in (lambda: model.generate([[1, 2, 3]], max_new_tokens=2), lambda: model.logits([[1, 2, 3]]),
                  lambda: model.prepare(1, 8)):
         with pytest.raises(RuntimeError, match=r"ranks are out of step \(replaying .* boom\); start the processes "
                                                r"again"):
             work()
-    assert model.last_decoder is None and not model._decoders
+    assert model.last_decoder is None and not model.steps.built

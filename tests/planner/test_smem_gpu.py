@@ -82,5 +82,5 @@ def test_compiled_shared_memory_matches_the_model(models, shape, batch, variant)
             choices[n] = replace(pick, fuse=c.fuse, **({"split_k": 1} if argmax else {}))
         plan = replace(plan, choices=choices)
     predicted = estimate_step(graph, plan.choices, model.device_spec, plan.workers).peak_smem_bytes
-    compiled = model._build_decoder(plan, graph, batch, "argmax").kernel.residency().shared_bytes
+    compiled = model.steps.build(plan, graph, batch, "argmax").kernel.residency().shared_bytes
     assert 0 <= predicted - compiled <= 1024, (predicted, compiled)

@@ -4,14 +4,21 @@ megakernel's GEMV streams, runs, grouped streams, split-K partials, tensor-core 
 fused QKV + RoPE tiles) against torch's product of the dequantized weight. On the CPU the FP8
 values are held in float32: the same code path, exact."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from mk.models.blocks import ModelShape, decode_graph
 from mk.persistent.graph import TaskGraph, lower
 from mk.persistent.runtime import Megakernel
-from mk.tasks import default_device, make_op
+from mk.planner.cost import phase_costs
+from mk.planner.device import DeviceSpec
+from mk.planner.search import search
+from mk.tasks import OpChoice, default_device, make_op
 from mk.tasks.linear import X_GROUP, linear, linear_ref, linear_tiles
 from mk.tasks.linear.format import FP8_BLOCK, FP8_CHANNEL, FP8_MAX, PLAIN, weight_format
+from mk.tasks.linear.planning import one_byte_x_floor
 from tests.conftest import assert_close
 from tests.persistent._helpers import can_compile_for_cuda, compile_script_ok
 
@@ -156,3 +163,44 @@ def test_a_block_scaled_tile_needs_chunks_within_one_block():
 def test_fp8_tiles_compile_for_sm90(request, tmp_path):
     # The interpreter holds FP8 in float32: only a compile sees the e4m3 loads and conversions.
     compile_script_ok(request, tmp_path)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _fp8_graph(name, batch=1):
+    """The decode graph of preset ``name`` with its projections and LM head in FP8."""
+    return decode_graph(replace(ModelShape.preset(name), linear_format="fp8", lm_head_format="fp8"), batch, 1024)
+
+
+def test_fp8_gemv_boxes_are_priced_by_their_x_reads_as_measured():
+    """A batch-1 FP8 GEMV chunk's x reads, not its bytes, set its time while two workers share
+    an SM (FP8 probe, H200, 264 workers, fraction of the copy bandwidth): 16 x 256 boxes 0.54-0.60,
+    32 x 256 0.92-0.98, 64 x 256 0.98-1.02. One worker an SM is left to the ring's own limits,
+    and 16-bit weights and batch 8 are priced as before."""
+    h200 = DeviceSpec.preset("h200")
+    gate_up = _fp8_graph("llama-3-8b").node("l0.gate_up")  # 28672 x 4096: 1792, 896, 448 tasks
+
+    def fraction(block_n):
+        """What 264 workers streaming such tasks reach, over the copy bandwidth."""
+        task = phase_costs(gate_up, OpChoice(block_n=block_n, block_k=256, tma_stages=4), h200, 264)[0]
+        return block_n * 4096 * 264 / (task.task_s - h200.task_overhead_s) / h200.dram_bandwidth
+
+    assert 0.45 < fraction(16) < 0.7
+    assert fraction(32) > 0.85 and fraction(64) > 0.85
+    assert fraction(32) > 1.4 * fraction(16)
+    # No two busy workers on an SM (few tasks, or one worker an SM): no x floor.
+    box = OpChoice(block_n=16, block_k=256, tma_stages=4)
+    assert one_byte_x_floor(gate_up, box, h200, 132) == 0 < one_byte_x_floor(gate_up, box, h200, 264)
+    plain = decode_graph(ModelShape.preset("llama-3-8b"), 1, 1024).node("l0.gate_up")  # 16-bit
+    for node in (plain, _fp8_graph("llama-3-8b", batch=8).node("l0.gate_up")):
+        assert one_byte_x_floor(node, OpChoice(block_n=16, block_k=256, tma_stages=4), h200, 264) == 0
+
+
+def test_fp8_batch1_projections_are_planned_with_boxes_of_32_rows_or_more():
+    """Where 32-row boxes fit, the 8B FP8 step plans none narrower at batch 1: a 16-row box
+    streams at 0.6 of the copy bandwidth with 264 workers, a 32-row one at 0.98."""
+    g = _fp8_graph("llama-3-8b")
+    plan = search(g, DeviceSpec.preset("h200"), top_k=1)[0]
+    rows = {n: c.block_n for n, c in plan.choices.items() if g.node(n).kind == "linear"}
+    assert rows and min(rows.values()) >= 32, rows

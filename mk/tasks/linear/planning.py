@@ -1,10 +1,10 @@
 """How the planner plans a linear op of a decode step (:class:`LinearKind`): its tile
 candidates (GEMV streams, tensor-core tiles, split-K, runs of tiles), the shared memory a
 task takes inside the megakernel, what prices its tasks (a TMA ring's rate and ramp, the x
-rows a tile re-reads, a decode tile's tensor-core rate, the ring's prologue during the
-wait), the fusions its tiles carry (an RMSNorm prologue; a residual add, SiLU·mul, RoPE +
-KV append, the argmax, an all-reduce over tensor-parallel ranks in its epilogue), and its
-lowering to the megakernel's linear ops (:mod:`mk.tasks.linear.spec`, :mod:`mk.tasks.qkv_rope`).
+rows a tile re-reads, a one-byte GEMV chunk's x reads, a decode tile's tensor-core rate, the
+ring's prologue during the wait), the fusions its tiles carry (an RMSNorm prologue; a
+residual add, SiLU·mul, RoPE + KV append, the argmax, an all-reduce over tensor-parallel
+ranks in its epilogue), and its lowering to the megakernel's linear ops (:mod:`mk.tasks.linear.spec`, :mod:`mk.tasks.qkv_rope`).
 
 The residual add of a decode step runs only as a linear's epilogue: its kind (:data:`ADD`)
 lives here too.
@@ -41,6 +41,12 @@ REDUCE_MIN_COLS = 32
 #: (1.087 ms without, 1.175 with 1024 columns, 1.34 with whole rows), and issued just before
 #: the task's own wait too (1.009 -> 1.106 ms; 8B 4.57 -> 5.50; H200).
 PREFETCH_K = 1024
+#: The least time of a GEMV chunk of one-byte weights (batch 1) while two workers share its
+#: SM, in the device's ``chunk_overhead_s`` (:func:`one_byte_x_floor`). Measured (FP8 GEMV
+#: probe, H200, e4m3 boxes of 256 columns streamed by 264 workers): 0.46 us a chunk for 8- and
+#: 16-row boxes alike (0.29 and 0.60 of the copy bandwidth), against 0.28 for the 16-bit
+#: 8-row chunks ``chunk_overhead_s`` was measured on.
+ONE_BYTE_SHARED_CHUNK = 1.65
 
 
 # --------------------------------------------------------------------------- tile geometry
@@ -133,6 +139,25 @@ def _gemv_stream(node, choice: OpChoice, dtype_bytes: int = 2):
     """How a GEMV linear's tasks stream under the choice (:func:`mk.tasks.linear.gemv_stream`)."""
     return gemv_stream(1, choice.tma_stages, node.dims["K"], choice.block_k, choice.block_n, dtype_bytes,
                        choice.split_k, choice.tiles_per_task)
+
+
+def one_byte_x_floor(node, choice: OpChoice, device, busy: int) -> float:
+    """The least seconds a GEMV task (batch 1) of one-byte weights takes for its chunks' x
+    reads; 0 for other tasks, and while no two of the ``busy`` workers share an SM.
+
+    Why: a thread holds 16-byte vectors of a chunk's rows, 16 one-byte weights a vector, so
+    it reads 16 float32 x values a chunk (a 16-bit weight's thread 8), however many rows the
+    box has. Two workers of an SM take turns at those reads: a chunk then takes
+    :data:`ONE_BYTE_SHARED_CHUNK` x ``chunk_overhead_s`` however few rows it carries. The FP8
+    GEMV probe (H200, fraction of the copy bandwidth with 264 workers): 8 x 256 boxes 0.29,
+    16 x 256 0.54-0.60, 32 x 256 0.92-0.98, 64 x 256 0.98-1.02; 16 x 256 with x out of the loop
+    1.00. One worker an SM streamed 16 x 256 boxes at 13 GB/s, 64 x 256 at 30.5, which the
+    ring's own limits (load latency, chunk overhead, worker rate) already price."""
+    d = node.dims
+    if d["M"] != 1 or weight_element_bytes(node, 2) != 1 or busy <= device.sm_count:
+        return 0.0
+    chunks = math.ceil(math.ceil(d["K"] / choice.split_k) / choice.block_k) * choice.tiles_per_task
+    return chunks * ONE_BYTE_SHARED_CHUNK * device.chunk_overhead_s
 
 
 def _x_task_bytes(node, choice: OpChoice) -> int:
@@ -349,10 +374,13 @@ class LinearKind(OpKind):
 
     def stream_floor(self, node, choice: OpChoice, device, phase: int, stream: float, task_bytes: float,
                      phase_tasks: int, busy: int) -> float:
-        """A decode tl.dot tile's partials stream no faster than its tensor-core rate."""
+        """A decode tl.dot tile's partials stream no faster than its tensor-core rate; a GEMV
+        task of one-byte weights no faster than its x reads (:func:`one_byte_x_floor`)."""
         if phase == 0 and decode_dot_tile(node):
             dot_rate = device.xmajor_dot_bandwidth if xmajor_decode_tile(node, choice) else device.dot_worker_bandwidth
             return max(stream, task_bytes / dot_rate) if dot_rate else stream
+        if phase == 0:
+            return max(stream, one_byte_x_floor(node, choice, device, busy))
         return stream
 
     def prologue_seconds(self, node, choice: OpChoice, device, stream_s: float, dtype_bytes: int = 2) -> float:

@@ -1,0 +1,147 @@
+"""Continuous batching (mk.engine.scheduler) against independent references: every request's
+greedy tokens are the float32 torch reference's for that request alone, whatever joins and
+leaves the batch around it; a failed step fails its requests and the scheduler goes on."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mk.engine import stream
+from mk.engine.scheduler import QueueFull, Request, Scheduler
+from mk.models import Llama, LlamaConfig, ReferenceLlama, greedy_generate
+from mk.models.reference import prefill_logits
+from mk.persistent.runtime import MegakernelTimeout
+
+CONFIG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=None,
+                     max_position_embeddings=64)
+WAIT_S = 300  # bound on any one request in the interpreter
+
+
+@pytest.fixture(scope="module")
+def model():
+    # A float32 cache: a slot's tokens then equal the request run alone (no rounding to differ in).
+    return Llama.from_config(CONFIG, seed=4, max_batch_size=3, max_seq_len=40, dtype=torch.float32,
+                             kv_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return ReferenceLlama(CONFIG, model.hf_weights())
+
+
+class Collect:
+    """A request's events, and an Event set when it ends."""
+
+    def __init__(self):
+        self.tokens, self.events, self.ended = [], [], threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev[0] == "tokens":
+            self.tokens += ev[1]
+        if ev[0] in ("done", "error"):
+            self.ended.set()
+
+
+def _run(scheduler, requests):
+    for r in requests:
+        scheduler.submit(r)
+    for r in requests:
+        assert r.emit.ended.wait(WAIT_S), "a request never ended"
+
+
+def test_requests_that_join_and_leave_get_the_tokens_each_gets_alone(model, reference):
+    """Five requests on three slots, prompts cut into pieces (prefill_chunk=3) between blocks
+    of two steps: requests join as others leave, rows move, and the live batch shrinks and
+    grows; each one's tokens are the reference's for it alone. A stop id ends one early."""
+    prompts = [[1, 5, 9, 3], [7, 8, 2, 11, 4, 6, 13], [3, 3, 3], [9, 1], [40, 41, 42, 43, 44]]
+    budgets = [5, 2, 6, 3, 3]
+    want = [greedy_generate(reference, [p], n)[0] for p, n in zip(prompts, budgets)]
+    stop = want[2][2]  # request 2 stops at its third token
+    scheduler = Scheduler(model, read_every=2, prefill_chunk=3).start()
+    try:
+        reqs = [Request(prompt=p, max_tokens=n, emit=Collect(), stop_ids=frozenset([stop]) if i == 2 else frozenset())
+                for i, (p, n) in enumerate(zip(prompts, budgets))]
+        _run(scheduler, reqs)
+    finally:
+        scheduler.stop()
+    for i, r in enumerate(reqs):
+        expect = want[i][:want[i].index(stop) + 1] if i == 2 else want[i]
+        assert r.emit.tokens == expect, i
+        assert r.emit.events[-1] == ("done", "stop" if i == 2 else "length")
+    counts = scheduler.metrics.snapshot()[0]
+    assert counts["finished"] == 5 and counts["generated_tokens"] == sum(len(r.emit.tokens) for r in reqs)
+
+
+def test_logprobs_and_sampling_choose_per_request(model, reference):
+    """A greedy request with logprobs beside a sampled one: the greedy one's tokens are still
+    the reference's and its logprobs the reference's log-softmax; the sampled one draws the
+    same tokens for the same seed whatever runs beside it. Prompt logprobs (echo) too."""
+    prompt = [2, 4, 6, 8, 10]
+    want = greedy_generate(reference, [prompt], 3)[0]
+    scheduler = Scheduler(model, read_every=2, prefill_chunk=2).start()
+    try:
+        greedy = Request(prompt=prompt, max_tokens=3, emit=Collect(), logprobs=2, prompt_logprobs=True)
+        drawn = Request(prompt=[5, 6], max_tokens=4, emit=Collect(), temperature=0.8, top_k=20, seed=11)
+        _run(scheduler, [greedy, drawn])
+        again = Request(prompt=[5, 6], max_tokens=4, emit=Collect(), temperature=0.8, top_k=20, seed=11)
+        _run(scheduler, [again])
+    finally:
+        scheduler.stop()
+    assert greedy.emit.tokens == want
+    assert drawn.emit.tokens == again.emit.tokens and all(0 <= t < CONFIG.vocab_size for t in drawn.emit.tokens)
+    seq = prompt + want
+    ref = torch.log_softmax(prefill_logits(reference, [seq])[0][0].float(), dim=-1)
+    got = [(token, lp) for ev in greedy.emit.events if ev[0] == "tokens" for token, lp in zip(ev[1], ev[2])]
+    for k, (token, (lp, top)) in enumerate(got):
+        at = len(prompt) - 1 + k
+        assert lp == pytest.approx(ref[at, token].item(), abs=1e-4)
+        assert [t for t, _ in top] == torch.topk(ref[at], 2).indices.tolist()
+    (prompt_lps,) = [ev[1] for ev in greedy.emit.events if ev[0] == "prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(prompt)
+    for k in range(1, len(prompt)):
+        assert prompt_lps[k][0] == pytest.approx(ref[k - 1, prompt[k]].item(), abs=1e-4)
+
+
+def test_a_failed_step_fails_its_requests_and_the_scheduler_serves_the_next(model, reference, monkeypatch):
+    real = stream.HistoryReader.wait
+    calls = {"n": 0}
+
+    def wait_once_failing(self):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            real(self)
+            raise MegakernelTimeout(0, 0, "step", 0, 0, 1)
+        return real(self)
+
+    monkeypatch.setattr(stream.HistoryReader, "wait", wait_once_failing)
+    scheduler = Scheduler(model, read_every=2).start()
+    try:
+        first = Request(prompt=[1, 2, 3], max_tokens=4, emit=Collect())
+        _run(scheduler, [first])
+        after = Request(prompt=[4, 5], max_tokens=3, emit=Collect())
+        _run(scheduler, [after])
+    finally:
+        scheduler.stop()
+    assert first.emit.events[-1][0] == "error" and "decode step failed" in first.emit.events[-1][1]
+    assert after.emit.tokens == greedy_generate(reference, [[4, 5]], 3)[0]
+    assert scheduler.alive is False and scheduler.failed is None
+
+
+def test_bad_requests_are_refused_at_submit_and_a_full_queue_says_so(model):
+    scheduler = Scheduler(model, max_queue=1)  # (not started: nothing leaves the queue)
+    for kwargs, message in ((dict(prompt=[]), "empty"), (dict(prompt=[1, 96]), r"outside \[0, 96\)"),
+                            (dict(prompt=[1] * 30, max_tokens=11), "exceed the 40 positions"),
+                            (dict(prompt=[1], max_tokens=-1), "max_tokens"),
+                            (dict(prompt=[1], logprobs=21), "logprobs")):
+        with pytest.raises(ValueError, match=message):
+            scheduler.submit(Request(**{"max_tokens": 1, "emit": print, **kwargs}))
+    scheduler.submit(Request(prompt=[1], max_tokens=1, emit=print))
+    with pytest.raises(QueueFull):
+        scheduler.submit(Request(prompt=[1], max_tokens=1, emit=print))
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Scheduler(model, prefill_chunk=0)
