@@ -70,7 +70,8 @@ def run_serve(args) -> int:
     t0 = time.perf_counter()
     config, tokenizer = _check_checkpoint(args.model)
     if tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer (tokenizer.json): the server reads and writes text")
+        raise ValueError(f"{args.model} has no tokenizer (tokenizer.json, or a GGUF file's tokenizer metadata): the "
+                         f"server reads and writes text")
     positions = config.max_position_embeddings
     max_seq_len = min(DEFAULT_MAX_SEQ_LEN, positions) if args.max_seq_len is None else args.max_seq_len
     if max_seq_len > positions:
@@ -107,8 +108,8 @@ def add_serve_parser(sub, quantize_flags) -> None:
                        description="Serve a checkpoint over HTTP with the OpenAI API: /v1/completions, "
                        "/v1/chat/completions, /v1/models, /health and /metrics. Requests join free slots of the "
                        "batch between decode blocks and leave when they finish.")
-    p.add_argument("--model", required=True, help="a Hugging Face checkpoint folder with tokenizer.json (Llama, "
-                   "Mistral, Qwen2, Qwen3)")
+    p.add_argument("--model", required=True, help="a Hugging Face checkpoint folder with tokenizer.json, or a .gguf "
+                   "file (Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=8, help=f"slots decoded together, 1 to {MAX_BATCH} (default 8)")
