@@ -277,7 +277,8 @@ class Scheduler:
             token = int(first)
             if row != len(self.live):
                 self.slots.move(row, len(self.live), len(r.prompt))
-            self.slots.start(len(self.live), torch.tensor(r.prompt, dtype=torch.int32, device=m.device), token)
+            self.slots.start(len(self.live), torch.tensor([r.prompt], dtype=torch.int32, device=m.device),
+                             [len(r.prompt)], first.reshape(1))
         except Exception as e:  # (a request's failure is its own: the server goes on)
             self.prefilling = None
             self._fail(r, f"prefill failed: {type(e).__name__}: {e}")

@@ -33,15 +33,18 @@ class Slots:
         """The state of rows ``[0, batch)`` (views: what a step writes, the slots hold)."""
         return {k: (t[:batch] if k in ("ids", "pos", "tokens") else t) for k, t in self.state.items()}
 
-    def start(self, row: int, prompt: torch.Tensor, first: int) -> None:
-        """Row ``row`` begins a sequence: its ``prompt`` ids (``[n]``, on the device) and the
-        token chosen after them, at position ``n``."""
-        st, n = self.state, prompt.numel()
-        st["tokens"][row].zero_()
-        st["tokens"][row, :n] = prompt
-        st["tokens"][row, n] = first
-        st["ids"][row] = first
-        st["pos"][row] = n
+    def start(self, row: int, ids: torch.Tensor, lengths: list[int], first: torch.Tensor) -> None:
+        """Rows ``row``, ``row + 1``, ... begin sequences: their prompts (``ids``
+        ``[k, T]`` right-padded, on the device; ``lengths``) and the tokens chosen after
+        them (``first`` ``[k]``), at positions ``lengths``."""
+        st, k = self.state, ids.shape[0]
+        rows = slice(row, row + k)
+        pos = torch.tensor(lengths, dtype=torch.int32, device=ids.device)
+        st["tokens"][rows].zero_()
+        st["tokens"][rows, :ids.shape[1]] = ids
+        st["tokens"][torch.arange(row, row + k, device=ids.device), pos.long()] = first
+        st["ids"][rows] = first
+        st["pos"][rows] = pos
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Row ``src``'s sequence (``length`` positions of cache) into row ``dst``: its state

@@ -42,11 +42,7 @@ def decode(model, ids: torch.Tensor, lengths: list[int], max_new_tokens: int, ne
     logits = model.prefiller.run(ids, lengths)
     first = first_token(model.device, logits, lengths, temperature, top_k, top_p, seed)
     # Device state: the history holds the prompt and the first token; pos points at it.
-    st["tokens"].zero_()
-    st["tokens"][:, :ids.shape[1]] = ids
-    st["pos"].copy_(torch.tensor(lengths, dtype=torch.int32))
-    st["tokens"][torch.arange(B, device=model.device), st["pos"].long()] = first
-    st["ids"].copy_(first)
+    model.steps.slots.start(0, ids, lengths, first)  # (dec.state: the slots' rows [0, B))
     st["temperature"].fill_(temperature if next_token == "sample" else 1.0)
     st["seed"].fill_(seed)
     if model.device.type == "cuda":

@@ -160,11 +160,10 @@ def _request(body, ids: list[int], budget: int, eos: frozenset, logprobs: int | 
              prompt_logprobs: bool = False) -> Request:
     """A scheduler request for ``ids`` under ``body``'s sampling fields."""
     greedy = body.temperature < MIN_TEMPERATURE
-    r = Request(prompt=ids, max_tokens=budget, emit=None, temperature=0.0 if greedy else body.temperature,
-                top_k=None if greedy else body.top_k, top_p=None if greedy else body.top_p,
-                seed=secrets.randbits(63) if body.seed is None else body.seed,
-                stop_ids=eos | frozenset(body.stop_ids()), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-    return r
+    return Request(prompt=ids, max_tokens=budget, emit=None, temperature=0.0 if greedy else body.temperature,
+                   top_k=None if greedy else body.top_k, top_p=None if greedy else body.top_p,
+                   seed=secrets.randbits(63) if body.seed is None else body.seed,
+                   stop_ids=eos | frozenset(body.stop_ids()), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 async def _serve(scheduler, tokenizer, http: HttpRequest, body, reqs: list[Request], kind: str, name: str,
