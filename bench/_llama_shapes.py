@@ -17,6 +17,11 @@ SHAPES = {
                  rope_theta=100000.0, max_position_embeddings=8192, eos_token_id=None),
 }
 
+#: Qwen3-8B's shape (a Qwen3 model: q/k norm per head, 36 layers).
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                rope_theta=1000000.0, max_position_embeddings=40960, eos_token_id=None)
+
 
 #: Shapes too large for one GPU: the tensor-parallel benchmarks' (bench/test_tp.py).
 TP_SHAPES = {

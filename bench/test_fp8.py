@@ -17,12 +17,9 @@ import torch
 
 from _harness import PROMPT, measure_generate, prompts
 from _llama_peer import TorchLlamaStep
-from _llama_shapes import MAX_SEQ, SHAPES, random_model
+from _llama_shapes import MAX_SEQ, QWEN3_8B, SHAPES, random_model
 
 #: (key, family, config, quantize): the shapes and formats timed.
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                rope_theta=1000000.0, max_position_embeddings=40960, eos_token_id=None)
 CASES = {"1b-fp8": ("llama", SHAPES["1b"], "fp8"), "8b-fp8": ("llama", SHAPES["8b"], "fp8"),
          "qwen3-8b-fp8-block": ("qwen3", QWEN3_8B, "fp8-block")}
 

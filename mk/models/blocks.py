@@ -192,10 +192,10 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
     h, i, d, hq, hkv = m.hidden, m.intermediate, m.head_dim, m.heads, m.kv_heads
     g = OpGraph(m.name, batch, kv_len, db)
 
-    def op(name, kind, inputs, outputs, dims, cost, layer=-1, fuse_into=None, buffers=None):
+    def op(name, kind, inputs, outputs, dims, cost, layer=-1, fuse_into=None, buffers=None, fuse_later=None):
         return g.add(OpNode(name, kind, tuple(inputs), tuple(outputs), dims, cost.bytes_read, cost.bytes_written,
                             cost.flops, layer, fuse_into, {"w": weight_key(name)} if buffers is None else buffers,
-                            f"l{layer}." if layer >= 0 else ""))
+                            f"l{layer}." if layer >= 0 else "", fuse_later))
 
     def linear(name, inputs, outputs, M, N, K, layer=-1, fmt=m.linear_format, bias=False):
         """A projection: its weight in format ``fmt`` (its bytes, its scales' buffer)."""
@@ -243,7 +243,8 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
             rope_bufs |= {"q_norm": weight_key(p + "q_norm"), "k_norm": weight_key(p + "k_norm")}
         op(p + "rope_kv", "rope_kv", [p + "qkv"], [p + "q", p + "kv_cache"],
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "qk_norm": m.qk_norm},
-           rope_kv_cost(B, 1, hq, hkv, d, db, qk_norm=m.qk_norm), L, fuse_into=p + "qkv", buffers=rope_bufs)
+           rope_kv_cost(B, 1, hq, hkv, d, db, qk_norm=m.qk_norm), L, fuse_into=p + "qkv", buffers=rope_bufs,
+           fuse_later=None if m.qkv_bias else p + "attention")  # (a bias is added only by the QKV tiles)
         op(p + "attention", "attention", [p + "q", p + "kv_cache"], [p + "attn"],
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": attended,
             "kv_dtype_bytes": m.kv_dtype_bytes, "window": m.sliding_window},

@@ -47,3 +47,27 @@ def gantt_png(events: list[dict], path: str | Path, num_workers: int, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def op_spans(events: list[dict], labels: list[str]) -> dict[str, dict]:
+    """Per label (``labels[task]``: the caller's name for each task of the program, e.g. the
+    op of a step it lowers), in order of first appearance: its tasks, the first task's start,
+    the first ready and last end (µs), and the median body (ready to end) and wait (start to
+    ready) of its tasks. What a label adds to a chain of ops is its last end less the previous
+    label's."""
+    by: dict[str, list[dict]] = {}
+    for e in events:
+        by.setdefault(labels[e["task"]], []).append(e)
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else 0.0
+
+    out = {}
+    for label in sorted(by, key=lambda k: min(e["task"] for e in by[k])):
+        es = by[label]
+        out[label] = {"tasks": len(es), "first_start_us": min(e["start_us"] for e in es),
+                      "first_ready_us": min(e["ready_us"] for e in es), "last_end_us": max(e["end_us"] for e in es),
+                      "body_us": median([e["end_us"] - e["ready_us"] for e in es]),
+                      "wait_us": median([e["ready_us"] - e["start_us"] for e in es])}
+    return out

@@ -22,7 +22,9 @@ class OpNode:
     """One unfused op: its kind, tensors in and out, sizes, and what it moves and computes.
 
     ``dims`` are the kind's own sizes (a linear: M, N, K; attention: batch, heads, kv_heads,
-    head_dim, kv_len; ...). ``fuse_into`` names the op this one may be folded into.
+    head_dim, kv_len; ...). ``fuse_into`` names the op this one may be folded into;
+    ``fuse_later``, a later op whose tiles may instead take it as their prologue (where its
+    kind allows: :meth:`mk.tasks.OpKind.fuses_as_prologue`).
     ``buffers`` maps the op's roles to the caller's buffers it binds besides the tensors of
     the graph (a linear's ``w`` and ``bias``, attention's ``k_cache`` and ``v_cache``, ...).
     ``scope`` prefixes the names of the tensors a repeated block (a layer) gives the op:
@@ -41,10 +43,17 @@ class OpNode:
     fuse_into: str | None = None
     buffers: dict = field(default_factory=dict)
     scope: str = ""
+    fuse_later: str | None = None
 
     @property
     def bytes(self) -> int:
         return self.bytes_read + self.bytes_written
+
+    @property
+    def prologue_host(self) -> str | None:
+        """The later op whose prologue this one would fold into: ``fuse_later``, or for an
+        op that only ever folds forward (an RMSNorm) its ``fuse_into``."""
+        return self.fuse_later or self.fuse_into
 
 
 @dataclass

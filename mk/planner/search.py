@@ -39,7 +39,7 @@ class _State:
     cost: float
     peak_smem: int
     choices: tuple  # ((op name, OpChoice), ...) in DAG order
-    pending: tuple = ()  # ops waiting to be fused into a later linear (RMSNorm prologues)
+    pending: tuple = ()  # ops waiting to be fused into a later op's prologue (an RMSNorm's linear)
     order: tuple = ()  # the option index taken at each op: a deterministic tie-break
 
     def key(self):
@@ -157,7 +157,8 @@ def _layer_key(node: OpNode):
         return name[len(node.scope):] if name.startswith(node.scope) else name
 
     return (strip(node.name), node.kind, tuple(sorted(node.dims.items())), node.bytes_read, node.bytes_written,
-            node.flops, strip(node.fuse_into) if node.fuse_into else None)
+            node.flops, strip(node.fuse_into) if node.fuse_into else None,
+            strip(node.fuse_later) if node.fuse_later else None)
 
 
 def _layer_template(graph: OpGraph) -> OpGraph | None:
@@ -255,8 +256,9 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
                     new_beam.append(_State(state.cost - old.seconds + new.seconds,
                                            max(state.peak_smem, new.smem_bytes), choices, state.pending,
                                            state.order + (-1,)))
-            # 2. Defer a prologue (an RMSNorm) into the next host's tiles.
-            if kind.prologue and host is not None and nodes[host].kind in kind.hosts:
+            # 2. Defer a prologue (an RMSNorm; a RoPE into attention) into a later host's tiles.
+            later = node.prologue_host
+            if later is not None and kind.fuses_as_prologue(node, nodes[later]):
                 new_beam.append(_State(state.cost, state.peak_smem, state.choices, state.pending + (node.name,),
                                        state.order + (-2,)))
             # 3. Run it on its own (a host takes the prologues waiting for it), where its kind
@@ -264,7 +266,7 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
             # the QKV tiles, which add the bias; the argmax over ranks only folded).
             if not kind.runs_alone(node, nodes[host] if host is not None else None):
                 continue
-            takes = tuple(p for p in state.pending if nodes[p].fuse_into == node.name)
+            takes = tuple(p for p in state.pending if nodes[p].prologue_host == node.name)
             rest = tuple(p for p in state.pending if p not in takes)
             for i, c in enumerate(ranked):
                 est = cost_of(node, c, takes)
@@ -273,8 +275,8 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
                 new_beam.append(_State(state.cost + est.seconds, max(state.peak_smem, est.smem_bytes),
                                        state.choices + ((node.name, replace(c, fuse=takes)),), rest,
                                        state.order + (i,)))
-        # A pending RMSNorm whose host has passed can no longer fuse: drop such states.
-        new_beam = [s for s in new_beam if all(_find(s.choices, nodes[p].fuse_into) is None for p in s.pending)]
+        # A pending prologue whose host has passed can no longer fuse: drop such states.
+        new_beam = [s for s in new_beam if all(_find(s.choices, nodes[p].prologue_host) is None for p in s.pending)]
         new_beam.sort(key=_State.key)
         beam = new_beam[:beam_width]
     return [(dict(state.choices), workers) for state in beam[:top_k] if not state.pending]

@@ -10,7 +10,7 @@ op's kind for everything that depends on what the op is:
 * its dependency phases, each a number of tasks counted from the op's own megakernel specs
   (:meth:`OpKind.specs`, the same specs the lowering adds), and what prices a task of each
   beyond the generic model (:meth:`OpKind.phase_terms`);
-* which fusions are legal (:meth:`OpKind.fuses_as_epilogue`, :attr:`OpKind.prologue`,
+* which fusions are legal (:meth:`OpKind.fuses_as_epilogue`, :meth:`OpKind.fuses_as_prologue`,
   :meth:`OpKind.runs_alone`) and what a fused op changes in its host's traffic
   (:meth:`OpKind.fused_bytes`);
 * how it lowers to tasks (:meth:`OpKind.lower`, over a lowering context the planner
@@ -175,6 +175,11 @@ class OpKind:
     def fuses_as_epilogue(self, node, host, host_choice: OpChoice) -> bool:
         """Whether ``node`` can fold into the tiles of ``host`` under ``host_choice``."""
         return host.kind in self.hosts and not self.prologue
+
+    def fuses_as_prologue(self, node, later) -> bool:
+        """Whether ``node`` can fold into the tiles of ``later`` (its ``prologue_host``: a
+        later op), done by them before their own work."""
+        return self.prologue and later.kind in self.hosts
 
     def runs_alone(self, node, host) -> bool:
         """Whether ``node`` (which may fuse into ``host``) can also run as tasks of its own."""

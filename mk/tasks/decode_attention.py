@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import triton
@@ -64,6 +64,29 @@ MAX_NUM_SPLITS = 128
 MIN_DOT_DIM = 16
 
 _SEQLEN_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class AttentionPrologue:
+    """Work an op folded into decode attention does in each live split after the split's
+    wait, before it attends (:func:`decode_attention_op`'s ``prologue``): RoPE with Qwen3's
+    q/k norm (:func:`mk.tasks.rope.rope_kv_attention_prologue`), so that it needs no phase
+    of its own whatever the QKV tiling.
+
+    ``body``: device code run by every live split; it may read ``b``, ``kv_head``, ``split``
+    and ``attn_live`` (the sequence's live splits), the attention's constexprs and its own
+    (``constexprs``), and the operands it adds (``operands``). The split's own loads come
+    after a block barrier, so they see what the body stored. ``run(bufs, b, kv, split,
+    live)``: the same in torch (the VM's). ``reads`` / ``writes(bind, b, kv)``: its regions,
+    declared by every split of the group (any of them may be the one that writes)."""
+
+    operands: tuple[str, ...]
+    body: str
+    imports: tuple[str, ...]
+    constexprs: dict
+    run: Callable
+    reads: Callable
+    writes: Callable
 
 
 # --------------------------------------------------------------------------- settings
@@ -914,7 +937,7 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
 def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                         num_splits: int, *, scale: float | None = None, block_n: int | None = None,
                         num_warps: int | None = None, from_positions: bool = False,
-                        window: int | None = None) -> OpSpec:
+                        window: int | None = None, prologue: AttentionPrologue | None = None) -> OpSpec:
     """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
     of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
     split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
@@ -942,9 +965,15 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
 
     ``window``: a sliding window (Mistral): the slices cut only the last ``window`` keys
     (:func:`decode_slice`), so keys before them are never read.
+
+    ``prologue`` (with ``from_positions``): what an op folded in does in each live split
+    before it attends (:class:`AttentionPrologue`: the RoPE that writes q and appends the
+    new key); its operands come after out.
     """
     op = "decode_attention"
     check_window(window)
+    if prologue is not None and not from_positions:
+        raise ValueError(f"{op}: a prologue needs from_positions (its splits wait in their body)")
     win = ", WINDOW=WINDOW" if window is not None else ""  # (without a window: the code as before)
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
                                        scale=scale, block_n=block_n, num_warps=num_warps)
@@ -961,9 +990,12 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                 "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
                 f"S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D{win})")
     # With the exact length before the wait, only the live splits wait for their inputs.
-    wait = (f"if split < decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N{win}):\n"
+    wait = (f"attn_live = decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N{win})\n"
+            "if split < attn_live:\n"
             "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
             if from_positions else "")
+    if prologue is not None:  # (then the split's loads see the prologue's stores)
+        wait += "".join(f"    {line}\n" for line in prologue.body.splitlines()) + "    tl.debug_barrier()\n"
     body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
             + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
             "o_part, lse, arrivals, out, b.to(tl.int64), "
@@ -979,6 +1011,8 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
         live = live_splits(seqlen, S, c["BLOCK_N"], window)
         if s >= live:  # past the sequence: nothing to do
             return
+        if prologue is not None:
+            prologue.run(bufs, b, kv, s, live)
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
                              block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen,
                              window=window)
@@ -995,22 +1029,26 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
         b, kv, _ = tile(a)
         r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
         return (_attention_split_reads(bind, b, kv, hq=hq, hkv=hkv, d=d, max_seq=max_seq, lengths=lengths)
-                + [Region(bind["o_part"], r0, r1, 0, S * d), Region(bind["lse"], r0, r1, 0, S)])
+                + [Region(bind["o_part"], r0, r1, 0, S * d), Region(bind["lse"], r0, r1, 0, S)]
+                + (prologue.reads(bind, b, kv) if prologue is not None else []))
 
     def writes(a, bind):
         b, kv, s = tile(a)
         r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
         return [Region(bind["o_part"], r0, r1, s * d, (s + 1) * d), Region(bind["lse"], r0, r1, s, s + 1),
                 Region(bind["arrivals"], 0, 1, b * hkv + kv, b * hkv + kv + 1),
-                Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)]
+                Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)] + (
+                    prologue.writes(bind, b, kv) if prologue is not None else [])
 
-    operands = tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
+    operands = (tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
+                + (prologue.operands if prologue is not None else ()))
     return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
                   imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
-                           "decode_length, decode_live_splits",),
+                           "decode_length, decode_live_splits",) + (prologue.imports if prologue is not None else ()),
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
                               "FROM_POSITIONS": int(from_positions),
-                              **({"WINDOW": window} if window is not None else {})},
+                              **({"WINDOW": window} if window is not None else {}),
+                              **(prologue.constexprs if prologue is not None else {})},
                   num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",),
                   tiles=part.tiles)
@@ -1086,7 +1124,8 @@ _KV_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 class DecodeAttentionKind(OpKind):
     """Decode attention of a step: each (sequence, KV head) cut into KV splits, one task each,
     the group's last split merging it (one phase). It streams no weights: whoever waits on
-    it waits with DRAM idle."""
+    it waits with DRAM idle. The RoPE before it may fold into its splits (the RoPE's kind
+    says when: :meth:`mk.tasks.qkv_rope.RopeKVKind.fuses_as_prologue`)."""
 
     kind = "attention"
     leaves_dram_idle = True
@@ -1118,15 +1157,33 @@ class DecodeAttentionKind(OpKind):
         return PhaseTerms(task_bytes=max(phase_bytes, 0) / (d["batch"] * d["kv_heads"] * live),
                           reread=_workspace_bytes(d, live) // (d["batch"] * d["kv_heads"]) if live > 1 else 0)
 
-    def _spec(self, node, max_seq: int, splits: int):
+    def exposed_seconds(self, node, choice, device, task_bytes, dtype_bytes=2):
+        """A RoPE folded in (:meth:`_prologue`) costs each split a round trip for its QKV row
+        before it attends, and the stores before its barrier."""
+        return device.load_latency_s if choice.fuse else 0.0
+
+    @staticmethod
+    def _prologue(rope, max_seq: int, first: bool, eps: float):
+        """The RoPE folded into the splits (:func:`mk.tasks.rope.rope_kv_attention_prologue`)."""
+        from .rope import rope_kv_attention_prologue
+
+        r = rope.dims
+        return rope_kv_attention_prologue(r["batch"], r["heads"], r["kv_heads"], r["head_dim"], max_seq,
+                                          write_seqlens=first,
+                                          **({"qk_norm": True, "qk_eps": eps} if r.get("qk_norm") else {}))
+
+    def _spec(self, node, max_seq: int, splits: int, prologue=None):
         d = node.dims
         # One phase: each KV group's last split merges it (with one split too: a copy). The
         # length from the positions: known before the wait (the step's QKV writes seqlens).
         return decode_attention_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, splits,
-                                   from_positions=True, **({"window": d["window"]} if d.get("window") else {}))
+                                   from_positions=True, **({"window": d["window"]} if d.get("window") else {}),
+                                   prologue=prologue)
 
     def specs(self, node, choice, fused=()):
-        return [(self._spec(node, node.dims["kv_len"], choice.kv_splits), None)]
+        max_seq = node.dims["kv_len"]
+        prologue = self._prologue(fused[0], max_seq, False, 1e-5) if fused else None
+        return [(self._spec(node, max_seq, choice.kv_splits, prologue), None)]
 
     def buffer_shape(self, node, role, max_seq):
         d = node.dims
@@ -1140,12 +1197,21 @@ class DecodeAttentionKind(OpKind):
     def lower(self, node, choice, ctx):
         d, B = node.dims, ctx.batch
         splits, hq, dh = choice.kv_splits, d["heads"], d["head_dim"]
-        ctx.add(node.name, self._spec(node, ctx.max_seq, splits), q=node.inputs[0], k_cache=node.buffers["k_cache"],
+        prologue, extra = None, {}
+        if choice.fuse:  # a RoPE: the splits read the QKV row and write q and the new key themselves
+            rope = ctx.nodes[choice.fuse[0]]
+            first = ctx.first(rope)
+            prologue = self._prologue(rope, ctx.max_seq, first, ctx.eps)
+            extra = {"qkv": rope.inputs[0], "inv_freq": rope.buffers["inv_freq"],
+                     **{r: rope.buffers[r] for r in ("q_norm", "k_norm") if r in rope.buffers}}
+            extra |= {"seqlens": ctx.activation("seqlens", B, dt=torch.int32)} if first else {}
+        ctx.add(node.name, self._spec(node, ctx.max_seq, splits, prologue),
+                q=ctx.activation(node.inputs[0], B, hq * dh), k_cache=node.buffers["k_cache"],
                 v_cache=node.buffers["v_cache"], pos="pos",
                 o_part=ctx.activation(f"{node.name}.o_part", B, hq, splits * dh),
                 lse=ctx.activation(f"{node.name}.lse", B, hq, splits),
                 arrivals=ctx.activation(f"{node.name}.arrivals", B * d["kv_heads"], dt=torch.int32),
-                out=ctx.activation(node.outputs[0], B, hq * dh))
+                out=ctx.activation(node.outputs[0], B, hq * dh), **extra)
 
 
 ATTENTION = register_kind(DecodeAttentionKind())

@@ -694,10 +694,12 @@ def qkv_rope_kv_reduce_op(batch: int, num_q_heads: int, num_kv_heads: int, head_
 
 class RopeKVKind(OpKind):
     """RoPE of a step's new token with its K/V appended to the cache: one task a sequence
-    (:func:`mk.tasks.rope.rope_kv_op`), or folded into the QKV linear's tiles (or its split-K
+    (:func:`mk.tasks.rope.rope_kv_op`), folded into the QKV linear's tiles (or its split-K
     reduce, :func:`qkv_rope_kv_op`) where they hold what it rotates (whole heads with a q/k
-    norm). A QKV with a bias runs it only that way (the bias is added in those tiles). The
-    step's first RoPE also publishes the sequence lengths attention reads."""
+    norm), or folded into the decode attention after it (each split rotates its group's
+    heads: :func:`mk.tasks.rope.rope_kv_attention_prologue`). A QKV with a bias runs it only
+    in the QKV tiles (which add the bias). The step's first RoPE also publishes the sequence
+    lengths attention reads."""
 
     kind = "rope_kv"
     hosts = frozenset({"linear"})
@@ -712,6 +714,11 @@ class RopeKVKind(OpKind):
         except ValueError:
             return False
         return True
+
+    def fuses_as_prologue(self, node, later) -> bool:
+        """Into the decode attention that reads its q (:func:`mk.tasks.rope.rope_kv_attention_prologue`;
+        a graph names it only where the QKV has no bias, which only the QKV tiles add)."""
+        return later.kind == "attention" and later.name == node.fuse_later
 
     def runs_alone(self, node, host) -> bool:
         return host is None or "bias" not in host.buffers

@@ -248,6 +248,31 @@ def rope_kv_tile(
 
 
 @jit
+def rope_kv_group_tile(
+    qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_cache_ptr, v_cache_ptr, b, kv_head, append, max_seq,
+    HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, q_norm_w_ptr=None, k_norm_w_ptr=None, norm_eps=0.0,
+):
+    """The group of KV head ``kv_head`` of sequence b's new token, from the fused QKV
+    projection's row (``qkv[b]``: q heads, k heads, v heads, q and k interleaved): its
+    ``HQ / HKV`` q heads rotated (normed first with ``q_norm_w_ptr``) into ``q[b]``
+    (``[B, HQ * HEAD_DIM]``), and with ``append`` (0 or 1) its k (normed, rotated) and v into
+    the caches (``[B, HKV, max_seq, HEAD_DIM]``) at ``pos[b]``. What a decode attention split
+    does before it attends when RoPE folds into it (:func:`rope_kv_attention_prologue`)."""
+    GROUP: tl.constexpr = HQ // HKV
+    W: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
+    kv = kv_head.to(tl.int64)
+    rope_kv_tile(qkv_ptr + kv * (GROUP * HEAD_DIM), qkv_ptr + (HQ + kv) * HEAD_DIM,
+                 qkv_ptr + (HQ + HKV + kv) * HEAD_DIM, pos_ptr, inv_freq_ptr, q_ptr + kv * (GROUP * HEAD_DIM),
+                 k_cache_ptr + kv * (max_seq * HEAD_DIM), v_cache_ptr + kv * (max_seq * HEAD_DIM),
+                 b, 0, GROUP, append, max_seq,
+                 W, 0, HEAD_DIM, W, 0, HEAD_DIM, W, 0, HEAD_DIM, 1, 0, HQ * HEAD_DIM, 0, HEAD_DIM,
+                 HKV * max_seq * HEAD_DIM, max_seq * HEAD_DIM, HEAD_DIM, HKV * max_seq * HEAD_DIM, max_seq * HEAD_DIM,
+                 HEAD_DIM, HALF=HEAD_DIM // 2, BLOCK_H=BLOCK_H, BLOCK_HALF=BLOCK_HALF, INTERLEAVED=True,
+                 q_norm_w_ptr=q_norm_w_ptr, k_norm_w_ptr=k_norm_w_ptr, norm_eps=norm_eps)
+
+
+@jit
 def rope_kv_seqlen_tile(pos_ptr, seqlens_ptr, b, t, stride_pb, stride_pt, max_seq):
     """seqlens[b] = positions[b, t] + 1, clipped to ``[0, max_seq]``.
 
@@ -656,23 +681,9 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
 
     def run(bufs, a):
         b = seq(a)
-        qkv = operand_view("rope_kv", "qkv", bufs["qkv"], batch, width)[b].float()
-        pos_t = operand_view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b]
-        inv_freq = operand_view("rope_kv", "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
-        positions = pos_t.reshape(1, 1)
-        q_out = operand_view("rope_kv", "q", bufs["q"], batch, hq * d)
-        norms = {}
-        if qk_norm:
-            norms = {w: as_2d(bufs[w])[0].float() for w in ("q_norm", "k_norm")}
-        q_in = head_rmsnorm_ref(qkv[:hq * d].view(1, 1, hq, d), norms.get("q_norm"), qk_eps)
-        q_out[b] = rope_ref(q_in, positions, inv_freq, interleaved=interleaved).reshape(-1).to(q_out.dtype)
-        pos = int(pos_t)
-        if 0 <= pos < max_seq:
-            kc, vc = (operand_view("rope_kv", c, bufs[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
-                      for c in ("k_cache", "v_cache"))
-            k = head_rmsnorm_ref(qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d), norms.get("k_norm"), qk_eps)
-            kc[b, :, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
-            vc[b, :, pos] = qkv[(hq + hkv) * d:].view(hkv, d).to(vc.dtype)
+        _rope_kv_rows("rope_kv", bufs, b, slice(None), slice(None), batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq,
+                      interleaved=interleaved, qk_norm=qk_norm, qk_eps=qk_eps)
+        pos = int(operand_view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b])
         if write_seqlens:
             operand_view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = kv_length_at(pos, max_seq)
 
@@ -701,3 +712,85 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
                               **({"QK_NORM": 1, "QK_EPS": float(qk_eps)} if qk_norm else {})},
                   num_warps=num_warps or rope_num_warps(block_h, block_half), run=run, reads=reads, writes=writes,
                   tiles=lambda _: [{"b": b} for b in range(batch)])
+
+
+def _rope_kv_rows(op: str, bufs: dict, b: int, heads: slice, kv_heads: slice | None, *, batch: int, hq: int, hkv: int,
+                  d: int, max_seq: int, interleaved: bool, qk_norm: bool, qk_eps: float) -> None:
+    """RoPE of sequence b's new token in torch (the VM's), for q heads ``heads`` and, where
+    ``kv_heads`` is not None, the k / v heads appended at its position (none outside the
+    cache)."""
+    qkv = operand_view(op, "qkv", bufs["qkv"], batch, (hq + 2 * hkv) * d)[b].float()
+    pos_t = operand_view(op, "pos", bufs["pos"], 1, batch)[0, b]
+    inv_freq = operand_view(op, "inv_freq", bufs["inv_freq"], 1, d // 2)[0]
+    positions = pos_t.reshape(1, 1)
+    norms = {w: as_2d(bufs[w])[0].float() for w in ("q_norm", "k_norm")} if qk_norm else {}
+    q_out = operand_view(op, "q", bufs["q"], batch, hq * d)
+    q_in = head_rmsnorm_ref(qkv[:hq * d].view(1, 1, hq, d)[:, :, heads], norms.get("q_norm"), qk_eps)
+    q_out[b].view(hq, d)[heads] = rope_ref(q_in, positions, inv_freq, interleaved=interleaved)[0, 0].to(q_out.dtype)
+    pos = int(pos_t)
+    if kv_heads is not None and 0 <= pos < max_seq:
+        kc, vc = (operand_view(op, c, bufs[c], batch * hkv * max_seq, d).view(batch, hkv, max_seq, d)
+                  for c in ("k_cache", "v_cache"))
+        k = head_rmsnorm_ref(qkv[hq * d:(hq + hkv) * d].view(1, 1, hkv, d)[:, :, kv_heads], norms.get("k_norm"),
+                             qk_eps)
+        kc[b, kv_heads, pos] = rope_ref(k, positions, inv_freq, interleaved=interleaved)[0, 0].to(kc.dtype)
+        vc[b, kv_heads, pos] = qkv[(hq + hkv) * d:].view(hkv, d)[kv_heads].to(vc.dtype)
+
+
+def rope_kv_attention_prologue(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, *,
+                               write_seqlens: bool = False, qk_norm: bool = False, qk_eps: float = 1e-6):
+    """:func:`rope_kv_op`'s work folded into decode attention (an
+    :class:`mk.tasks.decode_attention.AttentionPrologue` for
+    :func:`mk.tasks.decode_attention.decode_attention_op`): each live split of KV head
+    ``kv`` rotates its group's q heads from the fused QKV row (interleaved, normed first with
+    ``qk_norm``) into q, every split of the group writing the same values; the split holding
+    the new key (the last live one) appends k and v at the token's position; with
+    ``write_seqlens`` split 0 of KV head 0 sets seqlens[b] (:func:`rope_kv_seqlen_tile`).
+
+    The q/k norm needs a head's every element, which a QKV tile narrower than a head does
+    not hold; here a head is always whole, so RoPE has no phase of its own at any tiling.
+    Operands added (attention's q is written): qkv, inv_freq, then q_norm and k_norm, then seqlens.
+    """
+    from .decode_attention import AttentionPrologue
+
+    hq, hkv, d = num_q_heads, num_kv_heads, head_dim
+    group = hq // hkv
+    block_h, block_half = rope_blocks(d, group)
+    norms = ", q_norm_w_ptr=q_norm, k_norm_w_ptr=k_norm, norm_eps=ROPE_QK_EPS" if qk_norm else ""
+    body = ("rope_kv_group_tile(qkv, pos, inv_freq, q, k_cache, v_cache, b.to(tl.int64), kv_head, "
+            "(split == attn_live - 1).to(tl.int32), S_MAX, HQ=HQ, HKV=HKV, HEAD_DIM=HEAD_DIM, "
+            f"BLOCK_H=ROPE_BLOCK_H, BLOCK_HALF=ROPE_BLOCK_HALF{norms})")
+    if write_seqlens:
+        body += "\nif (kv_head == 0) & (split == 0):\n    rope_kv_seqlen_tile(pos, seqlens, b, 0, 1, 0, S_MAX)"
+    op = "decode_attention"
+    sizes = dict(batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, interleaved=True, qk_norm=qk_norm, qk_eps=qk_eps)
+
+    def run(bufs, b, kv, split, live):
+        _rope_kv_rows(op, bufs, b, slice(kv * group, (kv + 1) * group),
+                      slice(kv, kv + 1) if split == live - 1 else None, **sizes)
+        if write_seqlens and kv == 0 and split == 0:
+            pos = int(operand_view(op, "pos", bufs["pos"], 1, batch)[0, b])
+            operand_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b] = kv_length_at(pos, max_seq)
+
+    def reads(bind, b, kv):
+        # Only its group's columns of the row: the group waits for the QKV tiles of its own
+        # heads, not for the whole projection.
+        regs = [Region(bind["qkv"], b, b + 1, kv * group * d, (kv + 1) * group * d),
+                Region(bind["qkv"], b, b + 1, (hq + kv) * d, (hq + kv + 1) * d),
+                Region(bind["qkv"], b, b + 1, (hq + hkv + kv) * d, (hq + hkv + kv + 1) * d),
+                Region(bind["inv_freq"], 0, 1, 0, d // 2)]
+        return regs + ([Region(bind["q_norm"], 0, 1, 0, d), Region(bind["k_norm"], 0, 1, 0, d)] if qk_norm else [])
+
+    def writes(bind, b, kv):
+        rows = ((b * hkv + kv) * max_seq, (b * hkv + kv + 1) * max_seq)
+        regs = [Region(bind["q"], b, b + 1, kv * group * d, (kv + 1) * group * d),
+                Region(bind["k_cache"], *rows, 0, d), Region(bind["v_cache"], *rows, 0, d)]
+        return regs + ([Region(bind["seqlens"], 0, 1, b, b + 1)] if write_seqlens and kv == 0 else [])
+
+    return AttentionPrologue(
+        operands=("qkv", "inv_freq") + (("q_norm", "k_norm") if qk_norm else ()) + (
+            ("seqlens",) if write_seqlens else ()),
+        body=body, imports=("from mk.tasks.rope import rope_kv_group_tile, rope_kv_seqlen_tile",),
+        constexprs={"ROPE_BLOCK_H": block_h, "ROPE_BLOCK_HALF": block_half, "ROPE_SEQLENS": int(write_seqlens),
+                    **({"ROPE_QK_EPS": float(qk_eps)} if qk_norm else {})},
+        run=run, reads=reads, writes=writes)

@@ -79,6 +79,15 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
                 num_splits=splits, from_positions=True), q="q", k_cache="kc", v_cache="vc", pos="pos",
         o_part="o_part", lse="lse", arrivals="arrivals", out="attn")
+    # ... with the RoPE (Qwen3's q/k norm, the first layer's seqlens) folded into its splits.
+    from mk.tasks.rope import rope_kv_attention_prologue
+
+    g.buffer("qn", z(D)), g.buffer("kn", z(D))
+    add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
+                num_splits=splits, from_positions=True,
+                prologue=rope_kv_attention_prologue(B, HQ, HKV, D, S, write_seqlens=True, qk_norm=True)),
+        q="q", k_cache="kc", v_cache="vc", pos="pos", o_part="o_part", lse="lse", arrivals="arrivals", out="attn",
+        qkv="qkv", inv_freq="inv_freq", q_norm="qn", k_norm="kn", seqlens="seqlens")
     add(make_op("linear", M=B, N=H, K=HQ * D, residual=True, dtype=BF16), x="attn", w="wo", res="x", out="h1")
     add(rms, x="h1", w="ln", out="h1n")
     add(make_op("linear", M=B, N=2 * I, K=H, silu_mul=True, dtype=BF16), x="h1n", w="wgu", out="act")

@@ -79,6 +79,9 @@ def test_batch_8_plans_pay_for_x_major_tiles_on_the_whole_step():
     from mk.tasks.linear.planning import xmajor_decode_tile
 
     g = decode_graph(ModelShape.preset("llama-3.2-1b"), batch=8, kv_len=1024)
+    # RoPE in the QKV tiles only: its other home (the attention splits) would fill the top
+    # plans with near-equal copies, crowding out the x-major ones this compares.
+    g = replace(g, nodes=[replace(n, fuse_later=None) for n in g.nodes])
     spec = DeviceSpec.preset("h200")
     assert spec.xmajor_kernel_slowdown > 0
     holds_xmajor = lambda p: any(xmajor_decode_tile(g.node(n), c) for n, c in p.choices.items())  # noqa: E731
@@ -206,3 +209,17 @@ def test_split_k_reduces_are_cut_as_narrow_as_one_wave_of_workers_takes():
                 reduce_width(node, replace(c, reduce_block_n=c.block_n * 3 // 4))
     assert split == {("llama-3.2-1b", "qkv"), ("llama-3.2-1b", "o_proj"), ("llama-3.2-1b", "gate_up"),
                      ("llama-3.2-1b", "down"), ("llama-3-8b", "qkv"), ("llama-3-8b", "o_proj"), ("llama-3-8b", "down")}
+
+
+def test_rope_folds_into_attention_where_the_qkv_tiles_split_heads():
+    """Qwen3's q/k norm needs whole heads, which the 8B QKV's 32-row tiles do not hold: the
+    RoPE then folds into the attention splits (each holds its group's whole heads) instead of
+    running as a phase of its own. Llama's rotation needs only pairs, so it stays in the QKV
+    tiles, where it costs the splits nothing; a QKV with a bias (Qwen2) keeps it there too."""
+    spec = DeviceSpec.preset("h200")
+    qwen3 = search(decode_graph(ModelShape.preset("qwen3-8b"), 1, 1024), spec)[0]
+    assert qwen3.choices["l1.qkv"].block_n % 128 and "l1.rope_kv" not in qwen3.choices["l1.qkv"].fuse
+    assert qwen3.choices["l1.attention"].fuse == ("l1.rope_kv",) and "l1.rope_kv" not in qwen3.choices
+    for name in ("llama-3-8b", "qwen2.5-7b"):
+        plan = search(decode_graph(ModelShape.preset(name), 1, 1024), spec)[0]
+        assert "l1.rope_kv" in plan.choices["l1.qkv"].fuse and not plan.choices["l1.attention"].fuse, name

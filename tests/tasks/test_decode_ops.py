@@ -343,6 +343,98 @@ def test_decode_attention_ops(hq, hkv, num_splits, block_n, one_phase, _seed):
                           "out": nan(batch, hq * d)}, check, _seed)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
+def test_decode_attention_with_rope_folded_in(qk_norm, _seed):
+    """RoPE (with Qwen3's q/k norm) folded into the attention splits: each live split rotates
+    its group's q from the QKV row, the split holding the new key appends k and v at the
+    position, split 0 of KV head 0 writes seqlens; against rope_kv_ref then the attention
+    reference. Sequences of 1, 20 and 37 keys over 3 splits of 16: one, two and three live."""
+    from mk.tasks.rope import head_rmsnorm_ref, rope_kv_attention_prologue
+
+    batch, hq, hkv, d, max_seq, splits = 3, 8, 2, 12, 40, 3
+    seqlens = [37, 1, 20]
+    pos = torch.tensor(seqlens, dtype=torch.int32, device=DEV) - 1
+    g = TaskGraph()
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, device=DEV)
+    g.buffer("qkv", qkv), g.buffer("pos", pos)
+    g.buffer("inv_freq", rope_inv_freq(d, 10000.0).to(DEV))
+    kc0, vc0 = torch.randn(batch, hkv, max_seq, d, device=DEV), torch.randn(batch, hkv, max_seq, d, device=DEV)
+    for b, n in enumerate(seqlens):  # past the new key: never read
+        kc0[b, :, n:], vc0[b, :, n:] = float("nan"), float("nan")
+    g.buffer("kc", kc0.clone()), g.buffer("vc", vc0.clone())
+    norms = {}
+    if qk_norm:
+        norms = {"q_norm": 1 + 0.1 * torch.randn(d, device=DEV), "k_norm": 1 + 0.1 * torch.randn(d, device=DEV)}
+        for name, w in norms.items():  # in the interleaved layout of the QKV row's q and k
+            g.buffer(name, interleave_rotary(w, d))
+    g.buffer("q", nan(batch, hq * d)), g.buffer("seqlens", torch.full((batch,), -7, dtype=torch.int32, device=DEV))
+    g.buffer("o_part", nan(batch, hq, splits * d)), g.buffer("lse", nan(batch, hq, splits))
+    g.buffer("out", nan(batch, hq * d)), g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32, device=DEV))
+    prologue = rope_kv_attention_prologue(batch, hq, hkv, d, max_seq, write_seqlens=True, qk_norm=qk_norm,
+                                          qk_eps=EPS)
+    op = make_op("decode_attention", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_seq=max_seq,
+                 num_splits=splits, block_n=16, from_positions=True, prologue=prologue)
+    add_all(g, op, q="q", k_cache="kc", v_cache="vc", pos="pos", o_part="o_part", lse="lse", arrivals="arrivals",
+            out="out", qkv="qkv", inv_freq="inv_freq", seqlens="seqlens", **{n: n for n in norms})
+
+    rows = qkv.view(batch, 1, hq + 2 * hkv, d)
+    q, k, v = (interleave_free(t, d) for t in rows.split([hq, hkv, hkv], dim=2))
+    v = rows[:, :, hq + hkv:]
+    q_in, k_in = (head_rmsnorm_ref(t, norms.get(n), EPS) for t, n in ((q, "q_norm"), (k, "k_norm")))
+    q_rot, k_ref, v_ref = rope_kv_ref(q_in, k_in, v, pos.view(batch, 1), g.buffers["inv_freq"], kc0, vc0)
+    ref = decode_attention_ref(q_rot.view(batch, hq, d), k_ref, v_ref, torch.tensor(seqlens, device=DEV))
+
+    def check(what):
+        assert_close(g.buffers["q"], q_rot.reshape(batch, hq * d), F32, f"{what}: q")
+        for b, p in enumerate(pos.tolist()):
+            assert_close(g.buffers["kc"][b, :, p], k_ref[b, :, p], F32, f"{what}: k appended")
+            assert_close(g.buffers["vc"][b, :, p], v_ref[b, :, p], F32, f"{what}: v appended")
+            assert torch.equal(g.buffers["kc"][b, :, :p], kc0[b, :, :p]), f"{what}: cached keys changed"
+        assert g.buffers["seqlens"].tolist() == seqlens, what
+        assert_close(g.buffers["out"], ref.reshape(batch, hq * d), F32, f"{what}: out")
+
+    run_kernel_and_vm(g, {"q": nan(batch, hq * d), "kc": kc0, "vc": vc0, "out": nan(batch, hq * d),
+                          "o_part": nan(batch, hq, splits * d), "lse": nan(batch, hq, splits),
+                          "seqlens": torch.full((batch,), -7, dtype=torch.int32)}, check, _seed)
+
+
+def test_attention_with_rope_folded_in_waits_only_for_its_groups_qkv_tiles():
+    """The splits of KV head kv read only their group's q columns and head kv's k and v
+    columns of the QKV row, so they wait for the QKV tiles of those columns alone (an early
+    group attends while the projection's other tiles still run), never for each other."""
+    from mk.tasks.rope import rope_kv_attention_prologue
+
+    batch, hq, hkv, d, max_seq, splits, k, bn = 2, 8, 2, 8, 20, 3, 16, 16
+    group, width = hq // hkv, (hq + 2 * hkv) * d
+    g = TaskGraph()
+    g.buffer("x", torch.randn(batch, k, device=DEV)), g.buffer("w", torch.randn(width, k, device=DEV))
+    g.buffer("qkv", nan(batch, width)), g.buffer("pos", torch.tensor([3, 19], dtype=torch.int32, device=DEV))
+    g.buffer("inv_freq", rope_inv_freq(d, 10000.0).to(DEV)), g.buffer("q", nan(batch, hq * d))
+    g.buffer("kc", torch.randn(batch, hkv, max_seq, d, device=DEV)), g.buffer("vc", torch.randn(batch, hkv, max_seq, d))
+    g.buffer("o_part", nan(batch, hq, splits * d)), g.buffer("lse", nan(batch, hq, splits))
+    g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32)), g.buffer("out", nan(batch, hq * d))
+    lin = make_op("linear", M=batch, N=width, K=k, dtype=F32, block_n=bn, block_k=16)
+    tiles = dict(zip([a["pid_n"] for a in op_tiles(lin)], add_all(g, lin, x="x", w="w", out="qkv")))
+    op = make_op("decode_attention", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_seq=max_seq,
+                 num_splits=splits, from_positions=True,
+                 prologue=rope_kv_attention_prologue(batch, hq, hkv, d, max_seq))
+    ids = dict(zip([tuple(a.values()) for a in op_tiles(op)],
+                   add_all(g, op, q="q", k_cache="kc", v_cache="vc", pos="pos", o_part="o_part", lse="lse",
+                           arrivals="arrivals", out="out", qkv="qkv", inv_freq="inv_freq")))
+    deps = g.dependencies()
+    for (b, kv, s), i in ids.items():
+        cols = [*range(kv * group * d, (kv + 1) * group * d), *range((hq + kv) * d, (hq + kv + 1) * d),
+                *range((hq + hkv + kv) * d, (hq + hkv + kv + 1) * d)]
+        assert deps[i] == sorted({tiles[c // bn] for c in cols}), (b, kv, s)
+
+
+def interleave_free(t: torch.Tensor, d: int) -> torch.Tensor:
+    """Heads of the interleaved rotary layout (pairs adjacent) back in the half-split one."""
+    from mk.tasks.rope import deinterleave_rotary
+
+    return deinterleave_rotary(t, d, dim=-1)
+
+
 def test_attention_splits_past_the_sequence_skip_their_wait():
     """With the length from the positions, a split past the sequence's live ones reads and
     writes nothing, so it does not wait for its inputs: given a wait that can never be met,
