@@ -139,24 +139,29 @@ def window_start(seqlen: int, window: int | None) -> int:
     return 0 if window is None else max(seqlen - window, 0)
 
 
+def split_blocks(seqlen: int, num_splits: int, block_n: int, min_blocks: int = 1) -> int:
+    """KV blocks a slice holds, as :func:`_split_len` cuts them: ceil(seqlen / num_splits) in
+    whole blocks, at least ``min_blocks`` (when more than one)."""
+    blocks = -(-(-(-seqlen // num_splits)) // block_n)
+    return max(blocks, min_blocks) if min_blocks > 1 else blocks
+
+
 def split_range(seqlen: int, split: int, num_splits: int, block_n: int,
-                window: int | None = None) -> tuple[int, int]:
+                window: int | None = None, min_blocks: int = 1) -> tuple[int, int]:
     """KV positions ``[start, end)`` that slice ``split`` covers, as the device cuts them
     (``start >= end``: an empty slice)."""
     lo = window_start(seqlen, window)
-    per_split = -(-(seqlen - lo) // num_splits)
-    split_len = -(-per_split // block_n) * block_n
+    split_len = split_blocks(seqlen - lo, num_splits, block_n, min_blocks) * block_n
     start = lo + split * split_len
     return start, min(start + split_len, seqlen)
 
 
-def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None) -> int:
+def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None, min_blocks: int = 1) -> int:
     """:func:`decode_live_splits` on the host: the slices of a ``seqlen``-key sequence cut
     into ``num_splits`` that hold a key (at least 1); under a sliding ``window``, of its
     last ``min(seqlen, window)`` keys."""
     seqlen -= window_start(seqlen, window)
-    per_split = -(-seqlen // num_splits)
-    split_len = max(-(-per_split // block_n) * block_n, 1)  # whole blocks, as _split_len
+    split_len = max(split_blocks(seqlen, num_splits, block_n, min_blocks) * block_n, 1)  # as _split_len
     return max(-(-seqlen // split_len), 1)
 
 
@@ -164,40 +169,48 @@ def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None =
 
 
 @jit
-def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
-    """KV positions a slice holds: ceil(seqlen / num_splits), rounded up to whole blocks."""
-    return tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr = 1):
+    """KV positions a slice holds: ceil(seqlen / num_splits), rounded up to whole blocks, and
+    at least MIN_BLOCKS blocks (a short sequence then fills fewer slices: fewer to merge)."""
+    blocks = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N)
+    if MIN_BLOCKS > 1:
+        blocks = tl.maximum(blocks, MIN_BLOCKS)
+    return blocks * BLOCK_N
 
 
 @jit
-def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
+def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
+                       MIN_BLOCKS: tl.constexpr = 1):
     """How many of the ``num_splits`` slices of a ``seqlen``-key sequence hold a key (at
     least one: seqlen 0, never valid, still gives split 0, which writes zeros). WINDOW: a
-    sliding window, whose ``min(seqlen, WINDOW)`` keys the slices cut."""
+    sliding window, whose ``min(seqlen, WINDOW)`` keys the slices cut. MIN_BLOCKS: see
+    :func:`_split_len`."""
     if WINDOW is not None:
         seqlen = tl.minimum(seqlen, WINDOW)
-    return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
+    return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N, MIN_BLOCKS), 1)), 1)
 
 
 @jit
-def _slice_start(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
+def _slice_start(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
+                 MIN_BLOCKS: tl.constexpr = 1):
     """(first position, length) of slice ``split``: see :func:`decode_slice`."""
     if WINDOW is None:
-        split_len = _split_len(seqlen, num_splits, BLOCK_N)
+        split_len = _split_len(seqlen, num_splits, BLOCK_N, MIN_BLOCKS)
         start = split * split_len
     else:
         lo = tl.maximum(seqlen - WINDOW, 0)
-        split_len = _split_len(seqlen - lo, num_splits, BLOCK_N)
+        split_len = _split_len(seqlen - lo, num_splits, BLOCK_N, MIN_BLOCKS)
         start = lo + split * split_len
     return start, split_len
 
 
 @jit
-def decode_slice(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
+def decode_slice(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
+                 MIN_BLOCKS: tl.constexpr = 1):
     """KV positions [start, end) of slice ``split`` (``start >= end``: empty). Without a
     window the slices cut [0, seqlen); with WINDOW, [max(seqlen - WINDOW, 0), seqlen), so a
-    split never reads a key before the window."""
-    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW)
+    split never reads a key before the window. MIN_BLOCKS: see :func:`_split_len`."""
+    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
     return start, tl.minimum(start + split_len, seqlen)
 
 
@@ -210,6 +223,7 @@ def _attend_slice(
     stride_vb, stride_vh, stride_vs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr = None,
+    MIN_BLOCKS: tl.constexpr = 1,
 ):
     """Slice ``split`` of a sequence of ``seqlen`` keys for the group of ``kv_head``:
     (out float32 [BLOCK_G, BLOCK_D], normalised over the slice; lse float32 [BLOCK_G],
@@ -233,7 +247,7 @@ def _attend_slice(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    start, end = decode_slice(seqlen, split, num_splits, BLOCK_N, WINDOW)
+    start, end = decode_slice(seqlen, split, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
 
     k_base = k_cache_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_cache_ptr + b * stride_vb + kv_head * stride_vh
@@ -326,7 +340,7 @@ def decode_attention_prefetch(
     k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, max_seq,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr = 2,
-    WINDOW: tl.constexpr = None,
+    WINDOW: tl.constexpr = None, MIN_BLOCKS: tl.constexpr = 1,
 ):
     """Ask L2 for the first BLOCKS blocks of K and V rows of split ``split``'s slice of a
     sequence of ``seqlen`` keys; issued before the task waits for its inputs.
@@ -337,7 +351,7 @@ def decode_attention_prefetch(
     where the QKV tiles' stores land), so a slightly wrong slice costs nothing but the lines.
     The split's loads then meet L2 instead of DRAM. Compiled GPU code only (inline PTX).
     WINDOW: the slice as :func:`decode_slice` cuts it under a sliding window."""
-    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW)
+    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
     # (+1: the position this step appends, if the length is the last step's)
     end = tl.minimum(tl.minimum(start + split_len, seqlen + 1), tl.minimum(start + BLOCKS * BLOCK_N, max_seq))
     LINE: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
@@ -406,7 +420,7 @@ def decode_attention_tile(
     stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_GROUP: tl.constexpr, WINDOW: tl.constexpr = None,
+    BLOCK_GROUP: tl.constexpr, WINDOW: tl.constexpr = None, MIN_BLOCKS: tl.constexpr = 1,
 ):
     """Split ``split`` of (b, kv_head) for a sequence of ``seqlen`` keys, as
     :func:`decode_attention_partial_tile`; then the group's output, by one of the *live*
@@ -422,12 +436,13 @@ def decode_attention_tile(
     run in any order, or one after another on one program. WINDOW: a sliding window of that
     many keys; the live splits are then those of the window's keys (:func:`decode_slice`).
     """
-    live = decode_live_splits(seqlen, num_splits, BLOCK_N, WINDOW)
+    live = decode_live_splits(seqlen, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
     if split < live:
         out, lse = _attend_slice(
             q_ptr, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,
             stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW)
+            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW,
+            MIN_BLOCKS=MIN_BLOCKS)
         if live == 1:
             _store_heads(out_ptr, b, kv_head, stride_outb, stride_outh, out,
                          GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
@@ -786,13 +801,13 @@ def kv_length_at(pos: int, max_seq: int) -> int:
 
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
                          max_seq: int, splits: int, block_n: int, scale: float, seqlen: int,
-                         direct: bool = False, window: int | None = None) -> None:
+                         direct: bool = False, window: int | None = None, min_blocks: int = 1) -> None:
     """KV split s of (b, kv) of a sequence of ``seqlen`` keys for its group's query heads, with
     torch (the VM's partial); ``direct``: the split is the sequence's only live one and writes
     out instead; ``window``: the slices cut the window's keys only (:func:`split_range`)."""
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
-    start, end = split_range(seqlen, s, splits, block_n, window)
+    start, end = split_range(seqlen, s, splits, block_n, window, min_blocks)
     q = operand_view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
     o_part = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
     lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
@@ -937,7 +952,8 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
 def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                         num_splits: int, *, scale: float | None = None, block_n: int | None = None,
                         num_warps: int | None = None, from_positions: bool = False,
-                        window: int | None = None, prologue: AttentionPrologue | None = None) -> OpSpec:
+                        window: int | None = None, prologue: AttentionPrologue | None = None,
+                        min_blocks: int = 1) -> OpSpec:
     """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
     of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
     split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
@@ -969,12 +985,18 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     ``prologue`` (with ``from_positions``): what an op folded in does in each live split
     before it attends (:class:`AttentionPrologue`: the RoPE that writes q and appends the
     new key); its operands come after out.
+
+    ``min_blocks``: a slice holds at least that many KV blocks, so a sequence shorter than
+    the slices planned for the longest fills fewer of them (:func:`_split_len`): fewer
+    partials to merge, or none, at the cost of a longer loop a split.
     """
     op = "decode_attention"
     check_window(window)
     if prologue is not None and not from_positions:
         raise ValueError(f"{op}: a prologue needs from_positions (its splits wait in their body)")
+    check_positive_int(f"{op}: min_blocks", min_blocks)
     win = ", WINDOW=WINDOW" if window is not None else ""  # (without a window: the code as before)
+    win += ", MIN_BLOCKS=MIN_BLOCKS" if min_blocks > 1 else ""
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
                                        scale=scale, block_n=block_n, num_warps=num_warps)
     hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
@@ -1008,14 +1030,14 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     def run(bufs, a):
         b, kv, s = tile(a)
         seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions)
-        live = live_splits(seqlen, S, c["BLOCK_N"], window)
+        live = live_splits(seqlen, S, c["BLOCK_N"], window, min_blocks)
         if s >= live:  # past the sequence: nothing to do
             return
         if prologue is not None:
             prologue.run(bufs, b, kv, s, live)
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
                              block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen,
-                             window=window)
+                             window=window, min_blocks=min_blocks)
         if live == 1:  # split 0 wrote out itself
             return
         arrivals = operand_view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
@@ -1048,6 +1070,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
                               "FROM_POSITIONS": int(from_positions),
                               **({"WINDOW": window} if window is not None else {}),
+                              **({"MIN_BLOCKS": min_blocks} if min_blocks > 1 else {}),
                               **(prologue.constexprs if prologue is not None else {})},
                   num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",),
