@@ -3,8 +3,9 @@
 Random bf16 weights at the deep-narrow (135M), 1B, 8B and Qwen3-8B shapes. Each case first
 runs ``generate`` as users call it (a 64-token prompt, 256 new tokens: tokens/s, time to first
 token, memory beyond weights + KV cache), then launches the same step with every task's start,
-ready (its inputs waited for) and end times recorded (``Megakernel(trace=True)``), at the
-position the generation reached. Per op of a layer, the median over the middle layers of:
+ready (its inputs waited for) and end times recorded (``Megakernel(trace=True)``), its
+sequences at position 192 (the prompt and 128 tokens). Per op of a layer, the median over the
+middle layers of:
 
 * ``adds_us``: its last task's end less the previous op's (what it adds to the layer's chain);
 * ``ready_after_prev_us``: its first task's ready time less the previous op's last end (the

@@ -51,8 +51,8 @@ def gantt_png(events: list[dict], path: str | Path, num_workers: int, title: str
 
 def op_spans(events: list[dict], labels: list[str]) -> dict[str, dict]:
     """Per label (``labels[task]``: the caller's name for each task of the program, e.g. the
-    op of a step it lowers), in order of first appearance: its tasks, the first task's start,
-    the first ready and last end (µs), and the median body (ready to end) and wait (start to
+    op of a step it lowers), in order of its first task: its tasks, their earliest start,
+    earliest ready and latest end (µs), and the median body (ready to end) and wait (start to
     ready) of its tasks. What a label adds to a chain of ops is its last end less the previous
     label's."""
     by: dict[str, list[dict]] = {}

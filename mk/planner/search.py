@@ -256,9 +256,13 @@ def _search(graph: OpGraph, device: DeviceSpec, workers: int, budget: int, beam_
                     new_beam.append(_State(state.cost - old.seconds + new.seconds,
                                            max(state.peak_smem, new.smem_bytes), choices, state.pending,
                                            state.order + (-1,)))
-            # 2. Defer a prologue (an RMSNorm; a RoPE into attention) into a later host's tiles.
+            # 2. Defer a prologue (an RMSNorm; a RoPE into attention) into a later host's tiles:
+            # where the op could run apart from an earlier host at all, and not where that
+            # host's tiles already take it (a fold that costs them nothing).
             later = node.prologue_host
-            if later is not None and kind.fuses_as_prologue(node, nodes[later]):
+            if (later is not None and kind.fuses_as_prologue(node, nodes[later])
+                    and kind.runs_alone(node, nodes[host] if host is not None else None)
+                    and not (hc is not None and kind.fuses_as_epilogue(node, nodes[host], hc))):
                 new_beam.append(_State(state.cost, state.peak_smem, state.choices, state.pending + (node.name,),
                                        state.order + (-2,)))
             # 3. Run it on its own (a host takes the prologues waiting for it), where its kind

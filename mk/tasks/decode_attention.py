@@ -51,7 +51,7 @@ from ._dot import mma
 from .linear.prefetch import _prefetch_l2
 
 from ._cost import TaskCost
-from ._planning import ACTIVATION_BYTES, OpChoice, OpKind, PhaseTerms, register_kind
+from ._planning import ACTIVATION_BYTES, OpChoice, OpKind, PhaseTerms, op_kind, register_kind
 from ._device import (jit, check_positive_int, check_same_device, check_same_dtype, check_tensor, is_capturing, sm_count,
                       supported_dtypes)
 from ._spec import OpSpec, Region, cdiv, check_pow2, check_sizes, check_tile, operand_view, register
@@ -75,10 +75,11 @@ class AttentionPrologue:
 
     ``body``: device code run by every live split; it may read ``b``, ``kv_head``, ``split``
     and ``attn_live`` (the sequence's live splits), the attention's constexprs and its own
-    (``constexprs``), and the operands it adds (``operands``). The split's own loads come
-    after a block barrier, so they see what the body stored. ``run(bufs, b, kv, split,
-    live)``: the same in torch (the VM's). ``reads`` / ``writes(bind, b, kv)``: its regions,
-    declared by every split of the group (any of them may be the one that writes)."""
+    (``constexprs``), and the operands it adds (``operands``), calling what ``imports``
+    brings in. The split's own loads come after a block barrier, so they see what the body
+    stored. ``run(bufs, b, kv, split, live)``: the same in torch (the VM's). ``reads(bind, b,
+    kv)`` / ``writes(bind, b, kv)``: its regions for the group of KV head ``kv`` of sequence
+    b, declared by every split of the group (any of them may be the one that writes)."""
 
     operands: tuple[str, ...]
     body: str
@@ -149,7 +150,7 @@ def split_blocks(seqlen: int, num_splits: int, block_n: int, min_blocks: int = 1
 def split_range(seqlen: int, split: int, num_splits: int, block_n: int,
                 window: int | None = None, min_blocks: int = 1) -> tuple[int, int]:
     """KV positions ``[start, end)`` that slice ``split`` covers, as the device cuts them
-    (``start >= end``: an empty slice)."""
+    (``start >= end``: an empty slice; ``min_blocks``: see :func:`split_blocks`)."""
     lo = window_start(seqlen, window)
     split_len = split_blocks(seqlen - lo, num_splits, block_n, min_blocks) * block_n
     start = lo + split * split_len
@@ -159,7 +160,7 @@ def split_range(seqlen: int, split: int, num_splits: int, block_n: int,
 def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None, min_blocks: int = 1) -> int:
     """:func:`decode_live_splits` on the host: the slices of a ``seqlen``-key sequence cut
     into ``num_splits`` that hold a key (at least 1); under a sliding ``window``, of its
-    last ``min(seqlen, window)`` keys."""
+    last ``min(seqlen, window)`` keys; ``min_blocks``: see :func:`split_blocks`."""
     seqlen -= window_start(seqlen, window)
     split_len = max(split_blocks(seqlen, num_splits, block_n, min_blocks) * block_n, 1)  # as _split_len
     return max(-(-seqlen // split_len), 1)
@@ -1185,16 +1186,6 @@ class DecodeAttentionKind(OpKind):
         before it attends, and the stores before its barrier."""
         return device.load_latency_s if choice.fuse else 0.0
 
-    @staticmethod
-    def _prologue(rope, max_seq: int, first: bool, eps: float):
-        """The RoPE folded into the splits (:func:`mk.tasks.rope.rope_kv_attention_prologue`)."""
-        from .rope import rope_kv_attention_prologue
-
-        r = rope.dims
-        return rope_kv_attention_prologue(r["batch"], r["heads"], r["kv_heads"], r["head_dim"], max_seq,
-                                          write_seqlens=first,
-                                          **({"qk_norm": True, "qk_eps": eps} if r.get("qk_norm") else {}))
-
     def _spec(self, node, max_seq: int, splits: int, prologue=None):
         d = node.dims
         # One phase: each KV group's last split merges it (with one split too: a copy). The
@@ -1205,7 +1196,7 @@ class DecodeAttentionKind(OpKind):
 
     def specs(self, node, choice, fused=()):
         max_seq = node.dims["kv_len"]
-        prologue = self._prologue(fused[0], max_seq, False, 1e-5) if fused else None
+        prologue = op_kind(fused[0].kind).attention_prologue(fused[0], max_seq, False, 1e-5) if fused else None
         return [(self._spec(node, max_seq, choice.kv_splits, prologue), None)]
 
     def buffer_shape(self, node, role, max_seq):
@@ -1223,11 +1214,9 @@ class DecodeAttentionKind(OpKind):
         prologue, extra = None, {}
         if choice.fuse:  # a RoPE: the splits read the QKV row and write q and the new key themselves
             rope = ctx.nodes[choice.fuse[0]]
-            first = ctx.first(rope)
-            prologue = self._prologue(rope, ctx.max_seq, first, ctx.eps)
-            extra = {"qkv": rope.inputs[0], "inv_freq": rope.buffers["inv_freq"],
-                     **{r: rope.buffers[r] for r in ("q_norm", "k_norm") if r in rope.buffers}}
-            extra |= {"seqlens": ctx.activation("seqlens", B, dt=torch.int32)} if first else {}
+            kind = op_kind(rope.kind)
+            prologue = kind.attention_prologue(rope, ctx.max_seq, ctx.first(rope), ctx.eps)
+            extra = kind.attention_bindings(rope, ctx)
         ctx.add(node.name, self._spec(node, ctx.max_seq, splits, prologue),
                 q=ctx.activation(node.inputs[0], B, hq * dh), k_cache=node.buffers["k_cache"],
                 v_cache=node.buffers["v_cache"], pos="pos",

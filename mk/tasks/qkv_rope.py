@@ -46,7 +46,7 @@ from .linear import (check_config, tile_rows, LinearConfig, linear_config, linea
 from .linear.planning import reduce_width
 from .linear.spec import FULL_K_PREFETCH, LinearShape, prologue_ref, weight_streaming
 from .linear.tile import _linear_acc
-from .rope import _check_inv_freq, check_qk_norm, rope_kv_op, rope_kv_ref
+from .rope import _check_inv_freq, check_qk_norm, rope_kv_attention_prologue, rope_kv_op, rope_kv_ref
 
 
 @jit
@@ -722,6 +722,23 @@ class RopeKVKind(OpKind):
 
     def runs_alone(self, node, host) -> bool:
         return host is None or "bias" not in host.buffers
+
+    def attention_prologue(self, node, max_seq: int, first: bool, eps: float):
+        """``node`` folded into decode attention's splits: the splits' prologue
+        (:func:`mk.tasks.rope.rope_kv_attention_prologue`; ``first``: the step's first RoPE,
+        which writes the lengths)."""
+        d = node.dims
+        return rope_kv_attention_prologue(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq,
+                                          write_seqlens=first,
+                                          **({"qk_norm": True, "qk_eps": eps} if d.get("qk_norm") else {}))
+
+    def attention_bindings(self, node, ctx) -> dict:
+        """The buffers :meth:`attention_prologue`'s operands bind to in a step being lowered."""
+        bind = {"qkv": node.inputs[0], "inv_freq": node.buffers["inv_freq"],
+                **{r: node.buffers[r] for r in ("q_norm", "k_norm") if r in node.buffers}}
+        if ctx.first(node):
+            bind["seqlens"] = ctx.activation("seqlens", ctx.batch, dt=torch.int32)
+        return bind
 
     def _spec(self, node, max_seq: int, first: bool, eps: float):
         d = node.dims

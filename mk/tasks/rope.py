@@ -44,7 +44,7 @@ import triton.language as tl
 from ._cost import TaskCost
 from ._device import jit, check_real, check_same_device, check_same_dtype, check_tensor, is_capturing
 from ._spec import OpSpec, Region, as_2d, check_sizes, check_tile, operand_view, register
-from .decode_attention import kv_length_at
+from .decode_attention import AttentionPrologue, kv_length_at
 
 #: Elements of one half-head tile [BLOCK_H, BLOCK_HALF] a program holds at once.
 MAX_TILE_ELEMENTS = 2048
@@ -257,8 +257,9 @@ def rope_kv_group_tile(
     projection's row (``qkv[b]``: q heads, k heads, v heads, q and k interleaved): its
     ``HQ / HKV`` q heads rotated (normed first with ``q_norm_w_ptr``) into ``q[b]``
     (``[B, HQ * HEAD_DIM]``), and with ``append`` (0 or 1) its k (normed, rotated) and v into
-    the caches (``[B, HKV, max_seq, HEAD_DIM]``) at ``pos[b]``. What a decode attention split
-    does before it attends when RoPE folds into it (:func:`rope_kv_attention_prologue`)."""
+    the caches (``[B, HKV, max_seq, HEAD_DIM]``) at ``pos[b]`` (none where the position is
+    outside ``[0, max_seq)``). What a decode attention split does before it attends when RoPE
+    folds into it (:func:`rope_kv_attention_prologue`)."""
     GROUP: tl.constexpr = HQ // HKV
     W: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
     kv = kv_head.to(tl.int64)
@@ -751,8 +752,6 @@ def rope_kv_attention_prologue(batch: int, num_q_heads: int, num_kv_heads: int, 
     not hold; here a head is always whole, so RoPE has no phase of its own at any tiling.
     Operands added (attention's q is written): qkv, inv_freq, then q_norm and k_norm, then seqlens.
     """
-    from .decode_attention import AttentionPrologue
-
     hq, hkv, d = num_q_heads, num_kv_heads, head_dim
     group = hq // hkv
     block_h, block_half = rope_blocks(d, group)

@@ -40,7 +40,7 @@ POSITIONS = [3, 7]  # each sequence's cache holds this many tokens before the st
 
 def variants(graph, own_rope_ok: bool = True):
     """Plans to lower: the search's best two, and hand-edited ones covering every lowering path
-    (``own_rope_ok`` False: RoPE stays fused, as a QKV bias needs)."""
+    (``own_rope_ok`` False: RoPE stays in the QKV tiles, as a QKV bias needs)."""
     plans = search(graph, DeviceSpec.preset("h100"), top_k=2)
     best = plans[0]
     edited = dict(best.choices)
@@ -62,8 +62,15 @@ def variants(graph, own_rope_ok: bool = True):
     edited["l0.attn_norm"] = OpChoice()
     tma = {n: replace(c, tma_stages=2, block_n=16, block_k=32, split_k=1) if graph.node(n).kind == "linear" else c
            for n, c in best.choices.items()}
-    return plans + [replace(best, choices=edited)] + ([replace(best, choices=own_rope)] if own_rope_ok else []) + [
-        replace(best, choices=tma)]
+    # RoPE folded into both layers' attention splits (l0's writes the lengths; l1's has three
+    # splits), the QKV tiles writing their plain output.
+    folded = dict(edited)
+    for L in (0, 1):
+        qkv, rope = f"l{L}.qkv", f"l{L}.rope_kv"
+        folded[qkv] = replace(edited[qkv], fuse=tuple(f for f in edited[qkv].fuse if f != rope))
+        folded[f"l{L}.attention"] = replace(edited[f"l{L}.attention"], fuse=(rope,))
+    own = [replace(best, choices=own_rope), replace(best, choices=folded)] if own_rope_ok else []
+    return plans + [replace(best, choices=edited)] + own + [replace(best, choices=tma)]
 
 
 def _setup(config):

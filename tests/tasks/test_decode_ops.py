@@ -343,15 +343,16 @@ def test_decode_attention_ops(hq, hkv, num_splits, block_n, one_phase, _seed):
                           "out": nan(batch, hq * d)}, check, _seed)
 
 
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (3, 3)], ids=["g4", "g1"])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk-norm", "rope-only"])
-def test_decode_attention_with_rope_folded_in(qk_norm, _seed):
+def test_decode_attention_with_rope_folded_in(qk_norm, hq, hkv, _seed):
     """RoPE (with Qwen3's q/k norm) folded into the attention splits: each live split rotates
     its group's q from the QKV row, the split holding the new key appends k and v at the
     position, split 0 of KV head 0 writes seqlens; against rope_kv_ref then the attention
     reference. Sequences of 1, 20 and 37 keys over 3 splits of 16: one, two and three live."""
     from mk.tasks.rope import head_rmsnorm_ref, rope_kv_attention_prologue
 
-    batch, hq, hkv, d, max_seq, splits = 3, 8, 2, 12, 40, 3
+    batch, d, max_seq, splits = 3, 12, 40, 3
     seqlens = [37, 1, 20]
     pos = torch.tensor(seqlens, dtype=torch.int32, device=DEV) - 1
     g = TaskGraph()
@@ -359,8 +360,8 @@ def test_decode_attention_with_rope_folded_in(qk_norm, _seed):
     g.buffer("qkv", qkv), g.buffer("pos", pos)
     g.buffer("inv_freq", rope_inv_freq(d, 10000.0).to(DEV))
     kc0, vc0 = torch.randn(batch, hkv, max_seq, d, device=DEV), torch.randn(batch, hkv, max_seq, d, device=DEV)
-    for b, n in enumerate(seqlens):  # past the new key: never read
-        kc0[b, :, n:], vc0[b, :, n:] = float("nan"), float("nan")
+    for b, n in enumerate(seqlens):  # the new key's row on: read only once the split wrote it
+        kc0[b, :, n - 1:], vc0[b, :, n - 1:] = float("nan"), float("nan")
     g.buffer("kc", kc0.clone()), g.buffer("vc", vc0.clone())
     norms = {}
     if qk_norm:
@@ -378,7 +379,7 @@ def test_decode_attention_with_rope_folded_in(qk_norm, _seed):
             out="out", qkv="qkv", inv_freq="inv_freq", seqlens="seqlens", **{n: n for n in norms})
 
     rows = qkv.view(batch, 1, hq + 2 * hkv, d)
-    q, k, v = (interleave_free(t, d) for t in rows.split([hq, hkv, hkv], dim=2))
+    q, k = (interleave_free(t, d) for t in rows.split([hq, hkv, hkv], dim=2)[:2])  # v rows are as they are
     v = rows[:, :, hq + hkv:]
     q_in, k_in = (head_rmsnorm_ref(t, norms.get(n), EPS) for t, n in ((q, "q_norm"), (k, "k_norm")))
     q_rot, k_ref, v_ref = rope_kv_ref(q_in, k_in, v, pos.view(batch, 1), g.buffers["inv_freq"], kc0, vc0)
@@ -390,6 +391,7 @@ def test_decode_attention_with_rope_folded_in(qk_norm, _seed):
             assert_close(g.buffers["kc"][b, :, p], k_ref[b, :, p], F32, f"{what}: k appended")
             assert_close(g.buffers["vc"][b, :, p], v_ref[b, :, p], F32, f"{what}: v appended")
             assert torch.equal(g.buffers["kc"][b, :, :p], kc0[b, :, :p]), f"{what}: cached keys changed"
+            assert torch.equal(g.buffers["vc"][b, :, :p], vc0[b, :, :p]), f"{what}: cached values changed"
         assert g.buffers["seqlens"].tolist() == seqlens, what
         assert_close(g.buffers["out"], ref.reshape(batch, hq * d), F32, f"{what}: out")
 
@@ -410,9 +412,10 @@ def test_attention_with_rope_folded_in_waits_only_for_its_groups_qkv_tiles():
     g.buffer("x", torch.randn(batch, k, device=DEV)), g.buffer("w", torch.randn(width, k, device=DEV))
     g.buffer("qkv", nan(batch, width)), g.buffer("pos", torch.tensor([3, 19], dtype=torch.int32, device=DEV))
     g.buffer("inv_freq", rope_inv_freq(d, 10000.0).to(DEV)), g.buffer("q", nan(batch, hq * d))
-    g.buffer("kc", torch.randn(batch, hkv, max_seq, d, device=DEV)), g.buffer("vc", torch.randn(batch, hkv, max_seq, d))
+    g.buffer("kc", torch.randn(batch, hkv, max_seq, d, device=DEV))
+    g.buffer("vc", torch.randn(batch, hkv, max_seq, d, device=DEV))
     g.buffer("o_part", nan(batch, hq, splits * d)), g.buffer("lse", nan(batch, hq, splits))
-    g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32)), g.buffer("out", nan(batch, hq * d))
+    g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32, device=DEV)), g.buffer("out", nan(batch, hq * d))
     lin = make_op("linear", M=batch, N=width, K=k, dtype=F32, block_n=bn, block_k=16)
     tiles = dict(zip([a["pid_n"] for a in op_tiles(lin)], add_all(g, lin, x="x", w="w", out="qkv")))
     op = make_op("decode_attention", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_seq=max_seq,
