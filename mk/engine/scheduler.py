@@ -234,11 +234,13 @@ class Scheduler:
                 self._prefill_piece()
                 busy = True
         self.metrics.gauge(queue_depth=self.waiting.qsize(), live_slots=len(self.live))
-        # One block queued behind the one being read while nobody joins or leaves (joining
-        # and leaving wait for a boundary with nothing in flight).
+        # While nobody joins or leaves, a block is queued behind the one being read, so the
+        # device runs it while the host hands out the tokens of the other (joining and leaving
+        # wait for a boundary with nothing in flight).
         calm = self.prefilling is None and self.waiting.empty()
-        if self.live and len(self.in_flight) < (2 if calm else 1) and not any(r.gone for r in self.live):
-            busy = self._enqueue_block() or busy
+        while (self.live and len(self.in_flight) < (2 if calm else 1) and not any(r.gone for r in self.live)
+               and self._enqueue_block()):
+            busy = True
         if self.in_flight:
             self._read_block()
             busy = True
@@ -340,7 +342,7 @@ class Scheduler:
         try:
             _, history = reader.wait()  # bounded: a step that timed out raises here
         except MegakernelError as e:
-            self.in_flight = []
+            self._drop_in_flight()
             for r in self.live:
                 if not r.gone:
                     self._fail(r, f"a decode step failed: {e}")
@@ -357,6 +359,12 @@ class Scheduler:
             start = len(r.prompt) + r.produced
             tokens = history[b, start:start + block].tolist()
             self._emit_tokens(r, tokens, [read_logprob(c[b]) for c in choices] if choices else [None] * block)
+
+    def _drop_in_flight(self) -> None:
+        """Forget the blocks in flight and their queued reads (a step failed: none is read)."""
+        for reader, *_ in self.in_flight:
+            reader.drop()
+        self.in_flight = []
 
     def _emit_tokens(self, r: Request, tokens: list[int], lps: list) -> None:
         """Hand ``r`` its next ``tokens`` (one event); it finishes at a stop id (the tokens
@@ -405,7 +413,8 @@ class Scheduler:
         for r in list(self.live) + ([self.prefilling[0]] if self.prefilling else []):
             if not r.gone:
                 self._fail(r, message)
-        self.live, self.prefilling, self.in_flight = [], None, []
+        self._drop_in_flight()
+        self.live, self.prefilling = [], None
         while True:
             try:
                 self._fail(self.waiting.get_nowait(), message)

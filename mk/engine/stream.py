@@ -129,6 +129,10 @@ class HistoryReader:
         event.record()
         self.pending.append((block, host_tokens, host_error, event))
 
+    def drop(self) -> None:
+        """Forget the reads queued (their blocks will not be read: a step failed)."""
+        self.pending.clear()
+
     def wait(self) -> tuple[int, torch.Tensor]:
         """The oldest queued block: (its number of tokens, the history as it was read).
         Raises MegakernelTimeout if a wait in its steps timed out."""

@@ -77,6 +77,30 @@ def test_requests_that_join_and_leave_get_the_tokens_each_gets_alone(model, refe
     assert counts["finished"] == 5 and counts["generated_tokens"] == sum(len(r.emit.tokens) for r in reqs)
 
 
+def test_a_block_is_queued_behind_the_one_being_read(model, reference, monkeypatch):
+    """While nobody joins or leaves, the device runs the next block while the host hands out
+    a block's tokens: every read but the last finds another block in flight behind it (the
+    GPU otherwise idles for the host's work between blocks). Tokens stay the reference's."""
+    seen = []
+    read = Scheduler._read_block
+
+    def counting(self):
+        seen.append(len(self.in_flight))
+        read(self)
+
+    monkeypatch.setattr(Scheduler, "_read_block", counting)
+    prompt = [3, 1, 4, 1, 5]
+    want = greedy_generate(reference, [prompt], 9)[0]
+    scheduler = Scheduler(model, read_every=2).start()
+    try:
+        r = Request(prompt=prompt, max_tokens=9, emit=Collect())
+        _run(scheduler, [r])
+    finally:
+        scheduler.stop()
+    assert r.emit.tokens == want
+    assert seen == [2, 2, 2, 1], seen  # 8 tokens after the prefill's first: blocks of 2, 2, 2, 2
+
+
 def test_logprobs_and_sampling_choose_per_request(model, reference):
     """A greedy request with logprobs beside a sampled one: the greedy one's tokens are still
     the reference's and its logprobs the reference's log-softmax; the sampled one draws the
