@@ -220,8 +220,9 @@ class Scheduler:
             raise
 
     def step(self) -> bool:
-        """One turn: between blocks, give back the rows of requests that ended and run a
-        prefill piece; then enqueue and read decode blocks. False when idle."""
+        """One turn: between blocks, give back the rows of requests that ended and admit a
+        waiting one; enqueue decode blocks; run the admitted prompt's next prefill piece;
+        read a block. False when idle."""
         busy = False
         if not self.in_flight:
             self._drop_gone()
@@ -230,16 +231,19 @@ class Scheduler:
                     self.prefilling = (self.waiting.get_nowait(), 0, [], len(self.live))
                 except queue.Empty:
                     pass
-            if self.prefilling is not None:
-                self._prefill_piece()
-                busy = True
         self.metrics.gauge(queue_depth=self.waiting.qsize(), live_slots=len(self.live))
         # While nobody joins or leaves, a block is queued behind the one being read, so the
-        # device runs it while the host hands out the tokens of the other (joining and leaving
-        # wait for a boundary with nothing in flight).
+        # device runs it while the host hands out the tokens of the other (leaving waits for a
+        # boundary with nothing in flight; a prompt being prefilled keeps one block in flight).
         calm = self.prefilling is None and self.waiting.empty()
         while (self.live and len(self.in_flight) < (2 if calm else 1) and not any(r.gone for r in self.live)
                and self._enqueue_block()):
+            busy = True
+        if self.prefilling is not None:
+            # Its launches overlap the block just queued, and the device runs it after that
+            # block (one stream): the piece writes a row past the live ones, which the block
+            # does not read, so the streams stall for the piece's device time, not the host's.
+            self._prefill_piece()
             busy = True
         if self.in_flight:
             self._read_block()

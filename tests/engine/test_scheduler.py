@@ -5,6 +5,7 @@ leaves the batch around it; a failed step fails its requests and the scheduler g
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -99,6 +100,39 @@ def test_a_block_is_queued_behind_the_one_being_read(model, reference, monkeypat
         scheduler.stop()
     assert r.emit.tokens == want
     assert seen == [2, 2, 2, 1], seen  # 8 tokens after the prefill's first: blocks of 2, 2, 2, 2
+
+
+def test_a_prompt_is_prefilled_while_a_block_of_the_live_streams_runs(model, reference, monkeypatch):
+    """A prompt arriving while another request decodes is prefilled a piece at a time, each
+    piece queued behind a block of the live stream (the device runs the block, then the
+    piece; the host's launches of the piece overlap the block), never with the pipeline
+    drained; both requests still get the reference's tokens."""
+    during = []
+    piece = Scheduler._prefill_piece
+
+    def counting(self):
+        during.append(len(self.in_flight))
+        piece(self)
+
+    monkeypatch.setattr(Scheduler, "_prefill_piece", counting)
+    first, second = [2, 7, 1, 8], [3, 14, 15, 9, 26, 5, 35]
+    want = [greedy_generate(reference, [p], n)[0] for p, n in ((first, 20), (second, 3))]
+    scheduler = Scheduler(model, read_every=2, prefill_chunk=2).start()
+    try:
+        a = Request(prompt=first, max_tokens=20, emit=Collect())
+        scheduler.submit(a)
+        deadline = time.monotonic() + WAIT_S
+        while not a.emit.tokens:  # decoding: the next prompt arrives behind its blocks
+            assert time.monotonic() < deadline, "the first request never decoded"
+            time.sleep(0.01)
+        b = Request(prompt=second, max_tokens=3, emit=Collect())
+        _run(scheduler, [b])
+        assert a.emit.ended.wait(WAIT_S)
+    finally:
+        scheduler.stop()
+    assert a.emit.tokens == want[0] and b.emit.tokens == want[1]
+    # The first prompt's 2 pieces with nothing live, the second's 4 each behind a block.
+    assert during == [0, 0, 1, 1, 1, 1], during
 
 
 def test_logprobs_and_sampling_choose_per_request(model, reference):
