@@ -136,6 +136,7 @@ class Scheduler:
         self.live: list[Request] = []  # row i holds live[i]
         #: The request being prefilled: (it, its next piece's start, its prompt logprobs so far, its row).
         self.prefilling: tuple[Request, int, list, int] | None = None
+        self.prompt_ids: torch.Tensor | None = None  # its prompt, on the device
         self.readers: dict[int, HistoryReader] = {}
         self.in_flight: list[tuple[HistoryReader, list[Request], int, list]] = []
         self.metrics = Metrics()
@@ -204,7 +205,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        """The loop: until :meth:`stop`, admit, prefill a piece, decode a block."""
+        """The loop: until :meth:`stop`, turns of :meth:`step`; idle, a bounded wait for a request."""
         try:
             while not self._stop.is_set():
                 if not self.step():
@@ -212,7 +213,7 @@ class Scheduler:
                         r = self.waiting.get(timeout=0.05)
                     except queue.Empty:
                         continue
-                    self.prefilling = (r, 0, [], len(self.live))
+                    self._admit(r)
         except BaseException as e:  # a defect: fail every request held, say why
             self.failed = f"{type(e).__name__}: {e}"
             traceback.print_exc()
@@ -228,14 +229,14 @@ class Scheduler:
             self._drop_gone()
             if self.prefilling is None and len(self.live) < self.model.max_batch_size:
                 try:
-                    self.prefilling = (self.waiting.get_nowait(), 0, [], len(self.live))
+                    self._admit(self.waiting.get_nowait())
                 except queue.Empty:
                     pass
         self.metrics.gauge(queue_depth=self.waiting.qsize(), live_slots=len(self.live))
         # While nobody joins or leaves, a block is queued behind the one being read, so the
         # device runs it while the host hands out the tokens of the other (leaving waits for a
         # boundary with nothing in flight; a prompt being prefilled keeps one block in flight).
-        calm = self.prefilling is None and self.waiting.empty()
+        calm = self.prefilling is None and (self.waiting.empty() or len(self.live) >= self.model.max_batch_size)
         while (self.live and len(self.in_flight) < (2 if calm else 1) and not any(r.gone for r in self.live)
                and self._enqueue_block()):
             busy = True
@@ -249,6 +250,13 @@ class Scheduler:
             self._read_block()
             busy = True
         return busy
+
+    def _admit(self, r: Request) -> None:
+        """Begin prefilling ``r`` into the row after the live ones. Its prompt goes to the
+        device now, with nothing in flight: a copy from the host waits for the stream, and
+        its pieces are launched behind a decode block they must not wait for."""
+        self.prefilling = (r, 0, [], len(self.live))
+        self.prompt_ids = torch.tensor(r.prompt, dtype=torch.int32, device=self.model.device)
 
     @torch.no_grad()
     def _prefill_piece(self) -> None:
@@ -264,7 +272,7 @@ class Scheduler:
         stop = min(start + self.prefill_chunk, len(r.prompt))
         t0 = time.perf_counter()
         try:
-            ids = torch.tensor(r.prompt[start:stop], dtype=torch.int32, device=m.device)
+            ids = self.prompt_ids[start:stop]
             logits = m.prefiller.piece(row, ids, start, all_logits=r.prompt_logprobs)
             if r.prompt_logprobs:
                 prompt_lps.extend(self._prompt_logprobs(r, start, stop, logits))

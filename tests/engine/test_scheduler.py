@@ -5,7 +5,6 @@ leaves the batch around it; a failed step fails its requests and the scheduler g
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -116,18 +115,21 @@ def test_a_prompt_is_prefilled_while_a_block_of_the_live_streams_runs(model, ref
 
     monkeypatch.setattr(Scheduler, "_prefill_piece", counting)
     first, second = [2, 7, 1, 8], [3, 14, 15, 9, 26, 5, 35]
-    want = [greedy_generate(reference, [p], n)[0] for p, n in ((first, 20), (second, 3))]
-    scheduler = Scheduler(model, read_every=2, prefill_chunk=2).start()
+    want = [greedy_generate(reference, [p], n)[0] for p, n in ((first, 12), (second, 3))]
+    scheduler = Scheduler(model, read_every=2, prefill_chunk=2)
+    b = Request(prompt=second, max_tokens=3, emit=Collect())
+
+    class SubmitsTheSecond(Collect):  # on the first's first token: the second arrives as it decodes
+        def __call__(self, ev):
+            super().__call__(ev)
+            if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
+                scheduler.submit(b)
+
+    a = Request(prompt=first, max_tokens=12, emit=SubmitsTheSecond())
+    scheduler.start()
     try:
-        a = Request(prompt=first, max_tokens=20, emit=Collect())
-        scheduler.submit(a)
-        deadline = time.monotonic() + WAIT_S
-        while not a.emit.tokens:  # decoding: the next prompt arrives behind its blocks
-            assert time.monotonic() < deadline, "the first request never decoded"
-            time.sleep(0.01)
-        b = Request(prompt=second, max_tokens=3, emit=Collect())
-        _run(scheduler, [b])
-        assert a.emit.ended.wait(WAIT_S)
+        _run(scheduler, [a])
+        assert b.emit.ended.wait(WAIT_S), "the second request never ended"
     finally:
         scheduler.stop()
     assert a.emit.tokens == want[0] and b.emit.tokens == want[1]
