@@ -77,18 +77,23 @@ def test_requests_that_join_and_leave_get_the_tokens_each_gets_alone(model, refe
     assert counts["finished"] == 5 and counts["generated_tokens"] == sum(len(r.emit.tokens) for r in reqs)
 
 
+def in_flight_at(monkeypatch, method: str) -> list[int]:
+    """The blocks in flight each time the scheduler enters ``method`` (recorded as it runs)."""
+    seen, real = [], getattr(Scheduler, method)
+
+    def counting(self):
+        seen.append(len(self.in_flight))
+        real(self)
+
+    monkeypatch.setattr(Scheduler, method, counting)
+    return seen
+
+
 def test_a_block_is_queued_behind_the_one_being_read(model, reference, monkeypatch):
     """While nobody joins or leaves, the device runs the next block while the host hands out
     a block's tokens: every read but the last finds another block in flight behind it (the
     GPU otherwise idles for the host's work between blocks). Tokens stay the reference's."""
-    seen = []
-    read = Scheduler._read_block
-
-    def counting(self):
-        seen.append(len(self.in_flight))
-        read(self)
-
-    monkeypatch.setattr(Scheduler, "_read_block", counting)
+    seen = in_flight_at(monkeypatch, "_read_block")
     prompt = [3, 1, 4, 1, 5]
     want = greedy_generate(reference, [prompt], 9)[0]
     scheduler = Scheduler(model, read_every=2).start()
@@ -106,14 +111,7 @@ def test_a_prompt_is_prefilled_while_a_block_of_the_live_streams_runs(model, ref
     piece queued behind a block of the live stream (the device runs the block, then the
     piece; the host's launches of the piece overlap the block), never with the pipeline
     drained; both requests still get the reference's tokens."""
-    during = []
-    piece = Scheduler._prefill_piece
-
-    def counting(self):
-        during.append(len(self.in_flight))
-        piece(self)
-
-    monkeypatch.setattr(Scheduler, "_prefill_piece", counting)
+    during = in_flight_at(monkeypatch, "_prefill_piece")
     first, second = [2, 7, 1, 8], [3, 14, 15, 9, 26, 5, 35]
     want = [greedy_generate(reference, [p], n)[0] for p, n in ((first, 12), (second, 3))]
     scheduler = Scheduler(model, read_every=2, prefill_chunk=2)
