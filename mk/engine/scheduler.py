@@ -134,9 +134,9 @@ class Scheduler:
         self.slots = model.steps.slots
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.live: list[Request] = []  # row i holds live[i]
-        #: The request being prefilled: (it, its next piece's start, its prompt logprobs so far, its row).
-        self.prefilling: tuple[Request, int, list, int] | None = None
-        self.prompt_ids: torch.Tensor | None = None  # its prompt, on the device
+        #: The request being prefilled: (it, its next piece's start, its prompt logprobs so far, its
+        #: row, its prompt on the device).
+        self.prefilling: tuple[Request, int, list, int, torch.Tensor] | None = None
         self.readers: dict[int, HistoryReader] = {}
         self.in_flight: list[tuple[HistoryReader, list[Request], int, list]] = []
         self.metrics = Metrics()
@@ -255,15 +255,14 @@ class Scheduler:
         """Begin prefilling ``r`` into the row after the live ones. Its prompt goes to the
         device now, with nothing in flight: a copy from the host waits for the stream, and
         its pieces are launched behind a decode block they must not wait for."""
-        self.prefilling = (r, 0, [], len(self.live))
-        self.prompt_ids = torch.tensor(r.prompt, dtype=torch.int32, device=self.model.device)
+        self.prefilling = (r, 0, [], len(self.live), torch.tensor(r.prompt, dtype=torch.int32, device=self.model.device))
 
     @torch.no_grad()
     def _prefill_piece(self) -> None:
         """The next piece of the prefilling request, into the row after the live ones when
         it began (requests that end meanwhile leave fewer: after its last piece its sequence
         moves to the row after them); then its first token, and the request goes live."""
-        r, start, prompt_lps, row = self.prefilling
+        r, start, prompt_lps, row, prompt_ids = self.prefilling
         m = self.model
         if r.cancelled:
             self.prefilling = None
@@ -272,13 +271,13 @@ class Scheduler:
         stop = min(start + self.prefill_chunk, len(r.prompt))
         t0 = time.perf_counter()
         try:
-            ids = self.prompt_ids[start:stop]
+            ids = prompt_ids[start:stop]
             logits = m.prefiller.piece(row, ids, start, all_logits=r.prompt_logprobs)
             if r.prompt_logprobs:
                 prompt_lps.extend(self._prompt_logprobs(r, start, stop, logits))
                 logits = logits[-1]
             if stop < len(r.prompt):
-                self.prefilling = (r, stop, prompt_lps, row)
+                self.prefilling = (r, stop, prompt_lps, row, prompt_ids)
                 return
             self.prefilling = None
             if r.prompt_logprobs:

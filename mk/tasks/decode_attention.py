@@ -949,6 +949,34 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
                   tiles=lambda _: _split_tiles(batch, hkv, S))
 
 
+def _one_phase_source(from_positions: bool, win: str, prologue: "AttentionPrologue | None") -> tuple[str, str]:
+    """The device code of :func:`decode_attention_op`'s task: what it runs before its wait
+    (the length and the slice's prefetch) and its body; ``win``: the slicing's extra keyword
+    arguments (a window, a least slice)."""
+    # The length before the wait: exact from the positions; from seqlens maybe the last step's
+    # (good enough for the prefetch's hint, read again after the wait).
+    preload = ("attn_len = decode_length(pos, b.to(tl.int64), S_MAX)\n" if from_positions else
+               "if GPU:\n    attn_len = tl.load(seqlens + b.to(tl.int64), volatile=True)\n")
+    # The K/V lines of the slice into L2 while the task waits (inline PTX: compiled code only).
+    preload += ("if GPU:\n    decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
+                "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
+                f"S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D{win})")
+    # With the exact length before the wait, only the live splits wait for their inputs.
+    wait = (f"attn_live = decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N{win})\n"
+            "if split < attn_live:\n"
+            "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
+            if from_positions else "")
+    if prologue is not None:  # (then the split's loads see the prologue's stores)
+        wait += "".join(f"    {line}\n" for line in prologue.body.splitlines()) + "    tl.debug_barrier()\n"
+    body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
+            + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
+            "o_part, lse, arrivals, out, b.to(tl.int64), "
+            "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
+            "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
+            f"BLOCK_GROUP=BLOCK_GROUP{win})")
+    return preload, body
+
+
 @register("decode_attention")
 def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                         num_splits: int, *, scale: float | None = None, block_n: int | None = None,
@@ -1004,27 +1032,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     group = hq // hkv
     c = part.constexprs
     lengths = "pos" if from_positions else "seqlens"
-    # The length before the wait: exact from the positions; from seqlens maybe the last step's
-    # (good enough for the prefetch's hint, read again after the wait).
-    preload = ("attn_len = decode_length(pos, b.to(tl.int64), S_MAX)\n" if from_positions else
-               "if GPU:\n    attn_len = tl.load(seqlens + b.to(tl.int64), volatile=True)\n")
-    # The K/V lines of the slice into L2 while the task waits (inline PTX: compiled code only).
-    preload += ("if GPU:\n    decode_attention_prefetch(k_cache, v_cache, attn_len, b.to(tl.int64), kv_head, split, "
-                "NUM_SPLITS, S_MAX, HKV * S_MAX * HEAD_DIM, S_MAX * HEAD_DIM, HEAD_DIM, HKV * S_MAX * HEAD_DIM, "
-                f"S_MAX * HEAD_DIM, HEAD_DIM, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D{win})")
-    # With the exact length before the wait, only the live splits wait for their inputs.
-    wait = (f"attn_live = decode_live_splits(attn_len, NUM_SPLITS, BLOCK_N=BLOCK_N{win})\n"
-            "if split < attn_live:\n"
-            "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
-            if from_positions else "")
-    if prologue is not None:  # (then the split's loads see the prologue's stores)
-        wait += "".join(f"    {line}\n" for line in prologue.body.splitlines()) + "    tl.debug_barrier()\n"
-    body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
-            + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
-            "o_part, lse, arrivals, out, b.to(tl.int64), "
-            "kv_head, split, HKV, NUM_SPLITS, SCALE, " + _ATTENTION_STRIDES + ", HQ * HEAD_DIM, HEAD_DIM, "
-            "GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, "
-            f"BLOCK_GROUP=BLOCK_GROUP{win})")
+    preload, body = _one_phase_source(from_positions, win, prologue)
 
     tile = _attention_tile(op, batch, hkv, S)
 
@@ -1182,8 +1190,8 @@ class DecodeAttentionKind(OpKind):
                           reread=_workspace_bytes(d, live) // (d["batch"] * d["kv_heads"]) if live > 1 else 0)
 
     def exposed_seconds(self, node, choice, device, task_bytes, dtype_bytes=2):
-        """A RoPE folded in (:meth:`_prologue`) costs each split a round trip for its QKV row
-        before it attends, and the stores before its barrier."""
+        """A RoPE folded in (its kind's ``attention_prologue``) costs each split a round trip
+        for its QKV row before it attends, and the stores before its barrier."""
         return device.load_latency_s if choice.fuse else 0.0
 
     def _spec(self, node, max_seq: int, splits: int, prologue=None):

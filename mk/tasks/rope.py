@@ -684,9 +684,8 @@ def rope_kv_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, m
         b = seq(a)
         _rope_kv_rows("rope_kv", bufs, b, slice(None), slice(None), batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq,
                       interleaved=interleaved, qk_norm=qk_norm, qk_eps=qk_eps)
-        pos = int(operand_view("rope_kv", "pos", bufs["pos"], 1, batch)[0, b])
         if write_seqlens:
-            operand_view("rope_kv", "seqlens", bufs["seqlens"], 1, batch)[0, b] = kv_length_at(pos, max_seq)
+            _write_seqlen("rope_kv", bufs, b, batch, max_seq)
 
     def reads(a, bind):
         b = seq(a)
@@ -738,6 +737,12 @@ def _rope_kv_rows(op: str, bufs: dict, b: int, heads: slice, kv_heads: slice | N
         vc[b, kv_heads, pos] = qkv[(hq + hkv) * d:].view(hkv, d)[kv_heads].to(vc.dtype)
 
 
+def _write_seqlen(op: str, bufs: dict, b: int, batch: int, max_seq: int) -> None:
+    """seqlens[b] from the step's position, in torch (the VM's :func:`rope_kv_seqlen_tile`)."""
+    pos = int(operand_view(op, "pos", bufs["pos"], 1, batch)[0, b])
+    operand_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b] = kv_length_at(pos, max_seq)
+
+
 def rope_kv_attention_prologue(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int, *,
                                write_seqlens: bool = False, qk_norm: bool = False, qk_eps: float = 1e-6):
     """:func:`rope_kv_op`'s work folded into decode attention (an
@@ -768,8 +773,7 @@ def rope_kv_attention_prologue(batch: int, num_q_heads: int, num_kv_heads: int, 
         _rope_kv_rows(op, bufs, b, slice(kv * group, (kv + 1) * group),
                       slice(kv, kv + 1) if split == live - 1 else None, **sizes)
         if write_seqlens and kv == 0 and split == 0:
-            pos = int(operand_view(op, "pos", bufs["pos"], 1, batch)[0, b])
-            operand_view(op, "seqlens", bufs["seqlens"], 1, batch)[0, b] = kv_length_at(pos, max_seq)
+            _write_seqlen(op, bufs, b, batch, max_seq)
 
     def reads(bind, b, kv):
         # Only its group's columns of the row: the group waits for the QKV tiles of its own
