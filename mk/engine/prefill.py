@@ -30,7 +30,7 @@ class Prefiller:
 
     def __init__(self, model, precision: str, workspace: int):
         self.model = model
-        # Captured one-prompt prefill chunks by (cache row, tokens): (graph, ids, output).
+        # Captured one-prompt prefill chunks by (cache row, start, tokens): (graph, ids, output).
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.graph_pool, self.graphs_failed = None, False
         self.capturing: _prefill.ChunkGraph | None = None  # the chunk whose graphs are being captured
@@ -80,10 +80,12 @@ class Prefiller:
         """Tokens ``ids`` (``[n]``, on the model's device) of one prompt at positions
         ``[start, start + n)``, into cache row ``row`` (its positions before ``start`` are
         there already); float32 logits of the last token ``[V]``, or of every token
-        ``[n, V]``. ``n`` must fit one chunk (:attr:`budget`)."""
+        ``[n, V]``. ``n`` must fit one chunk (:attr:`budget`). A piece that continues a
+        prompt runs as CUDA graphs too, captured for its row, start and length (a server's
+        pieces come in a few starts and lengths, and an eager piece is bound by the host)."""
         n = ids.numel()
         self.budget.check_fits(self.model.device, n, n * self.model.config.vocab_size * 4 if all_logits else 0)
-        x = self.chunk(ids, [_prefill.Segment(row, start, start + n, 0)])
+        x = self.chunk(ids, [_prefill.Segment(row, start, start + n, 0)], continued=True)
         return self.lm_head(x) if all_logits else self.lm_head(x[n - 1:n])[0]
 
     def run(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -112,9 +114,10 @@ class Prefiller:
                     last[s.row] = x[s.offset + s.tokens - 1]
         return logits if all_logits else self.lm_head(last)
 
-    def chunk(self, ids: torch.Tensor, segments: list) -> torch.Tensor:
-        """:meth:`_prefill_layers` of one chunk; a chunk that is one whole prompt (the
-        usual request) runs as CUDA graphs captured for its length (one graph, or under tensor
+    def chunk(self, ids: torch.Tensor, segments: list, continued: bool = False) -> torch.Tensor:
+        """:meth:`layers` of one chunk; a chunk that is one whole prompt (the usual request;
+        with ``continued``, any one prompt's piece) runs as CUDA graphs captured for its row,
+        start and length (one graph, or under tensor
         parallelism one between each two sums over the ranks: :class:`~mk.models.prefill.ChunkGraph`), rounded up to
         :data:`~mk.models.prefill.GRAPH_TOKEN_STEP` tokens: launched one kernel at a time,
         a small model's prefill is bound by the host's time per launch, not by the GPU
@@ -124,18 +127,19 @@ class Prefiller:
         m = self.model
         seg = segments[0]
         if (m.device.type != "cuda" or self.precision != "fast" or len(segments) != 1
-                or seg.start != 0 or self.graphs_failed or torch.cuda.is_current_stream_capturing()):
+                or (seg.start != 0 and not continued) or self.graphs_failed
+                or torch.cuda.is_current_stream_capturing()):
             return self.layers(ids, segments)
         n = seg.tokens
-        padded = _prefill.graph_tokens(n, min(m.max_seq_len, self.budget.chunk_tokens))
-        key = (seg.row, padded)
+        padded = _prefill.graph_tokens(n, min(m.max_seq_len - seg.start, self.budget.chunk_tokens))
+        key = (seg.row, seg.start, padded)
         entry = self.graphs.pop(key, None)
         if entry is None:
             # Run once eagerly (cuBLAS and cuDNN set themselves up outside a capture; this
             # call's result), then capture the same chunk for the next request of its length.
             static_ids = torch.zeros(padded, dtype=ids.dtype, device=m.device)
             static_ids[:n] = ids
-            whole = [_prefill.Segment(seg.row, 0, padded, 0)]
+            whole = [_prefill.Segment(seg.row, seg.start, seg.start + padded, 0)]
             x = self.layers(static_ids, whole)
             if not self.graphs:  # a pool no live graph uses cannot take a capture again
                 with torch.cuda.device(m.device):

@@ -252,16 +252,19 @@ class Scheduler:
         return busy
 
     def _admit(self, r: Request) -> None:
-        """Begin prefilling ``r`` into the row after the live ones. Its prompt goes to the
-        device now, with nothing in flight: a copy from the host waits for the stream, and
-        its pieces are launched behind a decode block they must not wait for."""
-        self.prefilling = (r, 0, [], len(self.live), torch.tensor(r.prompt, dtype=torch.int32, device=self.model.device))
+        """Begin prefilling ``r`` into the batch's last row, which no live request holds while
+        one is admitted: every prompt's pieces then go to one row, so the prefill's CUDA graphs
+        are captured once per piece start and length, not once more for each row. Its prompt
+        goes to the device now, with nothing in flight: a copy from the host waits for the
+        stream, and its pieces are launched behind a decode block they must not wait for."""
+        self.prefilling = (r, 0, [], self.model.max_batch_size - 1,
+                           torch.tensor(r.prompt, dtype=torch.int32, device=self.model.device))
 
     @torch.no_grad()
     def _prefill_piece(self) -> None:
-        """The next piece of the prefilling request, into the row after the live ones when
-        it began (requests that end meanwhile leave fewer: after its last piece its sequence
-        moves to the row after them); then its first token, and the request goes live."""
+        """The next piece of the prefilling request, into its row (the batch's last); after
+        its last piece its sequence moves to the row after the live ones, its first token is
+        chosen, and the request goes live."""
         r, start, prompt_lps, row, prompt_ids = self.prefilling
         m = self.model
         if r.cancelled:

@@ -110,8 +110,17 @@ def test_a_prompt_is_prefilled_while_a_block_of_the_live_streams_runs(model, ref
     """A prompt arriving while another request decodes is prefilled a piece at a time, each
     piece queued behind a block of the live stream (the device runs the block, then the
     piece; the host's launches of the piece overlap the block), never with the pipeline
-    drained; both requests still get the reference's tokens."""
+    drained; both requests still get the reference's tokens. Every piece goes to the batch's
+    last row (one row for every prompt: its prefill graphs are captured once per start and
+    length), and the sequence moves to the row after the live ones when it goes live."""
     during = in_flight_at(monkeypatch, "_prefill_piece")
+    pieces, real_piece = [], model.prefiller.piece
+
+    def piece(row, ids, start, all_logits=False):
+        pieces.append((row, start, ids.numel()))
+        return real_piece(row, ids, start, all_logits)
+
+    monkeypatch.setattr(model.prefiller, "piece", piece)
     first, second = [2, 7, 1, 8], [3, 14, 15, 9, 26, 5, 35]
     want = [greedy_generate(reference, [p], n)[0] for p, n in ((first, 12), (second, 3))]
     scheduler = Scheduler(model, read_every=2, prefill_chunk=2)
@@ -133,6 +142,8 @@ def test_a_prompt_is_prefilled_while_a_block_of_the_live_streams_runs(model, ref
     assert a.emit.tokens == want[0] and b.emit.tokens == want[1]
     # The first prompt's 2 pieces with nothing live, the second's 4 each behind a block.
     assert during == [0, 0, 1, 1, 1, 1], during
+    last = model.max_batch_size - 1
+    assert pieces == [(last, 0, 2), (last, 2, 2), (last, 0, 2), (last, 2, 2), (last, 4, 2), (last, 6, 1)], pieces
 
 
 def test_logprobs_and_sampling_choose_per_request(model, reference):

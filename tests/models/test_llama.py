@@ -376,7 +376,7 @@ def test_fast_prefill_logits_are_within_the_stated_tolerance_and_greedy_decode_f
     for n in (300, 290, 300):
         got = model.logits([prompts[0][:n]])[0]
         assert rel_err(got, want[0, :n]) < 3e-2, n
-    assert list(model.prefiller.graphs) == [(0, 384)]
+    assert list(model.prefiller.graphs) == [(0, 0, 384)]
     short = prompts[0][:290]
     got, want_short = model.generate([short], max_new_tokens=steps)[0][290:], greedy_generate(ref, [short], steps)[0]
     same = next((i for i, (a, b) in enumerate(zip(got, want_short)) if a != b), steps)
