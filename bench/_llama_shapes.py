@@ -23,6 +23,12 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 rope_theta=1000000.0, max_position_embeddings=40960, eos_token_id=None)
 
 
+#: Qwen2.5-0.5B's shape (a Qwen2 model: q/k/v biases; deep, narrow, a large tied vocabulary).
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+                  rope_theta=1000000.0, max_position_embeddings=32768, eos_token_id=None)
+
+
 #: Shapes too large for one GPU: the tensor-parallel benchmarks' (bench/test_tp.py).
 TP_SHAPES = {
     "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, op by op: one traced step per shape, batch 1 and 8.
 
-Random bf16 weights at the deep-narrow (135M), 1B, 8B and Qwen3-8B shapes. Each case first
+Random bf16 weights at the deep-narrow (135M, Qwen2.5-0.5B), 1B, 8B and Qwen3-8B shapes. Each case first
 runs ``generate`` as users call it (a 64-token prompt, 256 new tokens: tokens/s, time to first
 token, memory beyond weights + KV cache), then launches the same step with every task's start,
 ready (its inputs waited for) and end times recorded (``Megakernel(trace=True)``), its
@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from _harness import PROMPT, NEW, measure_generate
-from _llama_shapes import MAX_SEQ, QWEN3_8B, SHAPES, random_model
+from _llama_shapes import MAX_SEQ, QWEN3_8B, QWEN25_05B, SHAPES, random_model
 
 #: (family, config) of each traced shape.
-CASES = {"135m": ("llama", SHAPES["135m"]), "1b": ("llama", SHAPES["1b"]), "8b": ("llama", SHAPES["8b"]),
-         "qwen3-8b": ("qwen3", QWEN3_8B)}
+CASES = {"135m": ("llama", SHAPES["135m"]), "qwen2.5-0.5b": ("qwen2", QWEN25_05B), "1b": ("llama", SHAPES["1b"]),
+         "8b": ("llama", SHAPES["8b"]), "qwen3-8b": ("qwen3", QWEN3_8B)}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
