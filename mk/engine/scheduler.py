@@ -98,6 +98,16 @@ class Request:
         return lp[token.long()], (top.indices if top else None), (top.values if top else None)
 
 
+def to_device(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as int32 on ``device``; to a GPU from pinned memory, queued on the stream
+    without waiting for the work before it (PyTorch keeps the pinned buffer until the copy
+    has run)."""
+    host = torch.tensor(ids, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def read_logprob(entry):
     """:meth:`Request.logprob_of`'s device tensors as ``(logprob, [(id, logprob), ...])``."""
     if entry is None:
@@ -227,11 +237,13 @@ class Scheduler:
         busy = False
         if not self.in_flight:
             self._drop_gone()
-            if self.prefilling is None and len(self.live) < self.model.max_batch_size:
-                try:
-                    self._admit(self.waiting.get_nowait())
-                except queue.Empty:
-                    pass
+        # A request is admitted with blocks in flight too: it is prefilled into a row none of
+        # them reads (an arrival otherwise waited for the pipeline to drain: a block).
+        if self.prefilling is None and len(self.live) < self.model.max_batch_size:
+            try:
+                self._admit(self.waiting.get_nowait())
+            except queue.Empty:
+                pass
         self.metrics.gauge(queue_depth=self.waiting.qsize(), live_slots=len(self.live))
         # While nobody joins or leaves, a block is queued behind the one being read, so the
         # device runs it while the host hands out the tokens of the other (leaving waits for a
@@ -255,10 +267,9 @@ class Scheduler:
         """Begin prefilling ``r`` into the batch's last row, which no live request holds while
         one is admitted: every prompt's pieces then go to one row, so the prefill's CUDA graphs
         are captured once per piece start and length, not once more for each row. Its prompt
-        goes to the device now, with nothing in flight: a copy from the host waits for the
-        stream, and its pieces are launched behind a decode block they must not wait for."""
-        self.prefilling = (r, 0, [], self.model.max_batch_size - 1,
-                           torch.tensor(r.prompt, dtype=torch.int32, device=self.model.device))
+        goes to the device now, from pinned memory without waiting: a copy from pageable
+        memory would wait for the blocks in flight."""
+        self.prefilling = (r, 0, [], self.model.max_batch_size - 1, to_device(r.prompt, self.model.device))
 
     @torch.no_grad()
     def _prefill_piece(self) -> None:
