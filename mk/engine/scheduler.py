@@ -367,11 +367,14 @@ class Scheduler:
         try:
             _, history = reader.wait()  # bounded: a step that timed out raises here
         except MegakernelError as e:
+            # The requests of this block and of the blocks queued behind it (they are never
+            # read) fail; one that went live behind them keeps its row and goes on. The rows
+            # of the failed ones go back at the next boundary, as a finished request's do.
+            failed = {id(r) for r in rows} | {id(r) for _, held, *_ in self.in_flight for r in held}
             self._drop_in_flight()
             for r in self.live:
-                if not r.gone:
+                if id(r) in failed and not r.gone:
                     self._fail(r, f"a decode step failed: {e}")
-            self.live = []
             return
         now = time.perf_counter()
         # The block ran from when it was enqueued or the previous block was read, the later.

@@ -201,6 +201,50 @@ def test_a_failed_step_fails_its_requests_and_the_scheduler_serves_the_next(mode
     assert scheduler.alive is False and scheduler.failed is None
 
 
+def test_a_failed_block_fails_only_the_requests_in_it(model, reference, monkeypatch):
+    """A request that goes live while a block of another is in flight is not in that block:
+    when the block fails, the other request gets the error and this one goes on, with the
+    reference's tokens (its row moved down into the failed one's)."""
+    real, armed = stream.HistoryReader.wait, {"on": False, "failed": 0}
+
+    def wait(self):
+        out = real(self)
+        if armed["on"] and not armed["failed"]:
+            armed["failed"] += 1
+            raise MegakernelTimeout(0, 0, "step", 0, 0, 1)
+        return out
+
+    monkeypatch.setattr(stream.HistoryReader, "wait", wait)
+    scheduler = Scheduler(model, read_every=2)
+    second = [6, 2, 8]
+
+    class Arms(Collect):  # the second's first token: it is live, the first's block in flight
+        def __call__(self, ev):
+            super().__call__(ev)
+            if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
+                armed["on"] = True
+
+    b = Request(prompt=second, max_tokens=5, emit=Arms())
+
+    class SubmitsTheSecond(Collect):
+        def __call__(self, ev):
+            super().__call__(ev)
+            if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
+                scheduler.submit(b)
+
+    a = Request(prompt=[1, 2, 3], max_tokens=12, emit=SubmitsTheSecond())
+    scheduler.start()
+    try:
+        _run(scheduler, [a])
+        assert b.emit.ended.wait(WAIT_S), "the second request never ended"
+    finally:
+        scheduler.stop()
+    assert armed["failed"] == 1
+    assert a.emit.events[-1][0] == "error" and "decode step failed" in a.emit.events[-1][1]
+    assert b.emit.tokens == greedy_generate(reference, [second], 5)[0]
+    assert scheduler.failed is None
+
+
 def test_bad_requests_are_refused_at_submit_and_a_full_queue_says_so(model):
     scheduler = Scheduler(model, max_queue=1)  # (not started: nothing leaves the queue)
     for kwargs, message in ((dict(prompt=[]), "empty"), (dict(prompt=[1, 96]), r"outside \[0, 96\)"),
