@@ -134,6 +134,11 @@ class Prefiller:
         padded = _prefill.graph_tokens(n, min(m.max_seq_len - seg.start, self.budget.chunk_tokens))
         key = (seg.row, seg.start, padded)
         entry = self.graphs.pop(key, None)
+        if entry is None and seg.start and len(self.graphs) >= _prefill.MAX_GRAPHS:
+            # A piece that continues a prompt is captured only into room the cache has: a
+            # prompt of more pieces than it holds would otherwise evict its own pieces in
+            # turn, and pay an eager run and a capture for each, every time.
+            return self.layers(ids, segments)
         if entry is None:
             # Run once eagerly (cuBLAS and cuDNN set themselves up outside a capture; this
             # call's result), then capture the same chunk for the next request of its length.

@@ -304,8 +304,7 @@ class Scheduler:
             token = int(first)
             if row != len(self.live):
                 self.slots.move(row, len(self.live), len(r.prompt))
-            self.slots.start(len(self.live), torch.tensor([r.prompt], dtype=torch.int32, device=m.device),
-                             [len(r.prompt)], first.reshape(1))
+            self.slots.start(len(self.live), prompt_ids[None], [len(r.prompt)], first.reshape(1))
         except Exception as e:  # (a request's failure is its own: the server goes on)
             self.prefilling = None
             self._fail(r, f"prefill failed: {type(e).__name__}: {e}")
@@ -370,10 +369,10 @@ class Scheduler:
             # The requests of this block and of the blocks queued behind it (they are never
             # read) fail; one that went live behind them keeps its row and goes on. The rows
             # of the failed ones go back at the next boundary, as a finished request's do.
-            failed = {id(r) for r in rows} | {id(r) for _, held, *_ in self.in_flight for r in held}
+            failed = set(rows).union(*(held for _, held, *_ in self.in_flight))
             self._drop_in_flight()
             for r in self.live:
-                if id(r) in failed and not r.gone:
+                if r in failed and not r.gone:
                     self._fail(r, f"a decode step failed: {e}")
             return
         now = time.perf_counter()

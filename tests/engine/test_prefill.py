@@ -31,7 +31,7 @@ def test_pieces_that_continue_a_prompt_are_captured_and_replayed():
         for start in (0, 128, 256):
             last = model.prefiller.piece(2, ids[start:start + 128], start)
         runs.append(last.clone())
-    assert sorted(model.prefiller.graphs) == [(2, 0, 128), (2, 128, 128), (2, 256, 128)]
+    assert sorted(k for k in model.prefiller.graphs if k[0] == 2) == [(2, 0, 128), (2, 128, 128), (2, 256, 128)]
     assert not model.prefiller.graphs_failed
     for got in runs:
         assert rel_err(got, whole) < 5e-2
