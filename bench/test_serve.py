@@ -92,12 +92,17 @@ class Server:
 
 #: A client in a process of its own (a user's clients are not in the server's process, and
 #: would share its interpreter lock): streams one greedy completion, prints its tokens and
-#: their arrival times (time.monotonic, one clock for every process) as JSON.
+#: their arrival times (time.monotonic, one clock for every process) as JSON. It sends one
+#: 1-token request first, as a user's long-lived client (an editor, a harness) has: the
+#: `openai` package's first request in a process costs it several ms of its own (lazy
+#: imports, the connection, its first models), which are the client's, not the server's.
 CLIENT = r"""
 import json, sys, time
 import openai
 base, ids, n, start = json.loads(sys.argv[1])
 client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+for _ in client.completions.create(model="1b", prompt=ids[:1], max_tokens=1, temperature=0, stream=True):
+    pass
 time.sleep(max(0.0, start - time.monotonic()))
 sent, out, times = time.monotonic(), [], []
 for chunk in client.completions.create(model="1b", prompt=ids, max_tokens=n, temperature=0, stream=True):
