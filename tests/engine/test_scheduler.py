@@ -47,6 +47,31 @@ class Collect:
             self.ended.set()
 
 
+class OnFirstToken(Collect):
+    """A request's events; ``action()`` runs when its first token arrives."""
+
+    def __init__(self, action):
+        super().__init__()
+        self.action = action
+
+    def __call__(self, ev):
+        super().__call__(ev)
+        if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
+            self.action()
+
+
+def _run_second_during_first(scheduler, first: Request, second: Request) -> None:
+    """Start ``scheduler`` and run ``first``; ``second`` arrives on its first token (so while
+    it decodes); both end."""
+    first.emit = OnFirstToken(lambda: scheduler.submit(second))
+    scheduler.start()
+    try:
+        _run(scheduler, [first])
+        assert second.emit.ended.wait(WAIT_S), "the second request never ended"
+    finally:
+        scheduler.stop()
+
+
 def _run(scheduler, requests):
     for r in requests:
         scheduler.submit(r)
@@ -125,20 +150,8 @@ def test_a_prompt_is_prefilled_while_a_block_of_the_live_streams_runs(model, ref
     want = [greedy_generate(reference, [p], n)[0] for p, n in ((first, 12), (second, 3))]
     scheduler = Scheduler(model, read_every=2, prefill_chunk=2)
     b = Request(prompt=second, max_tokens=3, emit=Collect())
-
-    class SubmitsTheSecond(Collect):  # on the first's first token: the second arrives as it decodes
-        def __call__(self, ev):
-            super().__call__(ev)
-            if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
-                scheduler.submit(b)
-
-    a = Request(prompt=first, max_tokens=12, emit=SubmitsTheSecond())
-    scheduler.start()
-    try:
-        _run(scheduler, [a])
-        assert b.emit.ended.wait(WAIT_S), "the second request never ended"
-    finally:
-        scheduler.stop()
+    a = Request(prompt=first, max_tokens=12, emit=Collect())
+    _run_second_during_first(scheduler, a, b)
     assert a.emit.tokens == want[0] and b.emit.tokens == want[1]
     # The first prompt's 2 pieces with nothing live, the second's 4 each behind a block.
     assert during == [0, 0, 1, 1, 1, 1], during
@@ -218,27 +231,10 @@ def test_a_failed_block_fails_only_the_requests_in_it(model, reference, monkeypa
     scheduler = Scheduler(model, read_every=2)
     second = [6, 2, 8]
 
-    class Arms(Collect):  # the second's first token: it is live, the first's block in flight
-        def __call__(self, ev):
-            super().__call__(ev)
-            if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
-                armed["on"] = True
-
-    b = Request(prompt=second, max_tokens=5, emit=Arms())
-
-    class SubmitsTheSecond(Collect):
-        def __call__(self, ev):
-            super().__call__(ev)
-            if ev[0] == "tokens" and len(self.tokens) == len(ev[1]):
-                scheduler.submit(b)
-
-    a = Request(prompt=[1, 2, 3], max_tokens=12, emit=SubmitsTheSecond())
-    scheduler.start()
-    try:
-        _run(scheduler, [a])
-        assert b.emit.ended.wait(WAIT_S), "the second request never ended"
-    finally:
-        scheduler.stop()
+    # The second's first token: it is live, and a block of the first's is in flight.
+    b = Request(prompt=second, max_tokens=5, emit=OnFirstToken(lambda: armed.update(on=True)))
+    a = Request(prompt=[1, 2, 3], max_tokens=12, emit=Collect())
+    _run_second_during_first(scheduler, a, b)
     assert armed["failed"] == 1
     assert a.emit.events[-1][0] == "error" and "decode step failed" in a.emit.events[-1][1]
     assert b.emit.tokens == greedy_generate(reference, [second], 5)[0]
