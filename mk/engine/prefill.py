@@ -31,7 +31,7 @@ class Prefiller:
     def __init__(self, model, precision: str, workspace: int):
         self.model = model
         # Captured one-prompt prefill chunks by (cache row, start, tokens): (graph, ids, output).
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.graph_pool, self.graphs_failed = None, False
         self.capturing: _prefill.ChunkGraph | None = None  # the chunk whose graphs are being captured
         self.capture_stream = None  # every capture's (they share one pool)
