@@ -88,6 +88,25 @@ class Prefiller:
         x = self.chunk(ids, [_prefill.Segment(row, start, start + n, 0)], continued=True)
         return self.lm_head(x) if all_logits else self.lm_head(x[n - 1:n])[0]
 
+    def piece_shapes(self, chunk: int) -> list[tuple[int, int]]:
+        """(start, tokens) of one piece of each shape a server cutting prompts into pieces of
+        at most ``chunk`` tokens replays as a CUDA graph: each length it pads to, at starts
+        0 and ``chunk``, as many as the graph cache holds (:data:`~mk.models.prefill.MAX_GRAPHS`);
+        none off a GPU or in the exact precision, which run eagerly."""
+        m = self.model
+        if m.device.type != "cuda" or self.precision != "fast":
+            return []
+        return _prefill.piece_shapes(chunk, m.max_seq_len, self.budget.chunk_tokens)
+
+    def warm_pieces(self, row: int, shapes: list[tuple[int, int]]) -> None:
+        """Capture now the graphs of pieces of these ``shapes`` (:meth:`piece_shapes`) into
+        cache row ``row``, so that the first request of each shape replays rather than paying
+        an eager run and the capture. It writes row ``row``'s cache, which must be free (a
+        prompt's prefill writes each position of its row before decode reads it)."""
+        ids = torch.zeros(max((n for _, n in shapes), default=0), dtype=torch.int32, device=self.model.device)
+        for start, n in shapes:
+            self.piece(row, ids[:n], start)
+
     def run(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run the prompts (``ids`` right-padded ``[B, T]``, ``lengths``) through every layer,
         filling the cache, packed a chunk at a time; float32 logits of each prompt's last

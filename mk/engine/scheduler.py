@@ -204,13 +204,22 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Build the greedy decode step of every batch size now (the first request of a size
-        would otherwise wait for its build); ``progress(done, total)`` after each."""
-        n = self.model.max_batch_size
+        """Build the greedy decode step of every batch size now, and capture the prefill
+        graphs of the pieces prompts are cut into (the first request of a size or a piece
+        shape would otherwise wait for its build: seconds, or an eager run and a capture);
+        ``progress(done, total)`` after each."""
+        m = self.model
+        n = m.max_batch_size
+        pieces = m.prefiller.piece_shapes(self.prefill_chunk)
         for b in range(1, n + 1):
-            self.model.steps.get(b, "argmax")
+            m.steps.get(b, "argmax")
             if progress:
-                progress(b, n)
+                progress(b, n + len(pieces))
+        with torch.no_grad():
+            for k, shape in enumerate(pieces, 1):
+                m.prefiller.warm_pieces(n - 1, [shape])  # the row admitted prompts are prefilled into
+                if progress:
+                    progress(n + k, n + len(pieces))
 
     # ------------------------------------------------------------------ the loop
 

@@ -165,6 +165,21 @@ def graph_tokens(tokens: int, limit: int) -> int:
     return padded if padded <= limit else tokens
 
 
+def piece_shapes(chunk: int, max_seq: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """(start, tokens) of one piece of each graph a prompt cut into pieces of at most
+    ``chunk`` tokens replays (its start and the length :func:`graph_tokens` pads it to): each
+    length at starts 0 and ``chunk`` (prompts of up to two pieces), within ``max_seq``
+    positions and a prefill chunk of ``chunk_tokens``, at most :data:`MAX_GRAPHS` of them."""
+    shapes: dict[tuple[int, int], tuple[int, int]] = {}  # (start, padded) -> a piece of that key
+    for start in (0, chunk):
+        limit = min(max_seq - start, chunk_tokens)
+        for n in range(GRAPH_TOKEN_STEP, chunk + GRAPH_TOKEN_STEP, GRAPH_TOKEN_STEP):
+            n = min(n, chunk, limit)
+            if n > 0:
+                shapes.setdefault((start, graph_tokens(n, limit)), (start, n))
+    return list(shapes.values())[:MAX_GRAPHS]
+
+
 class ChunkGraph:
     """A prompt chunk's layers captured as CUDA graphs, cut at its sums over the ranks (one
     graph on one GPU). A NCCL collective stays out of the graphs: captured inside one, it

@@ -241,6 +241,35 @@ def test_a_failed_block_fails_only_the_requests_in_it(model, reference, monkeypa
     assert scheduler.failed is None
 
 
+def test_prepare_warms_the_prefill_pieces_in_the_row_prompts_go_to(model, reference, monkeypatch):
+    """prepare builds every batch size's step, then runs one piece of each shape the prefill
+    replays as a graph (on a GPU; here the shapes are given, and run eagerly) into the row
+    admitted prompts are prefilled into, with its progress counted; the zeros they leave in
+    that row's cache do not reach a request prefilled there afterwards."""
+    pieces, real_piece = [], model.prefiller.piece
+
+    def piece(row, ids, start, all_logits=False):
+        pieces.append((row, start, ids.numel()))
+        return real_piece(row, ids, start, all_logits)
+
+    monkeypatch.setattr(model.prefiller, "piece_shapes", lambda chunk: [(0, chunk), (chunk, chunk)])
+    monkeypatch.setattr(model.prefiller, "piece", piece)
+    scheduler = Scheduler(model, read_every=2, prefill_chunk=4)
+    seen = []
+    scheduler.prepare(progress=lambda done, total: seen.append((done, total)))
+    n, last = model.max_batch_size, model.max_batch_size - 1
+    assert seen == [(k, n + 2) for k in range(1, n + 3)]
+    assert pieces == [(last, 0, 4), (last, 4, 4)]
+    prompt = [9, 4, 1, 7, 3, 3]
+    r = Request(prompt=prompt, max_tokens=4, emit=Collect())
+    scheduler.start()
+    try:
+        _run(scheduler, [r])
+    finally:
+        scheduler.stop()
+    assert r.emit.tokens == greedy_generate(reference, [prompt], 4)[0]
+
+
 def test_bad_requests_are_refused_at_submit_and_a_full_queue_says_so(model):
     scheduler = Scheduler(model, max_queue=1)  # (not started: nothing leaves the queue)
     for kwargs, message in ((dict(prompt=[]), "empty"), (dict(prompt=[1, 96]), r"outside \[0, 96\)"),

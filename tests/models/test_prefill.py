@@ -73,3 +73,25 @@ def test_fast_prefill_attention_under_a_window_on_the_gpu(window, device):
     q, k_cache, v_cache = _chunk(device, torch.bfloat16, hq=8, hkv=2, d=64)
     out = prefill.attention(q, k_cache, v_cache, SEGMENTS, "fast", window=window)
     assert_close(out, _reference(q, k_cache, v_cache, SEGMENTS, window), torch.bfloat16)
+
+
+def test_piece_shapes_cover_each_graph_of_a_prompt_of_up_to_two_pieces():
+    """One piece for each (start, padded length) key that prompts cut into pieces of at most
+    ``chunk`` tokens replay: every length a piece pads to, at the first two starts, within the
+    cache and the prefill chunk, no more than the graph cache holds."""
+    step = prefill.GRAPH_TOKEN_STEP
+    assert prefill.piece_shapes(2 * step, 1024, 4096) == [(0, step), (0, 2 * step), (2 * step, step),
+                                                          (2 * step, 2 * step)]
+    # A chunk off the step: its last length pads up to the next step.
+    shapes = prefill.piece_shapes(200, 1024, 4096)
+    assert [(s, prefill.graph_tokens(n, 4096)) for s, n in shapes] == [(0, 128), (0, 256), (200, 128), (200, 256)]
+    # Long chunks fill the cache with first pieces; a short cache leaves the second piece less room.
+    assert prefill.piece_shapes(4 * step, 1024, 4096) == [(0, step), (0, 2 * step), (0, 3 * step), (0, 4 * step)]
+    assert prefill.piece_shapes(256, 300, 4096) == [(0, 128), (0, 256), (256, 44)]
+    assert prefill.piece_shapes(256, 256, 4096) == [(0, 128), (0, 256)]
+    # Every piece a prompt of up to two pieces is cut into pads to a shape listed.
+    chunk, keys = 200, {(s, prefill.graph_tokens(n, 4096)) for s, n in shapes}
+    for length in range(1, 2 * chunk + 1):
+        for start in range(0, length, chunk):
+            n = min(chunk, length - start)
+            assert (start, prefill.graph_tokens(n, min(1024 - start, 4096))) in keys, (length, start)
