@@ -90,9 +90,9 @@ class Prefiller:
 
     def piece_shapes(self, chunk: int) -> list[tuple[int, int]]:
         """(start, tokens) of one piece of each shape a server cutting prompts into pieces of
-        at most ``chunk`` tokens replays as a CUDA graph: each length it pads to, at starts
-        0 and ``chunk``, as many as the graph cache holds (:data:`~mk.models.prefill.MAX_GRAPHS`);
-        none off a GPU or in the exact precision, which run eagerly."""
+        at most ``chunk`` tokens replays as a CUDA graph (:func:`mk.models.prefill.piece_shapes`:
+        prompts of up to two pieces); none off a GPU or in the exact precision, which run
+        eagerly."""
         m = self.model
         if m.device.type != "cuda" or self.precision != "fast":
             return []
@@ -101,8 +101,11 @@ class Prefiller:
     def warm_pieces(self, row: int, shapes: list[tuple[int, int]]) -> None:
         """Capture now the graphs of pieces of these ``shapes`` (:meth:`piece_shapes`) into
         cache row ``row``, so that the first request of each shape replays rather than paying
-        an eager run and the capture. It writes row ``row``'s cache, which must be free (a
-        prompt's prefill writes each position of its row before decode reads it)."""
+        an eager run and the capture. Graphs of other rows are dropped first (a server
+        prefills into this row only: they would hold the cache's room). It writes row
+        ``row``'s cache, which must be free (a prompt's prefill writes each position of its
+        row before decode reads it)."""
+        self.graphs = {k: v for k, v in self.graphs.items() if k[0] == row}
         ids = torch.zeros(max((n for _, n in shapes), default=0), dtype=torch.int32, device=self.model.device)
         for start, n in shapes:
             self.piece(row, ids[:n], start)

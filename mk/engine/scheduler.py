@@ -204,10 +204,12 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def prepare(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Build the greedy decode step of every batch size now, and capture the prefill
-        graphs of the pieces prompts are cut into (the first request of a size or a piece
-        shape would otherwise wait for its build: seconds, or an eager run and a capture);
-        ``progress(done, total)`` after each."""
+        """Before :meth:`start`: build the greedy decode step of every batch size now, and
+        on a GPU capture the prefill graphs of the pieces of prompts of up to two pieces (the
+        first request of a size or a piece shape would otherwise wait for its build: seconds,
+        or an eager run and a capture); ``progress(done, total)`` after each."""
+        if self.alive:
+            raise RuntimeError("prepare() runs before start(): it prefills into the row admitted prompts go to")
         m = self.model
         n = m.max_batch_size
         pieces = m.prefiller.piece_shapes(self.prefill_chunk)

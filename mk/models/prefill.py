@@ -160,16 +160,18 @@ MAX_GRAPHS = 4
 
 def graph_tokens(tokens: int, limit: int) -> int:
     """The token count a one-prompt chunk of ``tokens`` is captured at: rounded up to
-    :data:`GRAPH_TOKEN_STEP`, unless that passes ``limit`` (the cache or the chunk)."""
+    :data:`GRAPH_TOKEN_STEP`, or to ``limit`` (the cache or the chunk) where that would pass
+    it, so that the lengths near the limit share one graph too."""
     padded = -(-tokens // GRAPH_TOKEN_STEP) * GRAPH_TOKEN_STEP
-    return padded if padded <= limit else tokens
+    return min(padded, max(limit, tokens))
 
 
 def piece_shapes(chunk: int, max_seq: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """(start, tokens) of one piece of each graph a prompt cut into pieces of at most
-    ``chunk`` tokens replays (its start and the length :func:`graph_tokens` pads it to): each
-    length at starts 0 and ``chunk`` (prompts of up to two pieces), within ``max_seq``
-    positions and a prefill chunk of ``chunk_tokens``, at most :data:`MAX_GRAPHS` of them."""
+    """(start, tokens) of one piece of each graph that prompts of up to two pieces of at most
+    ``chunk`` tokens replay (keyed by its start and the length :func:`graph_tokens` pads it
+    to): each padded length at starts 0 and ``chunk``, within ``max_seq`` positions and a
+    prefill chunk of ``chunk_tokens``, at most :data:`MAX_GRAPHS` of them (the first pieces'
+    first). A longer prompt's later pieces run eagerly."""
     shapes: dict[tuple[int, int], tuple[int, int]] = {}  # (start, padded) -> a piece of that key
     for start in (0, chunk):
         limit = min(max_seq - start, chunk_tokens)

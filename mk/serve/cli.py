@@ -82,9 +82,11 @@ def run_serve(args) -> int:
                                       progress=status.tty, quantize=args.quantize,
                                       quantize_lm_head=args.quantize_lm_head)
     scheduler = Scheduler(model, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk)
-    status(f"planning + compiling the decode steps (batch 1 to {args.max_batch}) and prefill graphs")
-    scheduler.prepare(progress=lambda done, n: status(f"planning + compiling the decode steps and prefill graphs "
-                                                      f"({done} of {n} built)"))
+    status(f"planning + compiling the decode steps (batch 1 to {args.max_batch})")
+    steps = model.max_batch_size
+    scheduler.prepare(progress=lambda done, n: status(
+        f"planning + compiling the decode steps ({done} of {steps} built)" if done <= steps else
+        f"capturing the prefill graphs of prompt pieces ({done - steps} of {n - steps})"))
     status.clear()
     print(model_line(model, time.perf_counter() - t0), flush=True)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

@@ -246,6 +246,7 @@ def test_prepare_warms_the_prefill_pieces_in_the_row_prompts_go_to(model, refere
     replays as a graph (on a GPU; here the shapes are given, and run eagerly) into the row
     admitted prompts are prefilled into, with its progress counted; the zeros they leave in
     that row's cache do not reach a request prefilled there afterwards."""
+    assert model.prefiller.piece_shapes(4) == []  # the CPU runs pieces eagerly: nothing to capture
     pieces, real_piece = [], model.prefiller.piece
 
     def piece(row, ids, start, all_logits=False):
@@ -264,6 +265,8 @@ def test_prepare_warms_the_prefill_pieces_in_the_row_prompts_go_to(model, refere
     r = Request(prompt=prompt, max_tokens=4, emit=Collect())
     scheduler.start()
     try:
+        with pytest.raises(RuntimeError, match="before start"):
+            scheduler.prepare()
         _run(scheduler, [r])
     finally:
         scheduler.stop()

@@ -129,7 +129,8 @@ def test_captured_chunk_lengths_round_up_within_their_limit():
 
     step = GRAPH_TOKEN_STEP
     assert [graph_tokens(n, 4096) for n in (1, step, step + 1, 2048)] == [step, step, 2 * step, 2048]
-    assert graph_tokens(300, 320) == 300  # rounding up would pass the cache or the chunk: no padding
+    assert graph_tokens(300, 320) == 320  # rounding up would pass the cache or the chunk: up to it
+    assert graph_tokens(319, 320) == 320 and graph_tokens(320, 320) == 320
 
 
 def test_pack_cuts_prompts_into_chunks_in_order():

@@ -89,9 +89,12 @@ def test_piece_shapes_cover_each_graph_of_a_prompt_of_up_to_two_pieces():
     assert prefill.piece_shapes(4 * step, 1024, 4096) == [(0, step), (0, 2 * step), (0, 3 * step), (0, 4 * step)]
     assert prefill.piece_shapes(256, 300, 4096) == [(0, 128), (0, 256), (256, 44)]
     assert prefill.piece_shapes(256, 256, 4096) == [(0, 128), (0, 256)]
-    # Every piece a prompt of up to two pieces is cut into pads to a shape listed.
-    chunk, keys = 200, {(s, prefill.graph_tokens(n, 4096)) for s, n in shapes}
-    for length in range(1, 2 * chunk + 1):
-        for start in range(0, length, chunk):
-            n = min(chunk, length - start)
-            assert (start, prefill.graph_tokens(n, min(1024 - start, 4096))) in keys, (length, start)
+    # Every piece a prompt of up to two pieces is cut into pads to a shape listed, also where
+    # the cache or the prefill chunk is not a multiple of the step.
+    for chunk, max_seq, chunk_tokens in ((200, 1024, 4096), (256, 300, 4096), (200, 1024, 200), (100, 1024, 4096)):
+        limit = lambda start: min(max_seq - start, chunk_tokens)  # noqa: E731 (as Prefiller.chunk cuts it)
+        keys = {(s, prefill.graph_tokens(n, limit(s))) for s, n in prefill.piece_shapes(chunk, max_seq, chunk_tokens)}
+        for length in range(1, min(2 * chunk, max_seq) + 1):
+            for start in range(0, length, chunk):
+                n = min(chunk, length - start)
+                assert (start, prefill.graph_tokens(n, limit(start))) in keys, (chunk, max_seq, length, start)
