@@ -98,17 +98,15 @@ class Prefiller:
             return []
         return _prefill.piece_shapes(chunk, m.max_seq_len, self.budget.chunk_tokens)
 
-    def warm_pieces(self, row: int, shapes: list[tuple[int, int]]) -> None:
-        """Capture now the graphs of pieces of these ``shapes`` (:meth:`piece_shapes`) into
-        cache row ``row``, so that the first request of each shape replays rather than paying
-        an eager run and the capture. Graphs of other rows are dropped first (a server
-        prefills into this row only: they would hold the cache's room). It writes row
-        ``row``'s cache, which must be free (a prompt's prefill writes each position of its
-        row before decode reads it)."""
+    def warm_piece(self, row: int, start: int, tokens: int) -> None:
+        """Capture now the graph of a piece of ``tokens`` at ``start`` (a shape of
+        :meth:`piece_shapes`) into cache row ``row``, so that the first request of its shape
+        replays rather than paying an eager run and the capture. Graphs of other rows are
+        dropped first (a server prefills into this row only: they would hold the cache's
+        room). It writes row ``row``'s cache, which must be free (a prompt's prefill writes
+        each position of its row before decode reads it)."""
         self.graphs = {k: v for k, v in self.graphs.items() if k[0] == row}
-        ids = torch.zeros(max((n for _, n in shapes), default=0), dtype=torch.int32, device=self.model.device)
-        for start, n in shapes:
-            self.piece(row, ids[:n], start)
+        self.piece(row, torch.zeros(tokens, dtype=torch.int32, device=self.model.device), start)
 
     def run(self, ids: torch.Tensor, lengths: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run the prompts (``ids`` right-padded ``[B, T]``, ``lengths``) through every layer,

@@ -218,8 +218,8 @@ class Scheduler:
             if progress:
                 progress(b, n + len(pieces))
         with torch.no_grad():
-            for k, shape in enumerate(pieces, 1):
-                m.prefiller.warm_pieces(n - 1, [shape])  # the row admitted prompts are prefilled into
+            for k, (start, tokens) in enumerate(pieces, 1):
+                m.prefiller.warm_piece(n - 1, start, tokens)  # the row admitted prompts are prefilled into
                 if progress:
                     progress(n + k, n + len(pieces))
 

@@ -90,6 +90,11 @@ class AttentionPrologue:
     writes: Callable
 
 
+#: No work folded in: the attention's own splits.
+_NO_PROLOGUE = AttentionPrologue(operands=(), body="", imports=(), constexprs={}, run=lambda *_: None,
+                                 reads=lambda *_: [], writes=lambda *_: [])
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -949,7 +954,21 @@ def decode_attention_partial_op(batch: int, num_q_heads: int, num_kv_heads: int,
                   tiles=lambda _: _split_tiles(batch, hkv, S))
 
 
-def _one_phase_source(from_positions: bool, win: str, prologue: "AttentionPrologue | None") -> tuple[str, str]:
+def _arrive_and_merge(op: str, bufs: dict, b: int, kv: int, live: int, *, batch: int, hq: int, hkv: int, d: int,
+                      splits: int) -> None:
+    """A live split of (b, kv) counts itself in; the last of the ``live`` to arrive resets the
+    count and merges the group's heads (with torch: the VM's :func:`last_to_arrive` and
+    :func:`decode_attention_merge_tile`)."""
+    arrivals = operand_view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
+    arrivals[b * hkv + kv] += 1
+    if int(arrivals[b * hkv + kv]) == live:
+        arrivals[b * hkv + kv] = 0
+        group = hq // hkv
+        for h in range(kv * group, (kv + 1) * group):
+            _run_attention_merge(op, bufs, b, h, batch=batch, hq=hq, d=d, splits=splits, live=live)
+
+
+def _one_phase_source(from_positions: bool, win: str, prologue: AttentionPrologue) -> tuple[str, str]:
     """The device code of :func:`decode_attention_op`'s task: what it runs before its wait
     (the length and the slice's prefetch) and its body; ``win``: the slicing's extra keyword
     arguments (a window, a least slice)."""
@@ -966,7 +985,7 @@ def _one_phase_source(from_positions: bool, win: str, prologue: "AttentionProlog
             "if split < attn_live:\n"
             "    ok, last_ev, last_need, t_ready = task_wait(task_wait_args, task_wait_state, TASK_WAIT_FLAGS)\n"
             if from_positions else "")
-    if prologue is not None:  # (then the split's loads see the prologue's stores)
+    if prologue.body:  # (then the split's loads see the prologue's stores)
         wait += "".join(f"    {line}\n" for line in prologue.body.splitlines()) + "    tl.debug_barrier()\n"
     body = wait + ("decode_attention_tile(q, k_cache, v_cache, "
             + ("attn_len, " if from_positions else "tl.load(seqlens + b.to(tl.int64)), ") +
@@ -1024,6 +1043,7 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     if prologue is not None and not from_positions:
         raise ValueError(f"{op}: a prologue needs from_positions (its splits wait in their body)")
     check_positive_int(f"{op}: min_blocks", min_blocks)
+    prologue = prologue or _NO_PROLOGUE
     win = ", WINDOW=WINDOW" if window is not None else ""  # (without a window: the code as before)
     win += ", MIN_BLOCKS=MIN_BLOCKS" if min_blocks > 1 else ""
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
@@ -1042,45 +1062,37 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
         live = live_splits(seqlen, S, c["BLOCK_N"], window, min_blocks)
         if s >= live:  # past the sequence: nothing to do
             return
-        if prologue is not None:
-            prologue.run(bufs, b, kv, s, live)
+        prologue.run(bufs, b, kv, s, live)
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
                              block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen,
                              window=window, min_blocks=min_blocks)
-        if live == 1:  # split 0 wrote out itself
-            return
-        arrivals = operand_view(op, "arrivals", bufs["arrivals"], 1, batch * hkv)[0]
-        arrivals[b * hkv + kv] += 1
-        if int(arrivals[b * hkv + kv]) == live:
-            arrivals[b * hkv + kv] = 0
-            for h in range(kv * group, (kv + 1) * group):
-                _run_attention_merge(op, bufs, b, h, batch=batch, hq=hq, d=d, splits=S, live=live)
+        if live > 1:  # (with one, split 0 wrote out itself)
+            _arrive_and_merge(op, bufs, b, kv, live, batch=batch, hq=hq, hkv=hkv, d=d, splits=S)
 
     def reads(a, bind):
         b, kv, _ = tile(a)
         r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
         return (_attention_split_reads(bind, b, kv, hq=hq, hkv=hkv, d=d, max_seq=max_seq, lengths=lengths)
                 + [Region(bind["o_part"], r0, r1, 0, S * d), Region(bind["lse"], r0, r1, 0, S)]
-                + (prologue.reads(bind, b, kv) if prologue is not None else []))
+                + prologue.reads(bind, b, kv))
 
     def writes(a, bind):
         b, kv, s = tile(a)
         r0, r1 = b * hq + kv * group, b * hq + (kv + 1) * group
         return [Region(bind["o_part"], r0, r1, s * d, (s + 1) * d), Region(bind["lse"], r0, r1, s, s + 1),
                 Region(bind["arrivals"], 0, 1, b * hkv + kv, b * hkv + kv + 1),
-                Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)] + (
-                    prologue.writes(bind, b, kv) if prologue is not None else [])
+                Region(bind["out"], b, b + 1, kv * group * d, (kv + 1) * group * d)] + prologue.writes(bind, b, kv)
 
     operands = (tuple(lengths if role == "seqlens" else role for role in part.operands) + ("arrivals", "out")
-                + (prologue.operands if prologue is not None else ()))
+                + prologue.operands)
     return OpSpec(name=op, operands=operands, args=part.args, body=body, preload=preload,
                   imports=("from mk.tasks.decode_attention import decode_attention_prefetch, decode_attention_tile, "
-                           "decode_length, decode_live_splits",) + (prologue.imports if prologue is not None else ()),
+                           "decode_length, decode_live_splits",) + prologue.imports,
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
                               "FROM_POSITIONS": int(from_positions),
                               **({"WINDOW": window} if window is not None else {}),
                               **({"MIN_BLOCKS": min_blocks} if min_blocks > 1 else {}),
-                              **(prologue.constexprs if prologue is not None else {})},
+                              **prologue.constexprs},
                   num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",),
                   tiles=part.tiles)

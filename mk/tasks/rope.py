@@ -448,6 +448,28 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
     return out
 
 
+def _check_cache_slots(positions: torch.Tensor, cache_rows: torch.Tensor | None, max_seq: int,
+                       cache_batch: int) -> None:
+    """:func:`rope_kv`'s value checks (they read the positions back): every position in the
+    cache, every cache row in it, and no two tokens writing one cache slot."""
+    tokens = positions.shape[1]
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= max_seq:
+        raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "
+                         f"got values from {lo} to {hi}")
+    if cache_rows is not None:
+        if tokens and (int(cache_rows.min()) < 0 or int(cache_rows.max()) >= cache_batch):
+            raise ValueError(f"cache_rows must lie in [0, {cache_batch}) (the cache's rows), got values "
+                             f"from {int(cache_rows.min())} to {int(cache_rows.max())}")
+        slots = cache_rows.long() * max_seq + positions[0].long()
+        if slots.unique().numel() != tokens:
+            raise ValueError("(cache row, position) pairs repeat: two tokens would write one cache slot")
+    elif tokens > 1:
+        ordered = positions.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise ValueError("positions repeat within a row: two tokens would write one cache slot")
+
+
 def rope_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, *, interleaved: bool = False, check_values: bool = True,
@@ -518,21 +540,7 @@ def rope_kv(
         # Range checks need the values on the host: not possible while a CUDA graph is
         # captured, so then positions are trusted (the kernel still skips out-of-range rows).
         if check_values and positions.numel() and not is_capturing(positions):
-            lo, hi = int(positions.min()), int(positions.max())
-            if lo < 0 or hi >= max_seq:
-                raise ValueError(f"positions must lie in [0, {max_seq}) (the cache length S_max), "
-                                 f"got values from {lo} to {hi}")
-            if cache_rows is not None:
-                if tokens and (int(cache_rows.min()) < 0 or int(cache_rows.max()) >= cache_batch):
-                    raise ValueError(f"cache_rows must lie in [0, {cache_batch}) (the cache's rows), got values "
-                                     f"from {int(cache_rows.min())} to {int(cache_rows.max())}")
-                slots = cache_rows.long() * max_seq + positions[0].long()
-                if slots.unique().numel() != tokens:
-                    raise ValueError("(cache row, position) pairs repeat: two tokens would write one cache slot")
-            elif tokens > 1:
-                ordered = positions.sort(dim=1).values
-                if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-                    raise ValueError("positions repeat within a row: two tokens would write one cache slot")
+            _check_cache_slots(positions, cache_rows, max_seq, cache_batch)
 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch * tokens and hq + hkv:
