@@ -244,7 +244,7 @@ def decode_graph(model: ModelShape, batch: int, kv_len: int) -> OpGraph:
         op(p + "rope_kv", "rope_kv", [p + "qkv"], [p + "q", p + "kv_cache"],
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "qk_norm": m.qk_norm},
            rope_kv_cost(B, 1, hq, hkv, d, db, qk_norm=m.qk_norm), L, fuse_into=p + "qkv", buffers=rope_bufs,
-           fuse_later=None if m.qkv_bias else p + "attention")  # (a bias is added only by the QKV tiles)
+           fuse_later=p + "attention")
         op(p + "attention", "attention", [p + "q", p + "kv_cache"], [p + "attn"],
            {"batch": B, "heads": hq, "kv_heads": hkv, "head_dim": d, "kv_len": attended,
             "kv_dtype_bytes": m.kv_dtype_bytes, "window": m.sliding_window},

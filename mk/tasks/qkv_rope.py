@@ -716,8 +716,9 @@ class RopeKVKind(OpKind):
         return True
 
     def fuses_as_prologue(self, node, later) -> bool:
-        """Into the decode attention that reads its q (:func:`mk.tasks.rope.rope_kv_attention_prologue`;
-        a graph names it only where the QKV has no bias, which only the QKV tiles add)."""
+        """Into the decode attention that reads its q (:func:`mk.tasks.rope.rope_kv_attention_prologue`);
+        not after a QKV with a bias, which only the QKV tiles add (:meth:`runs_alone`: the
+        search folds forward only an op that could run apart from its QKV)."""
         return later.kind == "attention" and later.name == node.fuse_later
 
     def runs_alone(self, node, host) -> bool:
