@@ -1152,13 +1152,25 @@ def _workspace_bytes(d: dict, kv_splits: int) -> int:
     return d["batch"] * d["heads"] * kv_splits * (d["head_dim"] + 1) * 4
 
 
-def attention_live_splits(d: dict, kv_splits: int) -> int:
+def attention_live_splits(d: dict, kv_splits: int, min_blocks: int = 1) -> int:
     """KV splits of decode attention (an op's dims ``d``) that hold a key at its planned length
     ``kv_len``, as the kernel cuts them (:func:`decode_live_splits`): each split
-    ceil(kv_len / kv_splits) keys rounded up to whole KV blocks, so at a short length the
-    last splits hold none (they still run a task each, and return at once)."""
+    ceil(kv_len / kv_splits) keys rounded up to whole KV blocks (at least ``min_blocks``), so
+    at a short length the last splits hold none (they still run a task each, and return at
+    once)."""
     block_n = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"]).block_n
-    return live_splits(d["kv_len"], kv_splits, block_n)
+    return live_splits(d["kv_len"], kv_splits, block_n, min_blocks=min_blocks)
+
+
+def merge_break_even_blocks(d: dict, device) -> int:
+    """The fewest KV blocks a split of decode attention (an op's dims ``d``) should hold on
+    ``device``: below that, a second split saves its worker less time (the blocks it takes
+    off the first, streamed at one worker's rate) than the merge it brings costs the group
+    (partials stored and counted, then read back by the last split: two memory round
+    trips, :attr:`~mk.planner.device.DeviceSpec.load_latency_s` each)."""
+    cfg = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"], d["kv_dtype_bytes"])
+    block_s = 2 * cfg.block_n * d["head_dim"] * d["kv_dtype_bytes"] / device.worker_rate(tma=False)
+    return 1 + math.ceil(2 * device.load_latency_s / block_s)
 
 
 #: Bytes of a cache element the planner's graphs may ask for, and the dtype that holds them.
@@ -1175,7 +1187,13 @@ class DecodeAttentionKind(OpKind):
     leaves_dram_idle = True
 
     def candidates(self, node, device, dtype_bytes=2, workers=None):
-        return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, node.dims["kv_len"] // 32)]
+        """Splits of the planned length; each holds at least the merge's break-even of KV
+        blocks (:func:`merge_break_even_blocks`), so a sequence shorter than the splits
+        planned for the longest fills fewer of them, and one of fewer blocks than that is
+        written out by its one split, with no merge."""
+        least = merge_break_even_blocks(node.dims, device)
+        return [OpChoice(kv_splits=s, kv_min_blocks=least if s > 1 else 1)
+                for s in (1, 2, 4, 8, 16) if s <= max(1, node.dims["kv_len"] // 32)]
 
     def smem_bytes(self, node, choice, dtype_bytes=2):
         d = node.dims
@@ -1184,11 +1202,12 @@ class DecodeAttentionKind(OpKind):
                                            q_bytes=ACTIVATION_BYTES)
 
     def describe(self, choice):
-        return f"kv_splits={choice.kv_splits}"
+        least = f" of >={choice.kv_min_blocks} blocks" if choice.kv_min_blocks > 1 else ""
+        return f"kv_splits={choice.kv_splits}{least}"
 
     def bytes_flops(self, node, choice):
         """Several live splits merge their partials through the workspace."""
-        live = attention_live_splits(node.dims, choice.kv_splits)
+        live = attention_live_splits(node.dims, choice.kv_splits, choice.kv_min_blocks)
         return node.bytes + (2 * _workspace_bytes(node.dims, live) if live > 1 else 0), node.flops
 
     def phase_terms(self, node, choice, device, phase, phase_tasks, phase_bytes, dtype_bytes=2):
@@ -1197,7 +1216,7 @@ class DecodeAttentionKind(OpKind):
         split reads the live partials back (exact when the splits run in one wave, as they
         do in decode)."""
         d = node.dims
-        live = attention_live_splits(d, choice.kv_splits)
+        live = attention_live_splits(d, choice.kv_splits, choice.kv_min_blocks)
         return PhaseTerms(task_bytes=max(phase_bytes, 0) / (d["batch"] * d["kv_heads"] * live),
                           reread=_workspace_bytes(d, live) // (d["batch"] * d["kv_heads"]) if live > 1 else 0)
 
@@ -1206,18 +1225,18 @@ class DecodeAttentionKind(OpKind):
         for its QKV row before it attends, and the stores before its barrier."""
         return device.load_latency_s if choice.fuse else 0.0
 
-    def _spec(self, node, max_seq: int, splits: int, prologue=None):
+    def _spec(self, node, max_seq: int, choice: OpChoice, prologue=None):
         d = node.dims
         # One phase: each KV group's last split merges it (with one split too: a copy). The
         # length from the positions: known before the wait (the step's QKV writes seqlens).
-        return decode_attention_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, splits,
+        return decode_attention_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, choice.kv_splits,
                                    from_positions=True, **({"window": d["window"]} if d.get("window") else {}),
-                                   prologue=prologue)
+                                   prologue=prologue, min_blocks=choice.kv_min_blocks)
 
     def specs(self, node, choice, fused=()):
         max_seq = node.dims["kv_len"]
         prologue = op_kind(fused[0].kind).attention_prologue(fused[0], max_seq, False, 1e-5) if fused else None
-        return [(self._spec(node, max_seq, choice.kv_splits, prologue), None)]
+        return [(self._spec(node, max_seq, choice, prologue), None)]
 
     def buffer_shape(self, node, role, max_seq):
         d = node.dims
@@ -1237,7 +1256,7 @@ class DecodeAttentionKind(OpKind):
             kind = op_kind(rope.kind)
             prologue = kind.attention_prologue(rope, ctx.max_seq, ctx.first(rope), ctx.eps)
             extra = kind.attention_bindings(rope, ctx)
-        ctx.add(node.name, self._spec(node, ctx.max_seq, splits, prologue),
+        ctx.add(node.name, self._spec(node, ctx.max_seq, choice, prologue),
                 q=ctx.activation(node.inputs[0], B, hq * dh), k_cache=node.buffers["k_cache"],
                 v_cache=node.buffers["v_cache"], pos="pos",
                 o_part=ctx.activation(f"{node.name}.o_part", B, hq, splits * dh),
