@@ -47,8 +47,6 @@ class OpChoice:
 
     block_n, block_k, split_k, stages, num_warps: tile of a linear (block_m follows M).
     kv_splits: KV-length splits of decode attention.
-    kv_min_blocks: the fewest KV blocks a split of decode attention holds, so that a short
-        sequence fills fewer splits (none to merge below this many blocks a split).
     fuse: names of ops folded into this one (they then have no task of their own).
     tma_stages: depth of the shared-memory ring the TMA unit streams a linear's weights
         through (0: the register path).
@@ -67,7 +65,6 @@ class OpChoice:
     stages: int = 1
     num_warps: int = 4
     kv_splits: int = 1
-    kv_min_blocks: int = 1
     fuse: tuple[str, ...] = ()
     tma_stages: int = 0
     tiles_per_task: int = 1

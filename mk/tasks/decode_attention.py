@@ -145,78 +145,67 @@ def window_start(seqlen: int, window: int | None) -> int:
     return 0 if window is None else max(seqlen - window, 0)
 
 
-def split_blocks(seqlen: int, num_splits: int, block_n: int, min_blocks: int = 1) -> int:
-    """KV blocks a slice holds, as :func:`_split_len` cuts them: ceil(seqlen / num_splits) in
-    whole blocks, at least ``min_blocks`` (when more than one)."""
-    blocks = -(-(-(-seqlen // num_splits)) // block_n)
-    return max(blocks, min_blocks) if min_blocks > 1 else blocks
+def slice_len(seqlen: int, num_splits: int, block_n: int) -> int:
+    """KV positions a slice holds, as :func:`_split_len` cuts them: ceil(seqlen / num_splits)
+    in whole blocks."""
+    return -(-(-(-seqlen // num_splits)) // block_n) * block_n
 
 
 def split_range(seqlen: int, split: int, num_splits: int, block_n: int,
-                window: int | None = None, min_blocks: int = 1) -> tuple[int, int]:
+                window: int | None = None) -> tuple[int, int]:
     """KV positions ``[start, end)`` that slice ``split`` covers, as the device cuts them
-    (``start >= end``: an empty slice; ``min_blocks``: see :func:`split_blocks`)."""
+    (``start >= end``: an empty slice)."""
     lo = window_start(seqlen, window)
-    split_len = split_blocks(seqlen - lo, num_splits, block_n, min_blocks) * block_n
-    start = lo + split * split_len
-    return start, min(start + split_len, seqlen)
+    start = lo + split * slice_len(seqlen - lo, num_splits, block_n)
+    return start, min(start + slice_len(seqlen - lo, num_splits, block_n), seqlen)
 
 
-def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None, min_blocks: int = 1) -> int:
+def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None) -> int:
     """:func:`decode_live_splits` on the host: the slices of a ``seqlen``-key sequence cut
     into ``num_splits`` that hold a key (at least 1); under a sliding ``window``, of its
-    last ``min(seqlen, window)`` keys; ``min_blocks``: see :func:`split_blocks`."""
+    last ``min(seqlen, window)`` keys."""
     seqlen -= window_start(seqlen, window)
-    split_len = max(split_blocks(seqlen, num_splits, block_n, min_blocks) * block_n, 1)  # as _split_len
-    return max(-(-seqlen // split_len), 1)
+    return max(-(-seqlen // max(slice_len(seqlen, num_splits, block_n), 1)), 1)
 
 
 # --------------------------------------------------------------------------- device code
 
 
 @jit
-def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr = 1):
-    """KV positions a slice holds: ceil(seqlen / num_splits), rounded up to whole blocks, and
-    at least MIN_BLOCKS blocks (a short sequence then fills fewer slices: fewer to merge)."""
-    blocks = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N)
-    if MIN_BLOCKS > 1:
-        blocks = tl.maximum(blocks, MIN_BLOCKS)
-    return blocks * BLOCK_N
+def _split_len(seqlen, num_splits, BLOCK_N: tl.constexpr):
+    """KV positions a slice holds: ceil(seqlen / num_splits), rounded up to whole blocks."""
+    return tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
 
 
 @jit
-def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
-                       MIN_BLOCKS: tl.constexpr = 1):
+def decode_live_splits(seqlen, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
     """How many of the ``num_splits`` slices of a ``seqlen``-key sequence hold a key (at
     least one: seqlen 0, never valid, still gives split 0, which writes zeros). WINDOW: a
-    sliding window, whose ``min(seqlen, WINDOW)`` keys the slices cut. MIN_BLOCKS: see
-    :func:`_split_len`."""
+    sliding window, whose ``min(seqlen, WINDOW)`` keys the slices cut."""
     if WINDOW is not None:
         seqlen = tl.minimum(seqlen, WINDOW)
-    return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N, MIN_BLOCKS), 1)), 1)
+    return tl.maximum(tl.cdiv(seqlen, tl.maximum(_split_len(seqlen, num_splits, BLOCK_N), 1)), 1)
 
 
 @jit
-def _slice_start(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
-                 MIN_BLOCKS: tl.constexpr = 1):
+def _slice_start(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
     """(first position, length) of slice ``split``: see :func:`decode_slice`."""
     if WINDOW is None:
-        split_len = _split_len(seqlen, num_splits, BLOCK_N, MIN_BLOCKS)
+        split_len = _split_len(seqlen, num_splits, BLOCK_N)
         start = split * split_len
     else:
         lo = tl.maximum(seqlen - WINDOW, 0)
-        split_len = _split_len(seqlen - lo, num_splits, BLOCK_N, MIN_BLOCKS)
+        split_len = _split_len(seqlen - lo, num_splits, BLOCK_N)
         start = lo + split * split_len
     return start, split_len
 
 
 @jit
-def decode_slice(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None,
-                 MIN_BLOCKS: tl.constexpr = 1):
+def decode_slice(seqlen, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = None):
     """KV positions [start, end) of slice ``split`` (``start >= end``: empty). Without a
     window the slices cut [0, seqlen); with WINDOW, [max(seqlen - WINDOW, 0), seqlen), so a
-    split never reads a key before the window. MIN_BLOCKS: see :func:`_split_len`."""
-    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
+    split never reads a key before the window."""
+    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW)
     return start, tl.minimum(start + split_len, seqlen)
 
 
@@ -229,7 +218,6 @@ def _attend_slice(
     stride_vb, stride_vh, stride_vs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WINDOW: tl.constexpr = None,
-    MIN_BLOCKS: tl.constexpr = 1,
 ):
     """Slice ``split`` of a sequence of ``seqlen`` keys for the group of ``kv_head``:
     (out float32 [BLOCK_G, BLOCK_D], normalised over the slice; lse float32 [BLOCK_G],
@@ -253,7 +241,7 @@ def _attend_slice(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    start, end = decode_slice(seqlen, split, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
+    start, end = decode_slice(seqlen, split, num_splits, BLOCK_N, WINDOW)
 
     k_base = k_cache_ptr + b * stride_kb + kv_head * stride_kh
     v_base = v_cache_ptr + b * stride_vb + kv_head * stride_vh
@@ -346,7 +334,7 @@ def decode_attention_prefetch(
     k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, max_seq,
     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKS: tl.constexpr = 2,
-    WINDOW: tl.constexpr = None, MIN_BLOCKS: tl.constexpr = 1,
+    WINDOW: tl.constexpr = None,
 ):
     """Ask L2 for the first BLOCKS blocks of K and V rows of split ``split``'s slice of a
     sequence of ``seqlen`` keys; issued before the task waits for its inputs.
@@ -357,7 +345,7 @@ def decode_attention_prefetch(
     where the QKV tiles' stores land), so a slightly wrong slice costs nothing but the lines.
     The split's loads then meet L2 instead of DRAM. Compiled GPU code only (inline PTX).
     WINDOW: the slice as :func:`decode_slice` cuts it under a sliding window."""
-    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
+    start, split_len = _slice_start(seqlen, split, num_splits, BLOCK_N, WINDOW)
     # (+1: the position this step appends, if the length is the last step's)
     end = tl.minimum(tl.minimum(start + split_len, seqlen + 1), tl.minimum(start + BLOCKS * BLOCK_N, max_seq))
     LINE: tl.constexpr = 1024 // k_cache_ptr.dtype.element_ty.primitive_bitwidth  # elements of a 128-byte line
@@ -426,7 +414,7 @@ def decode_attention_tile(
     stride_outb, stride_outh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_GROUP: tl.constexpr, WINDOW: tl.constexpr = None, MIN_BLOCKS: tl.constexpr = 1,
+    BLOCK_GROUP: tl.constexpr, WINDOW: tl.constexpr = None,
 ):
     """Split ``split`` of (b, kv_head) for a sequence of ``seqlen`` keys, as
     :func:`decode_attention_partial_tile`; then the group's output, by one of the *live*
@@ -442,13 +430,12 @@ def decode_attention_tile(
     run in any order, or one after another on one program. WINDOW: a sliding window of that
     many keys; the live splits are then those of the window's keys (:func:`decode_slice`).
     """
-    live = decode_live_splits(seqlen, num_splits, BLOCK_N, WINDOW, MIN_BLOCKS)
+    live = decode_live_splits(seqlen, num_splits, BLOCK_N, WINDOW)
     if split < live:
         out, lse = _attend_slice(
             q_ptr, k_cache_ptr, v_cache_ptr, seqlen, b, kv_head, split, num_splits, sm_scale,
             stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW,
-            MIN_BLOCKS=MIN_BLOCKS)
+            GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, WINDOW=WINDOW)
         if live == 1:
             _store_heads(out_ptr, b, kv_head, stride_outb, stride_outh, out,
                          GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
@@ -807,13 +794,13 @@ def kv_length_at(pos: int, max_seq: int) -> int:
 
 def _run_attention_split(op: str, bufs: dict, b: int, kv: int, s: int, *, batch: int, hq: int, hkv: int, d: int,
                          max_seq: int, splits: int, block_n: int, scale: float, seqlen: int,
-                         direct: bool = False, window: int | None = None, min_blocks: int = 1) -> None:
+                         direct: bool = False, window: int | None = None) -> None:
     """KV split s of (b, kv) of a sequence of ``seqlen`` keys for its group's query heads, with
     torch (the VM's partial); ``direct``: the split is the sequence's only live one and writes
     out instead; ``window``: the slices cut the window's keys only (:func:`split_range`)."""
     group = hq // hkv
     heads = slice(kv * group, (kv + 1) * group)
-    start, end = split_range(seqlen, s, splits, block_n, window, min_blocks)
+    start, end = split_range(seqlen, s, splits, block_n, window)
     q = operand_view(op, "q", bufs["q"], batch, hq * d)[b].view(hq, d)[heads].float()
     o_part = operand_view(op, "o_part", bufs["o_part"], batch * hq, splits * d).view(batch, hq, splits, d)
     lse = operand_view(op, "lse", bufs["lse"], batch * hq, splits).view(batch, hq, splits)
@@ -1000,8 +987,7 @@ def _one_phase_source(from_positions: bool, win: str, prologue: AttentionPrologu
 def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, max_seq: int,
                         num_splits: int, *, scale: float | None = None, block_n: int | None = None,
                         num_warps: int | None = None, from_positions: bool = False,
-                        window: int | None = None, prologue: AttentionPrologue | None = None,
-                        min_blocks: int = 1) -> OpSpec:
+                        window: int | None = None, prologue: AttentionPrologue | None = None) -> OpSpec:
     """Decode attention in one phase: split ``split`` of sequence b's KV for the query heads
     of KV head ``kv_head`` (as :func:`decode_attention_partial_op`), and the group's last
     split to finish merges the group's heads into out (as :func:`decode_attention_merge_op`).
@@ -1033,19 +1019,13 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     ``prologue`` (with ``from_positions``): what an op folded in does in each live split
     before it attends (:class:`AttentionPrologue`: the RoPE that writes q and appends the
     new key); its operands come after out.
-
-    ``min_blocks``: a slice holds at least that many KV blocks, so a sequence shorter than
-    the slices planned for the longest fills fewer of them (:func:`_split_len`): fewer
-    partials to merge, or none, at the cost of a longer loop a split.
     """
     op = "decode_attention"
     check_window(window)
     if prologue is not None and not from_positions:
         raise ValueError(f"{op}: a prologue needs from_positions (its splits wait in their body)")
-    check_positive_int(f"{op}: min_blocks", min_blocks)
     prologue = prologue or _NO_PROLOGUE
     win = ", WINDOW=WINDOW" if window is not None else ""  # (without a window: the code as before)
-    win += ", MIN_BLOCKS=MIN_BLOCKS" if min_blocks > 1 else ""
     part = decode_attention_partial_op(batch, num_q_heads, num_kv_heads, head_dim, max_seq, num_splits,
                                        scale=scale, block_n=block_n, num_warps=num_warps)
     hq, hkv, d, S = num_q_heads, num_kv_heads, head_dim, num_splits
@@ -1059,13 +1039,13 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
     def run(bufs, a):
         b, kv, s = tile(a)
         seqlen = _attention_length(op, bufs, b, batch, max_seq, from_positions)
-        live = live_splits(seqlen, S, c["BLOCK_N"], window, min_blocks)
+        live = live_splits(seqlen, S, c["BLOCK_N"], window)
         if s >= live:  # past the sequence: nothing to do
             return
         prologue.run(bufs, b, kv, s, live)
         _run_attention_split(op, bufs, b, kv, s, batch=batch, hq=hq, hkv=hkv, d=d, max_seq=max_seq, splits=S,
                              block_n=c["BLOCK_N"], scale=c["SCALE"], direct=live == 1, seqlen=seqlen,
-                             window=window, min_blocks=min_blocks)
+                             window=window)
         if live > 1:  # (with one, split 0 wrote out itself)
             _arrive_and_merge(op, bufs, b, kv, live, batch=batch, hq=hq, hkv=hkv, d=d, splits=S)
 
@@ -1091,7 +1071,6 @@ def decode_attention_op(batch: int, num_q_heads: int, num_kv_heads: int, head_di
                   constexprs={**c, "BLOCK_S": 1 << (S - 1).bit_length(), "BLOCK_GROUP": 1 << (group - 1).bit_length(),
                               "FROM_POSITIONS": int(from_positions),
                               **({"WINDOW": window} if window is not None else {}),
-                              **({"MIN_BLOCKS": min_blocks} if min_blocks > 1 else {}),
                               **prologue.constexprs},
                   num_warps=part.num_warps, run=run, waits_in_body=from_positions,
                   reads=reads, writes=writes, team=lambda a: (a["b"], a["kv_head"]), sync_operands=("arrivals",),
@@ -1152,25 +1131,13 @@ def _workspace_bytes(d: dict, kv_splits: int) -> int:
     return d["batch"] * d["heads"] * kv_splits * (d["head_dim"] + 1) * 4
 
 
-def attention_live_splits(d: dict, kv_splits: int, min_blocks: int = 1) -> int:
+def attention_live_splits(d: dict, kv_splits: int) -> int:
     """KV splits of decode attention (an op's dims ``d``) that hold a key at its planned length
     ``kv_len``, as the kernel cuts them (:func:`decode_live_splits`): each split
-    ceil(kv_len / kv_splits) keys rounded up to whole KV blocks (at least ``min_blocks``), so
-    at a short length the last splits hold none (they still run a task each, and return at
-    once)."""
+    ceil(kv_len / kv_splits) keys rounded up to whole KV blocks, so at a short length the
+    last splits hold none (they still run a task each, and return at once)."""
     block_n = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"]).block_n
-    return live_splits(d["kv_len"], kv_splits, block_n, min_blocks=min_blocks)
-
-
-def merge_break_even_blocks(d: dict, device) -> int:
-    """The fewest KV blocks a split of decode attention (an op's dims ``d``) should hold on
-    ``device``: below that, a second split saves its worker less time (the blocks it takes
-    off the first, streamed at one worker's rate) than the merge it brings costs the group
-    (partials stored and counted, then read back by the last split: two memory round
-    trips, :attr:`~mk.planner.device.DeviceSpec.load_latency_s` each)."""
-    cfg = decode_attention_config(d["heads"], d["kv_heads"], d["head_dim"], d["kv_dtype_bytes"])
-    block_s = 2 * cfg.block_n * d["head_dim"] * d["kv_dtype_bytes"] / device.worker_rate(tma=False)
-    return 1 + math.ceil(2 * device.load_latency_s / block_s)
+    return live_splits(d["kv_len"], kv_splits, block_n)
 
 
 #: Bytes of a cache element the planner's graphs may ask for, and the dtype that holds them.
@@ -1187,13 +1154,7 @@ class DecodeAttentionKind(OpKind):
     leaves_dram_idle = True
 
     def candidates(self, node, device, dtype_bytes=2, workers=None):
-        """Splits of the planned length; each holds at least the merge's break-even of KV
-        blocks (:func:`merge_break_even_blocks`), so a sequence shorter than the splits
-        planned for the longest fills fewer of them, and one of fewer blocks than that is
-        written out by its one split, with no merge."""
-        least = merge_break_even_blocks(node.dims, device)
-        return [OpChoice(kv_splits=s, kv_min_blocks=least if s > 1 else 1)
-                for s in (1, 2, 4, 8, 16) if s <= max(1, node.dims["kv_len"] // 32)]
+        return [OpChoice(kv_splits=s) for s in (1, 2, 4, 8, 16) if s <= max(1, node.dims["kv_len"] // 32)]
 
     def smem_bytes(self, node, choice, dtype_bytes=2):
         d = node.dims
@@ -1202,12 +1163,11 @@ class DecodeAttentionKind(OpKind):
                                            q_bytes=ACTIVATION_BYTES)
 
     def describe(self, choice):
-        least = f" of >={choice.kv_min_blocks} blocks" if choice.kv_min_blocks > 1 else ""
-        return f"kv_splits={choice.kv_splits}{least}"
+        return f"kv_splits={choice.kv_splits}"
 
     def bytes_flops(self, node, choice):
         """Several live splits merge their partials through the workspace."""
-        live = attention_live_splits(node.dims, choice.kv_splits, choice.kv_min_blocks)
+        live = attention_live_splits(node.dims, choice.kv_splits)
         return node.bytes + (2 * _workspace_bytes(node.dims, live) if live > 1 else 0), node.flops
 
     def phase_terms(self, node, choice, device, phase, phase_tasks, phase_bytes, dtype_bytes=2):
@@ -1216,7 +1176,7 @@ class DecodeAttentionKind(OpKind):
         split reads the live partials back (exact when the splits run in one wave, as they
         do in decode)."""
         d = node.dims
-        live = attention_live_splits(d, choice.kv_splits, choice.kv_min_blocks)
+        live = attention_live_splits(d, choice.kv_splits)
         return PhaseTerms(task_bytes=max(phase_bytes, 0) / (d["batch"] * d["kv_heads"] * live),
                           reread=_workspace_bytes(d, live) // (d["batch"] * d["kv_heads"]) if live > 1 else 0)
 
@@ -1225,18 +1185,18 @@ class DecodeAttentionKind(OpKind):
         for its QKV row before it attends, and the stores before its barrier."""
         return device.load_latency_s if choice.fuse else 0.0
 
-    def _spec(self, node, max_seq: int, choice: OpChoice, prologue=None):
+    def _spec(self, node, max_seq: int, splits: int, prologue=None):
         d = node.dims
         # One phase: each KV group's last split merges it (with one split too: a copy). The
         # length from the positions: known before the wait (the step's QKV writes seqlens).
-        return decode_attention_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, choice.kv_splits,
+        return decode_attention_op(d["batch"], d["heads"], d["kv_heads"], d["head_dim"], max_seq, splits,
                                    from_positions=True, **({"window": d["window"]} if d.get("window") else {}),
-                                   prologue=prologue, min_blocks=choice.kv_min_blocks)
+                                   prologue=prologue)
 
     def specs(self, node, choice, fused=()):
         max_seq = node.dims["kv_len"]
         prologue = op_kind(fused[0].kind).attention_prologue(fused[0], max_seq, False, 1e-5) if fused else None
-        return [(self._spec(node, max_seq, choice, prologue), None)]
+        return [(self._spec(node, max_seq, choice.kv_splits, prologue), None)]
 
     def buffer_shape(self, node, role, max_seq):
         d = node.dims
@@ -1256,7 +1216,7 @@ class DecodeAttentionKind(OpKind):
             kind = op_kind(rope.kind)
             prologue = kind.attention_prologue(rope, ctx.max_seq, ctx.first(rope), ctx.eps)
             extra = kind.attention_bindings(rope, ctx)
-        ctx.add(node.name, self._spec(node, ctx.max_seq, choice, prologue),
+        ctx.add(node.name, self._spec(node, ctx.max_seq, splits, prologue),
                 q=ctx.activation(node.inputs[0], B, hq * dh), k_cache=node.buffers["k_cache"],
                 v_cache=node.buffers["v_cache"], pos="pos",
                 o_part=ctx.activation(f"{node.name}.o_part", B, hq, splits * dh),

@@ -79,10 +79,6 @@ def decoder_graph(B=2, H=256, HQ=8, HKV=2, D=64, I=512, V=1000, S=128, splits=4)
     add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
                 num_splits=splits, from_positions=True), q="q", k_cache="kc", v_cache="vc", pos="pos",
         o_part="o_part", lse="lse", arrivals="arrivals", out="attn")
-    # ... with slices of at least two KV blocks.
-    add(make_op("decode_attention", batch=B, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, max_seq=S,
-                num_splits=splits, from_positions=True, min_blocks=2), q="q", k_cache="kc", v_cache="vc", pos="pos",
-        o_part="o_part", lse="lse", arrivals="arrivals", out="attn")
     # ... with the RoPE (Qwen3's q/k norm, the first layer's seqlens) folded into its splits.
     from mk.tasks.rope import rope_kv_attention_prologue
 

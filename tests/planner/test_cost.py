@@ -265,35 +265,6 @@ def test_attention_splits_past_the_planned_length_carry_no_bytes():
         assert short.choices["l0.attention"].kv_splits == 1 < full.choices["l0.attention"].kv_splits
 
 
-def test_attention_splits_hold_the_merge_s_break_even_of_blocks():
-    """A KV split holds at least as many blocks as a merge's two round trips are worth: at
-    1B on the H200 preset a block is 2 x 64 keys x 64 x 2 bytes = 16 KiB, 0.50 us at one
-    worker's 32.5 GB/s, and the merge 2 x 0.9 us, so splitting pays from 1 + ceil(3.6) = 5
-    blocks a split. Every split choice carries that floor (one split needs none), the plan
-    says so, a sequence of up to 5 blocks is then written by one split (no merge, no
-    workspace bytes) and the floor rises with a dearer merge."""
-    from mk.planner.cost import op_bytes_flops
-    from mk.planner.search import search
-    from mk.tasks.decode_attention import ATTENTION, attention_live_splits, merge_break_even_blocks
-
-    spec = DeviceSpec.preset("h200")
-    node = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 1024).node("l0.attention")
-    assert merge_break_even_blocks(node.dims, spec) == 5
-    assert merge_break_even_blocks(node.dims, replace(spec, load_latency_s=2 * spec.load_latency_s)) == 9
-    assert {(c.kv_splits, c.kv_min_blocks) for c in ATTENTION.candidates(node, spec)} == {
-        (1, 1), (2, 5), (4, 5), (8, 5), (16, 5)}
-    short = {**node.dims, "kv_len": 5 * 64}
-    assert [attention_live_splits(short, s, 5) for s in (2, 4, 16)] == [1, 1, 1]
-    assert [attention_live_splits(short, s) for s in (2, 4, 16)] == [2, 3, 5]
-    assert attention_live_splits({**node.dims, "kv_len": 5 * 64 + 1}, 4, 5) == 2
-    short_node = decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 5 * 64).node("l0.attention")
-    assert op_bytes_flops(short_node, OpChoice(kv_splits=4, kv_min_blocks=5)) == op_bytes_flops(short_node, OpChoice())
-    plan = search(decode_graph(ModelShape.preset("llama-3.2-1b"), 1, 1024), spec, top_k=1)[0]
-    choice = plan.choices["l0.attention"]
-    assert choice.kv_splits > 1 and choice.kv_min_blocks == 5
-    assert "kv_splits=" + str(choice.kv_splits) + " of >=5 blocks" in plan.explain()
-
-
 def test_hops_among_many_cost_what_the_link_s_crowd_says_and_the_projection_s_tiles_sum():
     from mk.planner.search import own_all_reduces, search
 

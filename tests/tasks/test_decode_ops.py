@@ -438,45 +438,6 @@ def interleave_free(t: torch.Tensor, d: int) -> torch.Tensor:
     return deinterleave_rotary(t, d, dim=-1)
 
 
-@pytest.mark.parametrize("min_blocks", [2, 3])
-def test_decode_attention_slices_of_at_least_min_blocks(min_blocks, _seed):
-    """Slices of at least ``min_blocks`` KV blocks: a short sequence fills fewer of the
-    planned splits (37 keys in blocks of 16 over 3 splits: two live with 2 blocks a slice,
-    one with 3), the rest return at once; the output is the reference's, on the megakernel
-    and the VM, and the host's cut (live_splits, split_range) is the device's."""
-    from mk.tasks.decode_attention import live_splits, split_range
-
-    batch, hq, hkv, d, max_seq, splits = 3, 8, 2, 12, 40, 3
-    seqlens = [37, 1, 20]
-    g = TaskGraph()
-    g.buffer("q", torch.randn(batch, hq * d, device=DEV))
-    kc, vc = torch.randn(batch, hkv, max_seq, d, device=DEV), torch.randn(batch, hkv, max_seq, d, device=DEV)
-    for b, n in enumerate(seqlens):  # never read: NaN would poison the output
-        kc[b, :, n:], vc[b, :, n:] = float("nan"), float("nan")
-    g.buffer("kc", kc), g.buffer("vc", vc), g.buffer("pos", torch.tensor(seqlens, dtype=torch.int32, device=DEV) - 1)
-    g.buffer("o_part", nan(batch, hq, splits * d)), g.buffer("lse", nan(batch, hq, splits))
-    g.buffer("out", nan(batch, hq * d)), g.buffer("arrivals", torch.zeros(batch * hkv, dtype=torch.int32, device=DEV))
-    op = make_op("decode_attention", batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_seq=max_seq,
-                 num_splits=splits, block_n=16, from_positions=True, min_blocks=min_blocks)
-    add_all(g, op, q="q", k_cache="kc", v_cache="vc", pos="pos", o_part="o_part", lse="lse", arrivals="arrivals",
-            out="out")
-    live = [live_splits(n, splits, 16, min_blocks=min_blocks) for n in seqlens]
-    assert live == ([2, 1, 1] if min_blocks == 2 else [1, 1, 1])
-    assert split_range(37, 1, splits, 16, min_blocks=min_blocks) == ((32, 37) if min_blocks == 2 else (48, 37))
-    ref = decode_attention_ref(g.buffers["q"].view(batch, hq, d), kc, vc, torch.tensor(seqlens, device=DEV))
-
-    def check(what):
-        assert_close(g.buffers["out"], ref.reshape(batch, hq * d), F32, f"{what}: out")
-        assert not g.buffers["arrivals"].any(), what
-        o_part = g.buffers["o_part"].view(batch, hq, splits, d)
-        for b, n_live in enumerate(live):  # only the live splits of a sequence with several write partials
-            used = n_live if n_live > 1 else 0
-            assert torch.isnan(o_part[b, :, used:]).all() and torch.isfinite(o_part[b, :, :used]).all(), what
-
-    run_kernel_and_vm(g, {"o_part": nan(batch, hq, splits * d), "lse": nan(batch, hq, splits),
-                          "out": nan(batch, hq * d)}, check, _seed)
-
-
 def test_attention_splits_past_the_sequence_skip_their_wait():
     """With the length from the positions, a split past the sequence's live ones reads and
     writes nothing, so it does not wait for its inputs: given a wait that can never be met,
