@@ -326,7 +326,6 @@ def run_generate(args) -> int:
     if temperature == 0.0 and (top_k is not None or top_p is not None):
         print("mk: note: --top-k / --top-p apply to sampling (--temperature > 0); greedy decoding ignores them",
               file=sys.stderr)
-    kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
     # Under torchrun: tensor parallelism over its processes, one GPU each; rank 0 prints.
     tp, rank, _ = launch_env()
     if tp > 1 and not args.model:
@@ -334,20 +333,7 @@ def run_generate(args) -> int:
     if tp > 1 and rank != 0:
         sys.stdout = open(os.devnull, "w")
         status = Status(open(os.devnull, "w"))
-    if args.model:
-        if tp > 1:
-            status(f"joining the other {tp - 1} rank(s) started by torchrun (at most {SETUP_TIMEOUT_S} s)")
-        status(f"loading weights from {args.model}" + (f" (this rank's share of {tp})" if tp > 1 else ""))
-        model = AutoModel.from_pretrained(args.model, max_batch_size=args.batch, max_seq_len=total,
-                                          kv_dtype=kv_dtype, progress=status.tty,
-                                          prefill_precision=args.prefill_precision, tp=tp, quantize=args.quantize,
-                                          quantize_lm_head=args.quantize_lm_head)
-    else:
-        status("building the default model (random weights)")
-        model = Llama.from_config(config, seed=DEFAULT_SEED, max_batch_size=args.batch, max_seq_len=total,
-                                  name="mk-default-llama", kv_dtype=kv_dtype,
-                                  prefill_precision=args.prefill_precision, quantize=args.quantize,
-                                  quantize_lm_head=args.quantize_lm_head)
+    model = _load_model(args, config, total, tp, status)
     status.clear()
     print(model_line(model, time.perf_counter() - t0), flush=True)
     prompts = [ids] * args.batch
@@ -367,17 +353,48 @@ def run_generate(args) -> int:
           f"{plan.peak_smem_bytes / 1024:.1f} KiB", flush=True)
 
     eos = set(tokenizer.eos_token_ids) if tokenizer and tokenizer.eos_token_ids else set(config.eos_token_ids)
-    text = TextStreamer(tokenizer, ids) if tokenizer else None
-    rows: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * len(prompts)
     status(f"prefill ({args.batch} x {len(ids)} tokens), then decoding")
-    stream = model.stream(prompts, new, temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
-                          eos_token_id=sorted(eos), read_every=1 if model.device.type == "cpu" else 8)
+    stream = model.stream([ids] * args.batch, new, temperature=temperature, top_k=top_k, top_p=top_p,
+                          seed=args.seed, eos_token_id=sorted(eos),
+                          read_every=1 if model.device.type == "cpu" else 8)
+    rows = _print_rows(stream, args.batch, ids, new, eos, tokenizer, args.chat, status)
+    print(_speed(model.last_stats, rows), flush=True)
+    if tp > 1 and temperature == 0.0 and args.check_steps > 0:
+        print("check: skipped under tensor parallelism (each rank holds its share of the weights)")
+    elif temperature == 0.0 and args.check_steps > 0:
+        return _check_reference(model, config, ids, rows[0][:args.check_steps], status)
+    return 0
+
+
+def _load_model(args, config, total: int, tp: int, status: Status):
+    """The checkpoint at ``--model`` (this rank's share under torchrun), or the default
+    model's random weights, sized for ``--batch`` rows of ``total`` positions."""
+    kv_dtype = getattr(torch, args.kv_dtype) if args.kv_dtype else None
+    common = dict(max_batch_size=args.batch, max_seq_len=total, kv_dtype=kv_dtype,
+                  prefill_precision=args.prefill_precision, quantize=args.quantize,
+                  quantize_lm_head=args.quantize_lm_head)
+    if not args.model:
+        status("building the default model (random weights)")
+        return Llama.from_config(config, seed=DEFAULT_SEED, name="mk-default-llama", **common)
+    if tp > 1:
+        status(f"joining the other {tp - 1} rank(s) started by torchrun (at most {SETUP_TIMEOUT_S} s)")
+    status(f"loading weights from {args.model}" + (f" (this rank's share of {tp})" if tp > 1 else ""))
+    return AutoModel.from_pretrained(args.model, progress=status.tty, tp=tp, **common)
+
+
+def _print_rows(stream, batch: int, ids: list[int], new: int, eos: set[int], tokenizer, chat: bool,
+                status: Status) -> list[list[int]]:
+    """Each of the ``batch`` rows' new tokens from ``stream`` (a row ends at its first EOS): row 0 printed as
+    they arrive (its text, or its ids without a tokenizer), then every row's ids and where
+    rows stopped at EOS."""
+    text = TextStreamer(tokenizer, ids) if tokenizer else None
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    finished = [False] * batch
     for step, tokens in enumerate(stream):
         if step == 0:
             status.clear()
             # Row 0 streams: its text after the prompt's (a chat reply alone), or its ids line.
-            print(("" if args.chat else text.prompt_text) if text else f"[0] {ids} -> [", end="", flush=True)
+            print(("" if chat else text.prompt_text) if text else f"[0] {ids} -> [", end="", flush=True)
         for b, t in enumerate(tokens.tolist()):
             if finished[b]:
                 continue
@@ -393,23 +410,22 @@ def run_generate(args) -> int:
     stopped = [f"row {b} after {len(r)} of {new} tokens" for b, r in enumerate(rows) if finished[b]]
     if stopped:
         print(f"stopped at EOS ({', '.join(map(str, sorted(eos)))}): {', '.join(stopped)}")
-    print(_speed(model.last_stats, rows), flush=True)
-    if tp > 1 and temperature == 0.0 and args.check_steps > 0:
-        print("check: skipped under tensor parallelism (each rank holds its share of the weights)")
-    elif temperature == 0.0 and args.check_steps > 0:
-        got = rows[0][:args.check_steps]   # shorter when row 0 stopped at EOS
-        check = len(got)
-        status("checking the greedy tokens against the float32 torch reference")
-        try:
-            want = greedy_generate(ReferenceLlama(config, model.hf_weights()), [ids], check)[0]
-        except FloatingPointError as e:  # nothing to compare against: never a match
-            status.clear()
-            print(f"check: failed: {e}")
-            return 1
+    return rows
+
+
+def _check_reference(model, config, ids: list[int], got: list[int], status: Status) -> int:
+    """Row 0's first greedy tokens ``got`` against the float32 torch reference on the model's
+    own weights: prints the verdict; returns 1 when a float32 model's tokens differ."""
+    check = len(got)   # shorter than asked when row 0 stopped at EOS
+    status("checking the greedy tokens against the float32 torch reference")
+    try:
+        want = greedy_generate(ReferenceLlama(config, model.hf_weights()), [ids], check)[0]
+    except FloatingPointError as e:  # nothing to compare against: never a match
         status.clear()
-        same = sum(1 for a, b in zip(got, want) if a == b)
-        print(f"check: first {check} greedy tokens {'match' if got == want else 'differ from'} the float32 "
-              f"torch reference ({same}/{check})")
-        if got != want and model.dtype == torch.float32:
-            return 1
-    return 0
+        print(f"check: failed: {e}")
+        return 1
+    status.clear()
+    same = sum(1 for a, b in zip(got, want) if a == b)
+    print(f"check: first {check} greedy tokens {'match' if got == want else 'differ from'} the float32 "
+          f"torch reference ({same}/{check})")
+    return 1 if got != want and model.dtype == torch.float32 else 0

@@ -285,31 +285,7 @@ def load_weights(
 
     expected = expected_shapes(config)
     scales = _quantized_weights(config, quantization)
-    missing = [n for n in expected if n not in where] + [s for s in scales.values() if s not in where]
-    if missing:
-        raise ValueError(f"checkpoint {folder!r} lacks tensor(s) {_some(missing)}")
-    if quantization is None:
-        fp8 = [n for n in [*expected, *sorted(where)] if n in where and headers[where[n]][n][1] == _FP8_DTYPE]
-        if fp8:
-            raise ValueError(f"{where[fp8[0]]}: tensor {fp8[0]!r} has dtype {_FP8_DTYPE}; config.json has no "
-                             f"quantization_config that says how to read it (its scales, its format)")
-    unused = _unused_tensors(where, config, scales)
-    if unused:
-        raise ValueError(f"checkpoint {folder!r} holds tensor(s) a {config.MODEL_TYPE} model of this config does not "
-                         f"use: {_some(unused)}; running without them would compute another model than the "
-                         f"checkpoint's (is config.json's model_type right?)")
-    for name, shape in expected.items():
-        got, st_dtype = headers[where[name]][name]
-        if tuple(got) != shape:
-            raise ValueError(f"{where[name]}: tensor {name!r} has shape {tuple(got)}, expected {shape} "
-                             f"for this config")
-        want = {_FP8_DTYPE} if name in scales else _FLOAT_DTYPES
-        if st_dtype not in want:
-            raise ValueError(f"{where[name]}: tensor {name!r} has dtype {st_dtype}; "
-                             + (f"the checkpoint's quantization_config ({quantization.method}) stores it as "
-                                f"{_FP8_DTYPE}" if name in scales else
-                                "config.json has no quantization_config that says how to read it"
-                                if st_dtype == _FP8_DTYPE else "mk loads float weights only"))
+    _check_headers(folder, config, quantization, headers, where, expected, scales)
     storage = quantization.format.storage_dtype(torch.device(device), dtype or torch.float32) if scales else None
 
     weights: dict[str, torch.Tensor] = {}
@@ -341,6 +317,39 @@ def load_weights(
     if shard and "lm_head.weight" in shard and "lm_head.weight" not in out:  # tied: the embedding's rows
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # (read as the same share)
     return out
+
+
+def _check_headers(folder: str, config: LlamaConfig, quantization: CheckpointQuantization | None,
+                   headers: dict, where: dict[str, str], expected: dict[str, tuple[int, ...]],
+                   scales: dict[str, str]) -> None:
+    """What the safetensors headers say against what ``config``'s model needs (``expected``
+    shapes; ``scales``: the quantized weights and their scales' names), before any tensor
+    data is read: ValueError naming the first missing, unused, misshapen or mistyped tensor."""
+    missing = [n for n in expected if n not in where] + [s for s in scales.values() if s not in where]
+    if missing:
+        raise ValueError(f"checkpoint {folder!r} lacks tensor(s) {_some(missing)}")
+    if quantization is None:
+        fp8 = [n for n in [*expected, *sorted(where)] if n in where and headers[where[n]][n][1] == _FP8_DTYPE]
+        if fp8:
+            raise ValueError(f"{where[fp8[0]]}: tensor {fp8[0]!r} has dtype {_FP8_DTYPE}; config.json has no "
+                             f"quantization_config that says how to read it (its scales, its format)")
+    unused = _unused_tensors(where, config, scales)
+    if unused:
+        raise ValueError(f"checkpoint {folder!r} holds tensor(s) a {config.MODEL_TYPE} model of this config does not "
+                         f"use: {_some(unused)}; running without them would compute another model than the "
+                         f"checkpoint's (is config.json's model_type right?)")
+    for name, shape in expected.items():
+        got, st_dtype = headers[where[name]][name]
+        if tuple(got) != shape:
+            raise ValueError(f"{where[name]}: tensor {name!r} has shape {tuple(got)}, expected {shape} "
+                             f"for this config")
+        want = {_FP8_DTYPE} if name in scales else _FLOAT_DTYPES
+        if st_dtype not in want:
+            raise ValueError(f"{where[name]}: tensor {name!r} has dtype {st_dtype}; "
+                             + (f"the checkpoint's quantization_config ({quantization.method}) stores it as "
+                                f"{_FP8_DTYPE}" if name in scales else
+                                "config.json has no quantization_config that says how to read it"
+                                if st_dtype == _FP8_DTYPE else "mk loads float weights only"))
 
 
 def _quantized_weights(config: LlamaConfig, quantization: CheckpointQuantization | None) -> dict[str, str]:
