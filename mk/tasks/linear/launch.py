@@ -142,6 +142,25 @@ def linear(
     Returns:
         ``[..., N]`` (``[..., N/2]`` with silu_mul) in ``out_dtype``.
     """
+    M, N, K, n_out, out_dtype, w_scale = _check_linear_args(x, weight, residual, norm_weight, norm_eps, silu_mul,
+                                                            split_k, out_dtype, bias, weight_scale)
+    config_given = config is not None
+    config = _tile_config(config, M, N, K, x, weight, split_k, silu_mul, w_scale)
+    x2 = x.reshape(M, K)
+    out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*x.shape[:-1], n_out)
+    if not config_given and bias is None and not w_scale and _tma_gemm_fits(x2, weight, out, norm_weight, residual,
+                                                                               config.split_k, silu_mul):
+        _launch_tma_gemm(x2, weight, out, silu_mul)
+    else:
+        _launch_tiles(x2, weight, out, config, residual, norm_weight, norm_eps, silu_mul, bias, weight_scale, w_scale)
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+def _check_linear_args(x, weight, residual, norm_weight, norm_eps, silu_mul, split_k, out_dtype, bias, weight_scale):
+    """:func:`linear`'s arguments checked (TypeError / ValueError naming the first wrong one);
+    returns (M, N, K, the result's columns, its dtype, the weight's scale code)."""
     check_tensor("x", x, ndim=range(1, 9), contiguous=False, last_dim_contiguous=True)
     K = x.shape[-1]
     # (An FP8 weight needs its scales: _check_weight_scale.)
@@ -180,8 +199,13 @@ def linear(
         check_same_device(x=x, bias=bias)
     check_real("norm_eps", norm_eps)
     check_positive_int("split_k", split_k)
-    M = x.numel() // K
-    pinned = config
+    return x.numel() // K, N, K, n_out, out_dtype, w_scale
+
+
+def _tile_config(config, M: int, N: int, K: int, x, weight, split_k: int, silu_mul: bool, w_scale: int):
+    """The tile :func:`linear` runs: ``config`` checked, or :func:`linear_config`'s pick;
+    narrowed where the weight's format needs it (a chunk within one scaled block, e4m3 GEMV
+    tiles of at least 16 x 32)."""
     if config is None:
         # x's dtype: a float32 x with bf16 weights sizes shared memory conservatively.
         config = linear_config(M, N, K, x.dtype, split_k=split_k, smem_limit=smem_per_block(x))
@@ -193,22 +217,28 @@ def linear(
     if weight.dtype == torch.float8_e4m3fn and config.block_m == 1:
         # (An e4m3 GEMV tile multiplies on the tensor cores: 16 rows and 32 columns at least.)
         config = replace(config, block_n=max(config.block_n, 16), block_k=max(config.block_k, 32))
+    return config
 
-    x2 = x.reshape(M, K)
-    out = torch.empty((M, n_out), dtype=out_dtype, device=x.device)
-    if M == 0:
-        return out.reshape(*x.shape[:-1], n_out)
-    if pinned is None and bias is None and not w_scale and _tma_gemm_fits(x2, weight, out, norm_weight, residual,
-                                                                          config.split_k, silu_mul):
-        sms = sm_count(x)
-        tma = tma_gemm_config(M, N, sms)
-        enable_device_descriptors()
-        tiles = triton.cdiv(M, tma.block_m) * triton.cdiv(N, tma.block_n)
-        linear_tma_kernel[(min(sms, tiles),)](
-            x2, weight, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
-            NUM_SMS=min(sms, tiles), SILU_MUL=silu_mul, BLOCK_M=tma.block_m, BLOCK_N=tma.block_n,
-            BLOCK_K=tma.block_k, GROUP_M=tma.group_m, NUM_STAGES=tma.num_stages, num_warps=tma.num_warps)
-        return out.reshape(*x.shape[:-1], n_out)
+
+def _launch_tma_gemm(x2, weight, out, silu_mul: bool) -> None:
+    """Prefill rows through :func:`linear_tma_kernel` (persistent, TMA-fed), into ``out``."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    sms = sm_count(x2)
+    tma = tma_gemm_config(M, N, sms)
+    enable_device_descriptors()
+    tiles = triton.cdiv(M, tma.block_m) * triton.cdiv(N, tma.block_n)
+    linear_tma_kernel[(min(sms, tiles),)](
+        x2, weight, out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0),
+        NUM_SMS=min(sms, tiles), SILU_MUL=silu_mul, BLOCK_M=tma.block_m, BLOCK_N=tma.block_n,
+        BLOCK_K=tma.block_k, GROUP_M=tma.group_m, NUM_STAGES=tma.num_stages, num_warps=tma.num_warps)
+
+
+def _launch_tiles(x2, weight, out, config: LinearConfig, residual, norm_weight, norm_eps: float, silu_mul: bool,
+                  bias, weight_scale, w_scale: int) -> None:
+    """Rows through :func:`linear_kernel` (or its split-K partials and reduce), into ``out``."""
+    M, K = x2.shape
+    N = weight.shape[0]
     res2 = residual.reshape(M, N) if residual is not None else out
     norm_w = norm_weight if norm_weight is not None else weight
     bm, bn, bk = tile_rows(config, M), config.block_n, config.block_k
@@ -216,9 +246,9 @@ def linear(
     # PDL only for the GEMV body: on an H200 it lifts M=1 by 3-10% but slows the tl.dot
     # tiles (M=8: 0.49 vs 0.56 of copy at 4096->6144), whose early-launched successors
     # hold shared memory that the running tiles' pipelines want.
-    pdl = use_pdl(x) and config.block_m == 1
+    pdl = use_pdl(x2) and config.block_m == 1
     eb = weight.element_size()
-    lines, line = prefetch_lines(config, K, eb) if x.is_cuda else (0, 1)
+    lines, line = prefetch_lines(config, K, eb) if x2.is_cuda else (0, 1)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
     # TMA bulk prefetch needs 16-byte aligned row segments.
     bulk = weight.data_ptr() % 16 == 0 and (weight.stride(0) * eb) % 16 == 0 and (bk * eb) % 16 == 0
@@ -232,7 +262,7 @@ def linear(
             float(norm_eps), HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
             SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, **prefetch, **launch)
     else:
-        ws = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
+        ws = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x2.device)
         linear_partial_kernel[(tiles, config.split_k)](
             x2, weight, norm_w, ws, M, N, K, config.split_k, x2.stride(0), weight.stride(0),
             ws.stride(0), ws.stride(1), float(norm_eps),
@@ -242,7 +272,6 @@ def linear(
             ws, res2, out, bias, M, N, config.split_k, ws.stride(0), ws.stride(1), res2.stride(0), out.stride(0),
             HAS_RESIDUAL=residual is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, PDL=pdl,
             num_warps=config.num_warps, launch_pdl=pdl)
-    return out.reshape(*x.shape[:-1], n_out)
 
 
 def linear_ref(
