@@ -354,9 +354,8 @@ def run_generate(args) -> int:
 
     eos = set(tokenizer.eos_token_ids) if tokenizer and tokenizer.eos_token_ids else set(config.eos_token_ids)
     status(f"prefill ({args.batch} x {len(ids)} tokens), then decoding")
-    stream = model.stream([ids] * args.batch, new, temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=args.seed, eos_token_id=sorted(eos),
-                          read_every=1 if model.device.type == "cpu" else 8)
+    stream = model.stream(prompts, new, temperature=temperature, top_k=top_k, top_p=top_p, seed=args.seed,
+                          eos_token_id=sorted(eos), read_every=1 if model.device.type == "cpu" else 8)
     rows = _print_rows(stream, args.batch, ids, new, eos, tokenizer, args.chat, status)
     print(_speed(model.last_stats, rows), flush=True)
     if tp > 1 and temperature == 0.0 and args.check_steps > 0:
@@ -384,9 +383,9 @@ def _load_model(args, config, total: int, tp: int, status: Status):
 
 def _print_rows(stream, batch: int, ids: list[int], new: int, eos: set[int], tokenizer, chat: bool,
                 status: Status) -> list[list[int]]:
-    """Each of the ``batch`` rows' new tokens from ``stream`` (a row ends at its first EOS): row 0 printed as
-    they arrive (its text, or its ids without a tokenizer), then every row's ids and where
-    rows stopped at EOS."""
+    """Each of the ``batch`` rows' new tokens from ``stream`` (a row ends at its first EOS):
+    row 0 printed as they arrive (its text, or its ids without a tokenizer), then every
+    row's ids and where rows stopped at EOS."""
     text = TextStreamer(tokenizer, ids) if tokenizer else None
     rows: list[list[int]] = [[] for _ in range(batch)]
     finished = [False] * batch

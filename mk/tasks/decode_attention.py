@@ -156,8 +156,8 @@ def split_range(seqlen: int, split: int, num_splits: int, block_n: int,
     """KV positions ``[start, end)`` that slice ``split`` covers, as the device cuts them
     (``start >= end``: an empty slice)."""
     lo = window_start(seqlen, window)
-    start = lo + split * slice_len(seqlen - lo, num_splits, block_n)
-    return start, min(start + slice_len(seqlen - lo, num_splits, block_n), seqlen)
+    n = slice_len(seqlen - lo, num_splits, block_n)
+    return lo + split * n, min(lo + (split + 1) * n, seqlen)
 
 
 def live_splits(seqlen: int, num_splits: int, block_n: int, window: int | None = None) -> int:
