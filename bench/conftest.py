@@ -106,13 +106,28 @@ def within_limit(gpu_env: dict, limits: dict[str, float], seconds: float, what: 
 
 
 @pytest.fixture
-def record(gpu_env):
-    """record(suite, **figures): keep one result row for bench/results/<suite>-....json."""
+def record(gpu_env, request):
+    """record(suite, **figures): keep one result row for bench/results/<suite>-....json. With
+    ``--save-results`` the file is written again at each row, so a run cut short (a time
+    limit, a crash) still leaves what it measured."""
+    save = request.config.getoption("save_results")
 
     def _record(suite: str, **figures):
         _records[suite].append(figures)
+        if save:
+            _write(suite, gpu_env, quiet=True)
 
     return _record
+
+
+def _write(suite: str, env: dict, quiet: bool = False) -> Path:
+    """Write ``suite``'s rows so far to bench/results/<suite>-<device>.json."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{suite}-{env['device_slug']}.json"
+    path.write_text(json.dumps({**env, "suite": suite, "results": _records[suite]}, indent=1) + "\n")
+    if not quiet:
+        print(f"\nmk: wrote {path}")
+    return path
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -121,17 +136,12 @@ def pytest_sessionfinish(session, exitstatus):
     env = session.config._mk_gpu_env if hasattr(session.config, "_mk_gpu_env") else None
     if env is None:
         return
-    slug = env["device_slug"]
-    save = session.config.getoption("save_results")
-    if save:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for suite, rows in _records.items():
-        path = RESULTS_DIR / f"{suite}-{slug}.json"
-        text = json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n"
-        if save:
-            path.write_text(text)
-            print(f"\nmk: wrote {path}")
+        if session.config.getoption("save_results"):
+            _write(suite, env)
         else:
+            path = RESULTS_DIR / f"{suite}-{env['device_slug']}.json"
+            text = json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n"
             print(f"\nmk: {suite} on {env['device']} (not saved; --save-results writes {path.name}):\n{text}")
 
 

@@ -142,7 +142,8 @@ class Scheduler:
                              f"prefill workspace holds), got {chunk!r}")
         self.model, self.read_every, self.prefill_chunk = model, read_every, chunk
         self.slots = model.steps.slots
-        self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self.waiting: queue.Queue[Request] = queue.Queue()
         self.live: list[Request] = []  # row i holds live[i]
         #: The request being prefilled: (it, its next piece's start, its prompt logprobs so far, its
         #: row, its prompt on the device).
@@ -159,13 +160,16 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queue ``request`` (checked: its prompt and ``max_tokens`` fit the cache); raises
-        :class:`QueueFull` when ``max_queue`` wait already, ValueError for a bad request."""
+        :class:`QueueFull` when ``max_queue`` wait already beyond those the free slots will
+        take, ValueError for a bad request."""
         self.check(request)
-        try:
-            self.waiting.put_nowait(request)
-        except queue.Full:
+        # Requests bound for a free slot wait only for the next boundary: they take no place
+        # of the queue's (read from another thread, a turn late at worst).
+        free = self.model.max_batch_size - len(self.live) - (self.prefilling is not None)
+        if self.waiting.qsize() >= self.max_queue + max(free, 0):
             self.metrics.count("rejected")
-            raise QueueFull(f"{self.waiting.maxsize} requests are waiting already") from None
+            raise QueueFull(f"{self.max_queue} requests are waiting for a slot already")
+        self.waiting.put_nowait(request)
         self.metrics.count("received")
 
     def check(self, r: Request) -> None:

@@ -20,6 +20,7 @@ import uuid
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mk.engine.scheduler import QueueFull, Request
 from mk.models.decoder import MIN_TEMPERATURE
@@ -52,6 +53,27 @@ class Gone(Exception):
     """The client went away."""
 
 
+class _CountResponses:
+    """Counts responses by path and status for /metrics. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` (``@app.middleware``) would keep a handler from ever seeing its
+    client's disconnect, and a non-streamed request would then decode to its end for no one."""
+
+    def __init__(self, app, counts: dict):
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                key = (scope["path"], message["status"])
+                self.counts[key] = self.counts.get(key, 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(scheduler, tokenizer, name: str) -> FastAPI:
     """The server's app: ``scheduler`` (started) serves the requests; ``tokenizer`` (a
     :class:`~mk.models.tokenizer.Tokenizer`) reads and writes their text; ``name`` is the
@@ -61,17 +83,16 @@ def create_app(scheduler, tokenizer, name: str) -> FastAPI:
     created = int(time.time())
     eos = frozenset(tokenizer.eos_token_ids or model.config.eos_token_ids)
     http_counts: dict[tuple[str, int], int] = {}
-
-    @app.middleware("http")
-    async def count(request: HttpRequest, call_next):
-        response = await call_next(request)
-        key = (request.url.path, response.status_code)
-        http_counts[key] = http_counts.get(key, 0) + 1
-        return response
+    app.add_middleware(_CountResponses, counts=http_counts)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: HttpRequest, e: StarletteHTTPException):  # 404, 405: OpenAI's shape too
+        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                        headers=getattr(e, "headers", None)).response()
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_, e: RequestValidationError):
@@ -98,7 +119,7 @@ def create_app(scheduler, tokenizer, name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HttpRequest):
-        _check_model(body.model, name)
+        _check_request(body, name, model.config.vocab_size)
         prompts = []
         for p in body.prompts():
             ids = _encode(tokenizer, p, "prompt") if isinstance(p, str) else p
@@ -110,7 +131,7 @@ def create_app(scheduler, tokenizer, name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HttpRequest):
-        _check_model(body.model, name)
+        _check_request(body, name, model.config.vocab_size)
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
         try:
@@ -119,7 +140,11 @@ def create_app(scheduler, tokenizer, name: str) -> FastAPI:
             raise ApiError(400, str(e), param="messages") from None
         budget = body.token_budget()
         if budget is None:  # as OpenAI's API: up to what the context holds
-            budget = max(model.max_seq_len - len(ids), 0)
+            if len(ids) >= model.max_seq_len:
+                raise ApiError(400, f"the conversation is {len(ids)} tokens with the chat template: it leaves no "
+                               f"room for a reply in the {model.max_seq_len} positions a request may use",
+                               param="messages")
+            budget = model.max_seq_len - len(ids)
         req = _request(body, ids, budget, eos, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         return await _serve(scheduler, tokenizer, http, body, [req], "chat.completion", name)
 
@@ -128,11 +153,22 @@ def create_app(scheduler, tokenizer, name: str) -> FastAPI:
 
 def _validation_error(e: RequestValidationError) -> ApiError:
     """The first of pydantic's errors as one line naming the field."""
-    err = e.errors()[0]
+    errors = e.errors()
+    err = errors[0]
     ctx = err.get("ctx") or {}
     if isinstance(ctx.get("error"), Unsupported):
         return ApiError(400, str(ctx["error"]), param=ctx["error"].param)
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if not loc and err.get("type") == "model_attributes_type":  # the body as a whole
+        if isinstance(err.get("input"), (bytes, str)):  # (not parsed: no JSON content type)
+            return ApiError(400, "the body was not read as JSON: send it with Content-Type: application/json")
+        return ApiError(400, f"the body must be a JSON object, got {_json_type(err.get('input'))}")
+    # A field of several accepted types fails once for each (its loc ends in the type's name).
+    tags = [str(x["loc"][-1]) for x in errors if tuple(x["loc"][:-1]) == tuple(err["loc"][:-1])]
+    if len(tags) > 1:
+        field = ".".join(loc[:-1])
+        return ApiError(400, f"{field}: got {_json_type(err.get('input'))}; it must be one of {', '.join(tags)}",
+                        param=field)
     field = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         return ApiError(400, f"unsupported field {field!r}: mk does not support it", param=field)
@@ -143,10 +179,23 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     return ApiError(400, f"{field}: {err.get('msg')}" if field else str(err.get("msg")), param=field)
 
 
-def _check_model(asked: str | None, name: str) -> None:
-    if asked is not None and asked != name:
-        raise ApiError(404, f"the model {asked!r} does not exist here: this server serves {name!r}",
+def _json_type(value) -> str:
+    """A value's JSON type, as a client wrote it."""
+    for t, name in ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),
+                    (list, "an array"), (dict, "an object")):
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _check_request(body, name: str, vocab_size: int) -> None:
+    """What a body asks that this server's model cannot: another model, a stop id past its vocabulary."""
+    if body.model is not None and body.model != name:
+        raise ApiError(404, f"the model {body.model!r} does not exist here: this server serves {name!r}",
                        param="model")
+    bad = [t for t in body.stop_ids() if t >= vocab_size]
+    if bad:
+        raise ApiError(400, f"stop: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="stop")
 
 
 def _encode(tokenizer, text: str, param: str) -> list[int]:
@@ -214,8 +263,9 @@ async def _next(scheduler, http: HttpRequest, events: asyncio.Queue):
             if await http.is_disconnected():
                 raise Gone() from None
             if not scheduler.alive:
-                raise ApiError(500, f"the scheduler stopped ({scheduler.failed or 'shut down'})",
-                               "server_error") from None
+                if scheduler.failed:
+                    raise ApiError(500, f"the scheduler stopped ({scheduler.failed})", "server_error") from None
+                raise ApiError(503, "the server is shutting down", "server_error") from None
 
 
 async def _stream(scheduler, http: HttpRequest, events: asyncio.Queue, answer: "_Answer"):
@@ -262,6 +312,8 @@ class _Answer:
         self.tokens = [[] for _ in reqs]    # (id, logprob entry) of each completion token kept
         self.prompt_lps = [None for _ in reqs]
         self.finish = [None for _ in reqs]
+        # Where each streamed choice's next token's text starts (its logprobs' text_offset).
+        self.offsets = [len(t.streamer.prompt_text) if echo else 0 for t in self.texts]
         self.failed: str | None = None
         opts = body.stream_options
         self.usage_wanted = bool(opts and opts.include_usage)
@@ -310,18 +362,20 @@ class _Answer:
     def _token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
 
-    def _logprobs_completion(self, entries: list) -> dict:
-        """OpenAI's completion logprobs of ``entries`` [(id, (logprob, top) or None)]."""
+    def _logprobs_completion(self, entries: list, start: int = 0) -> tuple[dict, int]:
+        """OpenAI's completion logprobs of ``entries`` [(id, (logprob, top) or None)], the first
+        token's text at character ``start`` of the choice's text; and where the text after
+        them starts. A special token (``<s>``) is named in ``tokens`` but takes no characters
+        of the text, which leaves it out."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
+        offset = start
         for token, lp in entries:
-            text = self._token_text(token)
-            out["tokens"].append(text)
+            out["tokens"].append(self._token_text(token))
             out["token_logprobs"].append(None if lp is None else lp[0])
             out["top_logprobs"].append(None if lp is None else {self._token_text(t): v for t, v in lp[1]})
             out["text_offset"].append(offset)
-            offset += len(text)
-        return out
+            offset += len(self.tok.decode([token], skip_special_tokens=True))
+        return out, offset
 
     def _logprobs_chat(self, entries: list) -> dict:
         def one(token, logprob):
@@ -337,8 +391,10 @@ class _Answer:
             choice = {"index": i, "delta": {"content": text} if text else {}, "finish_reason": finish,
                       "logprobs": self._logprobs_chat(entries) if entries else None}
         else:
-            choice = {"index": i, "text": text, "finish_reason": finish,
-                      "logprobs": self._logprobs_completion(entries) if entries else None}
+            lps = None
+            if entries:
+                lps, self.offsets[i] = self._logprobs_completion(entries, self.offsets[i])
+            choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": lps}
         return {"id": self.id, "object": self.kind + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.name, "choices": [choice]}
 
@@ -377,7 +433,7 @@ class _Answer:
             if r.logprobs is not None:
                 if self.echo:
                     entries = list(zip(r.prompt, self.prompt_lps[i] or [None] * len(r.prompt))) + entries
-                lps = self._logprobs_completion(entries)
+                lps = self._logprobs_completion(entries)[0]
             choices.append({"index": i, "text": (self.texts[i].streamer.prompt_text if self.echo else "") + text,
                             "finish_reason": self.finish[i], "logprobs": lps})
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.name,

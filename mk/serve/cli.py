@@ -48,6 +48,23 @@ def _check_port(host: str, port: int) -> None:
             raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
+def _stopping_scheduler_first(uvicorn):
+    """uvicorn's server, which on Ctrl-C (or SIGTERM) first tells the scheduler to stop: the
+    handlers waiting on it then answer (503, or an error event ending a stream) within a
+    poll, inside uvicorn's graceful-shutdown bound, instead of being cancelled mid-wait."""
+
+    class Server(uvicorn.Server):
+        def __init__(self, config, scheduler):
+            super().__init__(config)
+            self.scheduler = scheduler
+
+        def handle_exit(self, sig, frame):
+            self.scheduler.stop(timeout=0)  # (returns at once: the loop ends after its block)
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
 def run_serve(args) -> int:
     """Load, prepare, serve; returns the exit code once the server stops."""
     try:
@@ -93,8 +110,9 @@ def run_serve(args) -> int:
     app = create_app(scheduler.start(), tokenizer, name)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; {args.max_batch} slots, "
           f"{max_seq_len} positions each, up to {args.max_queue} waiting); Ctrl-C stops", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = _stopping_scheduler_first(uvicorn)(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                       timeout_graceful_shutdown=5), scheduler)
     try:
         server.run()
     finally:

@@ -22,15 +22,19 @@ class Unsupported(ValueError):
         self.param = param
 
 
+#: Every body is read strictly: a string is not a boolean, nor true a number.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
@@ -106,13 +110,13 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "developer"]
     content: Union[str, list[TextPart]]
     name: str | None = None

@@ -281,8 +281,10 @@ def test_bad_requests_are_refused_at_submit_and_a_full_queue_says_so(model):
                             (dict(prompt=[1], logprobs=21), "logprobs")):
         with pytest.raises(ValueError, match=message):
             scheduler.submit(Request(**{"max_tokens": 1, "emit": print, **kwargs}))
-    scheduler.submit(Request(prompt=[1], max_tokens=1, emit=print))
-    with pytest.raises(QueueFull):
+    # Each free slot takes a request at the next boundary: those do not count against the queue.
+    for _ in range(1 + model.max_batch_size):
+        scheduler.submit(Request(prompt=[1], max_tokens=1, emit=print))
+    with pytest.raises(QueueFull, match="1 requests are waiting"):
         scheduler.submit(Request(prompt=[1], max_tokens=1, emit=print))
     with pytest.raises(ValueError, match="prefill_chunk"):
         Scheduler(model, prefill_chunk=0)

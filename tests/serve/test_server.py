@@ -52,7 +52,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
+def served(checkpoint):
+    """The server process and its base URL."""
     folder = checkpoint[0]
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -73,12 +74,17 @@ def server(checkpoint):
             pass
         assert time.time() < deadline, "the server did not start"
         time.sleep(0.5)
-    yield base
+    yield base, proc
     proc.terminate()
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +157,11 @@ def test_completion_with_logprobs_and_echo_is_the_reference_s(client, checkpoint
         assert lps[k] == pytest.approx(ref[k - 1, (ids + new)[k]].item(), abs=1e-3), k
     assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(new)
+    # Each token's text stands at its offset of the returned text (a special one takes none).
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for token, at in zip(ids + new, offsets):
+        assert choice.text.startswith(tok.decode([token], skip_special_tokens=True), at), (token, at)
 
 
 def test_chat_goes_through_the_template_and_stops_at_a_stop_string(client, checkpoint):
@@ -189,6 +200,11 @@ def test_a_seed_draws_the_same_sample_and_models_lists_the_model(client):
     ({"prompt": [9999]}, 400, "outside [0, 288)"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
     ({}, 400, "missing field 'prompt'"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+    ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens: Input should be a valid integer"),
+    ({"prompt": 5}, 400, "prompt: got a number; it must be one of str, "),
+    ({"prompt": "hi", "stop": [99999]}, 400, "stop: token id 99999 is outside the vocabulary [0, 288)"),
+    ([1, 2], 400, "the body must be a JSON object, got an array"),
 ])
 def test_malformed_requests_get_a_400_in_openai_s_shape(server, body, status, words):
     code, answer, _ = _post(server, "/v1/completions", body)
@@ -196,13 +212,43 @@ def test_malformed_requests_get_a_400_in_openai_s_shape(server, body, status, wo
     assert set(answer["error"]) == {"message", "type", "param", "code"}
 
 
+def test_every_refusal_is_in_openai_s_shape(server):
+    """Not only the endpoints' own: no route, a wrong method, a body sent without a JSON
+    content type, a conversation that leaves no room for a reply."""
+    for req, status, words in (
+            (urllib.request.Request(server + "/v1/nothing"), 404, "GET /v1/nothing: Not Found"),
+            (urllib.request.Request(server + "/v1/models", data=b"{}"), 405, "POST /v1/models: Method Not Allowed"),
+            (urllib.request.Request(server + "/v1/completions", data=b'{"prompt": "hi"}',
+                                    headers={"Content-Type": "text/plain"}), 400, "Content-Type: application/json"),
+            (urllib.request.Request(server + "/v1/chat/completions",
+                                    data=json.dumps({"messages": [{"role": "user", "content": "x" * POSITIONS}]}).encode(),
+                                    headers={"Content-Type": "application/json"}), 400, "leaves no room for a reply")):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=CALL_S)
+        answer = json.loads(e.value.read())
+        assert e.value.code == status and words in answer["error"]["message"], answer
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+
+
+def _post_and_go(base: str, body: dict) -> socket.socket:
+    """A request sent by a client that will not wait for its answer: close the socket it returns."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    s = socket.create_connection((host, int(port)), timeout=CALL_S)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
 def test_a_full_queue_is_a_429_and_gone_clients_give_their_slots_back(server, client):
-    """Three streams hold the slots and four requests wait (as many as the queue holds): the
-    next is refused with 429 and Retry-After. The streams' clients go away: their slots come
-    back and the waiting requests and a new one are served; /metrics counts all of it."""
+    """Two streams and a request not streamed hold the slots and four requests wait (as many
+    as the queue holds): the next is refused with 429 and Retry-After. The three clients go
+    away: their slots come back and the waiting requests and a new one are served; /metrics
+    counts all of it."""
     before = _metrics(server)
     streams = [client.completions.create(model="tiny", prompt="hello", max_tokens=POSITIONS - 8, temperature=0,
-                                         stream=True) for _ in range(SLOTS)]
+                                         stream=True) for _ in range(SLOTS - 1)]
+    whole = _post_and_go(server, {"prompt": "hello", "max_tokens": POSITIONS - 8, "temperature": 0})
     deadline = time.time() + CALL_S
     while _metrics(server)["mk_live_slots"] != SLOTS:
         assert time.time() < deadline   # (the streams' first chunk comes before their prefill)
@@ -219,6 +265,7 @@ def test_a_full_queue_is_a_429_and_gone_clients_give_their_slots_back(server, cl
     assert code == 429 and headers.get("retry-after") == "1" and answer["error"]["type"] == "rate_limit_error"
     for s in streams:
         s.close()
+    whole.close()
     for w in waiting:
         w.join(CALL_S)
         assert not w.is_alive()
@@ -284,3 +331,29 @@ def test_serve_refuses_a_port_in_use(checkpoint, capsys, no_model):
         s.listen()
         assert main(["serve", "--model", str(checkpoint[0]), "--port", str(s.getsockname()[1])]) == 1
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_ctrl_c_answers_the_waiting_requests_and_stops_cleanly(served):
+    """Last (it stops the module's server): SIGINT while a request not streamed decodes; it
+    is answered with a 503 in OpenAI's shape within the graceful-shutdown bound, and the
+    server exits as an interrupted command does (130), with no traceback."""
+    import signal
+
+    base, proc = served
+    result = {}
+
+    def wait():
+        result["answer"] = _post(base, "/v1/completions", {"prompt": "hello", "max_tokens": POSITIONS - 8})
+
+    t = threading.Thread(target=wait)
+    t.start()
+    deadline = time.time() + CALL_S
+    while _metrics(base)["mk_live_slots"] != 1:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    t.join(CALL_S)
+    code, answer, _ = result["answer"]
+    assert code == 503 and answer["error"]["message"] == "the server is shutting down", answer
+    out, _ = proc.communicate(timeout=CALL_S)
+    assert proc.returncode == 130 and "Traceback" not in out and out.rstrip().endswith("mk: interrupted"), out
