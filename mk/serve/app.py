@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mk.engine.scheduler import QueueFull, Request
+from mk.generate import TextStreamer
 from mk.models.decoder import MIN_TEMPERATURE
 
 from .protocol import ChatRequest, CompletionRequest, Unsupported
@@ -56,22 +57,35 @@ class Gone(Exception):
 class _CountResponses:
     """Counts responses by path and status for /metrics. A plain ASGI middleware: Starlette's
     ``BaseHTTPMiddleware`` (``@app.middleware``) would keep a handler from ever seeing its
-    client's disconnect, and a non-streamed request would then decode to its end for no one."""
+    client's disconnect, and a non-streamed request would then decode to its end for no one.
+    A path the app does not serve counts as ``other`` (the label set stays bounded); an
+    exception counts as the 500 the server's outermost layer answers it with."""
 
-    def __init__(self, app, counts: dict):
-        self.app, self.counts = app, counts
+    def __init__(self, app, counts: dict, routes: list):
+        self.app, self.counts, self.routes = app, counts, routes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path = scope["path"] if any(getattr(r, "path", None) == scope["path"] for r in self.routes) else "other"
+        started = False
 
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                key = (scope["path"], message["status"])
-                self.counts[key] = self.counts.get(key, 0) + 1
+                started = True
+                self._count(path, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:
+                self._count(path, 500)
+            raise
+
+    def _count(self, path: str, status: int) -> None:
+        self.counts[(path, status)] = self.counts.get((path, status), 0) + 1
 
 
 def create_app(scheduler, tokenizer, name: str) -> FastAPI:
@@ -83,7 +97,7 @@ def create_app(scheduler, tokenizer, name: str) -> FastAPI:
     created = int(time.time())
     eos = frozenset(tokenizer.eos_token_ids or model.config.eos_token_ids)
     http_counts: dict[tuple[str, int], int] = {}
-    app.add_middleware(_CountResponses, counts=http_counts)
+    app.add_middleware(_CountResponses, counts=http_counts, routes=app.router.routes)
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -163,9 +177,10 @@ def _validation_error(e: RequestValidationError) -> ApiError:
         if isinstance(err.get("input"), (bytes, str)):  # (not parsed: no JSON content type)
             return ApiError(400, "the body was not read as JSON: send it with Content-Type: application/json")
         return ApiError(400, f"the body must be a JSON object, got {_json_type(err.get('input'))}")
-    # A field of several accepted types fails once for each (its loc ends in the type's name).
+    # A field of several accepted types fails once for each, its loc ending in the type's
+    # name ("str", "list[int]", "TextPart"), where sibling fields' locs end in field names.
     tags = [str(x["loc"][-1]) for x in errors if tuple(x["loc"][:-1]) == tuple(err["loc"][:-1])]
-    if len(tags) > 1:
+    if len(tags) > 1 and all(_is_type_tag(t) for t in tags):
         field = ".".join(loc[:-1])
         return ApiError(400, f"{field}: got {_json_type(err.get('input'))}; it must be one of {', '.join(tags)}",
                         param=field)
@@ -177,6 +192,12 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     if err.get("type") == "missing":
         return ApiError(400, f"missing field {field!r}", param=field)
     return ApiError(400, f"{field}: {err.get('msg')}" if field else str(err.get("msg")), param=field)
+
+
+def _is_type_tag(tag: str) -> bool:
+    """Whether a pydantic error's last loc item names one type of a union (not a field: the
+    request models' fields are lowercase words, none a type's name)."""
+    return tag in ("str", "int", "float", "bool", "none") or "[" in tag or tag[:1].isupper()
 
 
 def _json_type(value) -> str:
@@ -313,7 +334,8 @@ class _Answer:
         self.prompt_lps = [None for _ in reqs]
         self.finish = [None for _ in reqs]
         # Where each streamed choice's next token's text starts (its logprobs' text_offset).
-        self.offsets = [len(t.streamer.prompt_text) if echo else 0 for t in self.texts]
+        self.offsets = [_Offsets(tokenizer, r.prompt, len(t.streamer.prompt_text) if echo else 0)
+                        for r, t in zip(reqs, self.texts)]
         self.failed: str | None = None
         opts = body.stream_options
         self.usage_wanted = bool(opts and opts.include_usage)
@@ -362,20 +384,16 @@ class _Answer:
     def _token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
 
-    def _logprobs_completion(self, entries: list, start: int = 0) -> tuple[dict, int]:
-        """OpenAI's completion logprobs of ``entries`` [(id, (logprob, top) or None)], the first
-        token's text at character ``start`` of the choice's text; and where the text after
-        them starts. A special token (``<s>``) is named in ``tokens`` but takes no characters
-        of the text, which leaves it out."""
+    def _logprobs_completion(self, entries: list, offsets: "_Offsets") -> dict:
+        """OpenAI's completion logprobs of ``entries`` [(id, (logprob, top) or None)], their
+        text offsets taken from ``offsets`` (which they advance)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = start
         for token, lp in entries:
             out["tokens"].append(self._token_text(token))
             out["token_logprobs"].append(None if lp is None else lp[0])
             out["top_logprobs"].append(None if lp is None else {self._token_text(t): v for t, v in lp[1]})
-            out["text_offset"].append(offset)
-            offset += len(self.tok.decode([token], skip_special_tokens=True))
-        return out, offset
+            out["text_offset"].append(offsets.put(token))
+        return out
 
     def _logprobs_chat(self, entries: list) -> dict:
         def one(token, logprob):
@@ -393,7 +411,7 @@ class _Answer:
         else:
             lps = None
             if entries:
-                lps, self.offsets[i] = self._logprobs_completion(entries, self.offsets[i])
+                lps = self._logprobs_completion(entries, self.offsets[i])
             choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": lps}
         return {"id": self.id, "object": self.kind + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.name, "choices": [choice]}
@@ -431,13 +449,32 @@ class _Answer:
                 continue
             lps = None
             if r.logprobs is not None:
+                offsets = _Offsets(self.tok, () if self.echo else r.prompt, 0)
                 if self.echo:
                     entries = list(zip(r.prompt, self.prompt_lps[i] or [None] * len(r.prompt))) + entries
-                lps = self._logprobs_completion(entries)[0]
+                lps = self._logprobs_completion(entries, offsets)
+                end = len(self.texts[i].streamer.prompt_text if self.echo else "") + len(text)
+                lps["text_offset"] = [min(o, end) for o in lps["text_offset"]]  # (past a stop string)
             choices.append({"index": i, "text": (self.texts[i].streamer.prompt_text if self.echo else "") + text,
                             "finish_reason": self.finish[i], "logprobs": lps})
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.name,
                 "choices": choices, "usage": self.usage()}
+
+
+class _Offsets:
+    """Where each token's text starts in a choice's text (OpenAI's ``text_offset``), as the
+    text is decoded: tokens after ``context`` (ids before the text, for their spacing),
+    counted from ``start``. A token that begins a character it does not end (the UTF-8
+    bytes of a byte-level vocabulary) stands at that character's start, as does the one
+    that ends it; a special token takes no characters, as the text leaves it out."""
+
+    def __init__(self, tokenizer, context, start: int):
+        self.text, self.at = TextStreamer(tokenizer, context), start
+
+    def put(self, token: int) -> int:
+        at = self.at
+        self.at += len(self.text.put(token))
+        return at
 
 
 def _prometheus(scheduler, http_counts: dict) -> str:

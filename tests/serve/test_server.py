@@ -143,9 +143,11 @@ def test_concurrent_streams_each_get_the_tokens_of_their_request_alone(server, c
 
 def test_completion_with_logprobs_and_echo_is_the_reference_s(client, checkpoint):
     """lm-evaluation-harness's call: echo + logprobs, greedy; the prompt comes back with its
-    logprobs (the first None), then the completion's, all the reference's log-softmax."""
+    logprobs (the first None), then the completion's, all the reference's log-softmax. Each
+    token's text_offset is where the text decoded before it ends (a character cut across
+    byte tokens: its start), in the body and in the stream alike."""
     tok = load_tokenizer(checkpoint[0])
-    ids = tok.encode("the cat")
+    ids = tok.encode("the caté é")
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, logprobs=1, echo=True)
     new = _alone(checkpoint, ids, 2)
     (choice,) = r.choices
@@ -157,11 +159,18 @@ def test_completion_with_logprobs_and_echo_is_the_reference_s(client, checkpoint
         assert lps[k] == pytest.approx(ref[k - 1, (ids + new)[k]].item(), abs=1e-3), k
     assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(new)
-    # Each token's text stands at its offset of the returned text (a special one takes none).
+
+    def before(k):  # the text of the first k tokens, less a character they do not finish
+        return tok.decode((ids + new)[:k]).rstrip("\ufffd")
+
+    assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(len(ids))), "no character spans tokens"
     offsets = choice.logprobs.text_offset
-    assert offsets[0] == 0 and offsets == sorted(offsets)
-    for token, at in zip(ids + new, offsets):
-        assert choice.text.startswith(tok.decode([token], skip_special_tokens=True), at), (token, at)
+    assert offsets == [len(before(k)) for k in range(len(ids + new))]
+    assert all(choice.text.startswith(before(k)) for k in range(len(ids + new)))
+    stream = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, logprobs=1, echo=True,
+                                       stream=True)
+    streamed = [o for c in stream if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == offsets[len(ids):]
 
 
 def test_chat_goes_through_the_template_and_stops_at_a_stop_string(client, checkpoint):
@@ -205,6 +214,7 @@ def test_a_seed_draws_the_same_sample_and_models_lists_the_model(client):
     ({"prompt": 5}, 400, "prompt: got a number; it must be one of str, "),
     ({"prompt": "hi", "stop": [99999]}, 400, "stop: token id 99999 is outside the vocabulary [0, 288)"),
     ([1, 2], 400, "the body must be a JSON object, got an array"),
+    ({"prompt": "hi", "temperature": "a", "top_p": "b"}, 400, "temperature: Input should be a valid number"),
 ])
 def test_malformed_requests_get_a_400_in_openai_s_shape(server, body, status, words):
     code, answer, _ = _post(server, "/v1/completions", body)
@@ -228,6 +238,8 @@ def test_every_refusal_is_in_openai_s_shape(server):
         answer = json.loads(e.value.read())
         assert e.value.code == status and words in answer["error"]["message"], answer
         assert set(answer["error"]) == {"message", "type", "param", "code"}
+    text = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
+    assert 'mk_http_responses_total{path="other",status="404"}' in text, text
 
 
 def _post_and_go(base: str, body: dict) -> socket.socket:
