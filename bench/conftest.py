@@ -120,14 +120,19 @@ def record(gpu_env, request):
     return _record
 
 
-def _write(suite: str, env: dict, quiet: bool = False) -> Path:
-    """Write ``suite``'s rows so far to bench/results/<suite>-<device>.json."""
+def _results(suite: str, env: dict) -> tuple[Path, str]:
+    """bench/results/<suite>-<device>.json and its text: ``suite``'s rows so far with ``env``."""
+    return (RESULTS_DIR / f"{suite}-{env['device_slug']}.json",
+            json.dumps({**env, "suite": suite, "results": _records[suite]}, indent=1) + "\n")
+
+
+def _write(suite: str, env: dict, quiet: bool = False) -> None:
+    """Write ``suite``'s rows so far to its results file."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{suite}-{env['device_slug']}.json"
-    path.write_text(json.dumps({**env, "suite": suite, "results": _records[suite]}, indent=1) + "\n")
+    path, text = _results(suite, env)
+    path.write_text(text)
     if not quiet:
         print(f"\nmk: wrote {path}")
-    return path
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -136,12 +141,11 @@ def pytest_sessionfinish(session, exitstatus):
     env = session.config._mk_gpu_env if hasattr(session.config, "_mk_gpu_env") else None
     if env is None:
         return
-    for suite, rows in _records.items():
+    for suite in _records:
         if session.config.getoption("save_results"):
             _write(suite, env)
         else:
-            path = RESULTS_DIR / f"{suite}-{env['device_slug']}.json"
-            text = json.dumps({**env, "suite": suite, "results": rows}, indent=1) + "\n"
+            path, text = _results(suite, env)
             print(f"\nmk: {suite} on {env['device']} (not saved; --save-results writes {path.name}):\n{text}")
 
 

@@ -333,9 +333,10 @@ class _Answer:
         self.tokens = [[] for _ in reqs]    # (id, logprob entry) of each completion token kept
         self.prompt_lps = [None for _ in reqs]
         self.finish = [None for _ in reqs]
-        # Where each streamed choice's next token's text starts (its logprobs' text_offset).
+        # Where each streamed choice's next token's text starts (its logprobs' text_offset;
+        # only a choice that asks for logprobs decodes its text a second time).
         self.offsets = [_Offsets(tokenizer, r.prompt, len(t.streamer.prompt_text) if echo else 0)
-                        for r, t in zip(reqs, self.texts)]
+                        if r.logprobs is not None else None for r, t in zip(reqs, self.texts)]
         self.failed: str | None = None
         opts = body.stream_options
         self.usage_wanted = bool(opts and opts.include_usage)
