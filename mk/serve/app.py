@@ -333,10 +333,12 @@ class _Answer:
         self.tokens = [[] for _ in reqs]    # (id, logprob entry) of each completion token kept
         self.prompt_lps = [None for _ in reqs]
         self.finish = [None for _ in reqs]
+        # A JSON body is built once at the end: only a stream makes chunks as tokens come.
+        self.streamed = bool(body.stream)
         # Where each streamed choice's next token's text starts (its logprobs' text_offset;
         # only a choice that asks for logprobs decodes its text a second time).
         self.offsets = [_Offsets(tokenizer, r.prompt, len(t.streamer.prompt_text) if echo else 0)
-                        if r.logprobs is not None else None for r, t in zip(reqs, self.texts)]
+                        if r.logprobs is not None and self.streamed else None for r, t in zip(reqs, self.texts)]
         self.failed: str | None = None
         opts = body.stream_options
         self.usage_wanted = bool(opts and opts.include_usage)
@@ -349,7 +351,8 @@ class _Answer:
             r.cancelled = True
 
     def take(self, i: int, ev: tuple) -> list[dict]:
-        """Record event ``ev`` of choice ``i``; the stream chunks it makes."""
+        """Record event ``ev`` of choice ``i``; the stream chunks it makes (none when the
+        answer is one JSON body)."""
         if self.finish[i] is not None or self.failed is not None:
             return []
         what = ev[0]
@@ -373,12 +376,13 @@ class _Answer:
             if stopped:
                 self.reqs[i].cancelled = True   # its slot goes back at the next boundary
                 self.finish[i] = "stop"
-                return [self._chunk(i, "".join(text), kept if lps else None, "stop")]
-            return [self._chunk(i, "".join(text), kept if lps else None, None)] if any(text) or lps else []
+            if not (self.streamed and (any(text) or lps or stopped)):
+                return []
+            return [self._chunk(i, "".join(text), kept if lps else None, self.finish[i])]
         # "done": the scheduler stopped it (a stop id: "stop"; max_tokens: "length").
         piece = self.texts[i].end()
         self.finish[i] = "stop" if self.texts[i].stopped else ev[1]
-        return [self._chunk(i, piece, None, self.finish[i])]
+        return [self._chunk(i, piece, None, self.finish[i])] if self.streamed else []
 
     # ------------------------------------------------------------------ shapes
 
