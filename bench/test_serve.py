@@ -374,3 +374,4 @@ def test_load_run(record, served):
         assert not bad, bad[:5]
         assert not server.scheduler.live
     assert mem1 - mem0 < 64 * 2**20, "GPU memory grew across the warm pass"
+    assert rss1 - rss0 < 32, "the process's RSS grew across the warm pass"
