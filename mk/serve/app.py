@@ -331,14 +331,11 @@ class _Answer:
         self.texts = [StopText(tokenizer, r.prompt, stops) for r in reqs]
         self.pieces = [[] for _ in reqs]    # text pieces sent / to send
         self.tokens = [[] for _ in reqs]    # (id, logprob entry) of each completion token kept
+        self.starts = [[] for _ in reqs]    # where each kept token's text starts in the completion text
         self.prompt_lps = [None for _ in reqs]
         self.finish = [None for _ in reqs]
         # A JSON body is built once at the end: only a stream makes chunks as tokens come.
         self.streamed = bool(body.stream)
-        # Where each streamed choice's next token's text starts (its logprobs' text_offset;
-        # only a choice that asks for logprobs decodes its text a second time).
-        self.offsets = [_Offsets(tokenizer, r.prompt, len(t.streamer.prompt_text) if echo else 0)
-                        if r.logprobs is not None and self.streamed else None for r, t in zip(reqs, self.texts)]
         self.failed: str | None = None
         opts = body.stream_options
         self.usage_wanted = bool(opts and opts.include_usage)
@@ -366,6 +363,7 @@ class _Answer:
         if what == "tokens":
             text, kept, stopped = [], [], False
             for token, lp in zip(ev[1], ev[2]):
+                self.starts[i].append(len(self.texts[i].text))  # (its logprobs' text_offset)
                 piece, stopped = self.texts[i].put(token)
                 text.append(piece)
                 kept.append((token, lp))
@@ -389,16 +387,20 @@ class _Answer:
     def _token_text(self, token: int) -> str:
         return self.tok.decode([token], skip_special_tokens=False)
 
-    def _logprobs_completion(self, entries: list, offsets: "_Offsets") -> dict:
-        """OpenAI's completion logprobs of ``entries`` [(id, (logprob, top) or None)], their
-        text offsets taken from ``offsets`` (which they advance)."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, lp in entries:
-            out["tokens"].append(self._token_text(token))
-            out["token_logprobs"].append(None if lp is None else lp[0])
-            out["top_logprobs"].append(None if lp is None else {self._token_text(t): v for t, v in lp[1]})
-            out["text_offset"].append(offsets.put(token))
-        return out
+    def _logprobs_completion(self, entries: list, offsets: list[int]) -> dict:
+        """OpenAI's completion logprobs of ``entries`` [(id, (logprob, top) or None)] whose
+        text starts at ``offsets`` in the choice's text."""
+        return {"tokens": [self._token_text(token) for token, _ in entries],
+                "token_logprobs": [None if lp is None else lp[0] for _, lp in entries],
+                "top_logprobs": [None if lp is None else {self._token_text(t): v for t, v in lp[1]}
+                                 for _, lp in entries],
+                "text_offset": offsets}
+
+    def _completion_offsets(self, i: int, starts: list[int]) -> list[int]:
+        """Completion text ``starts`` of choice ``i`` as offsets in the text it returns
+        (after the prompt's, with echo)."""
+        base = len(self.texts[i].streamer.prompt_text) if self.echo else 0
+        return [base + s for s in starts]
 
     def _logprobs_chat(self, entries: list) -> dict:
         def one(token, logprob):
@@ -416,7 +418,8 @@ class _Answer:
         else:
             lps = None
             if entries:
-                lps = self._logprobs_completion(entries, self.offsets[i])
+                starts = self.starts[i][len(self.tokens[i]) - len(entries):]
+                lps = self._logprobs_completion(entries, self._completion_offsets(i, starts))
             choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": lps}
         return {"id": self.id, "object": self.kind + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.name, "choices": [choice]}
@@ -454,32 +457,28 @@ class _Answer:
                 continue
             lps = None
             if r.logprobs is not None:
-                offsets = _Offsets(self.tok, () if self.echo else r.prompt, 0)
+                offsets = self._completion_offsets(i, self.starts[i])
                 if self.echo:
                     entries = list(zip(r.prompt, self.prompt_lps[i] or [None] * len(r.prompt))) + entries
-                lps = self._logprobs_completion(entries, offsets)
+                    offsets = _prompt_offsets(self.tok, r.prompt) + offsets
                 end = len(self.texts[i].streamer.prompt_text if self.echo else "") + len(text)
-                lps["text_offset"] = [min(o, end) for o in lps["text_offset"]]  # (past a stop string)
+                lps = self._logprobs_completion(entries, [min(o, end) for o in offsets])  # (past a stop string)
             choices.append({"index": i, "text": (self.texts[i].streamer.prompt_text if self.echo else "") + text,
                             "finish_reason": self.finish[i], "logprobs": lps})
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.name,
                 "choices": choices, "usage": self.usage()}
 
 
-class _Offsets:
-    """Where each token's text starts in a choice's text (OpenAI's ``text_offset``), as the
-    text is decoded: tokens after ``context`` (ids before the text, for their spacing),
-    counted from ``start``. A token that begins a character it does not end (the UTF-8
-    bytes of a byte-level vocabulary) stands at that character's start, as does the one
-    that ends it; a special token takes no characters, as the text leaves it out."""
-
-    def __init__(self, tokenizer, context, start: int):
-        self.text, self.at = TextStreamer(tokenizer, context), start
-
-    def put(self, token: int) -> int:
-        at = self.at
-        self.at += len(self.text.put(token))
-        return at
+def _prompt_offsets(tokenizer, prompt: list[int]) -> list[int]:
+    """Where each prompt token's text starts in the prompt's text (echo's ``text_offset``),
+    decoded as a completion's is: a token that begins a character it does not end (the UTF-8
+    bytes of a byte-level vocabulary) stands at that character's start, as does the one that
+    ends it; a special token takes no characters."""
+    text, at, out = TextStreamer(tokenizer), 0, []
+    for token in prompt:
+        out.append(at)
+        at += len(text.put(token))
+    return out
 
 
 def _prometheus(scheduler, http_counts: dict) -> str:

@@ -171,6 +171,9 @@ def test_completion_with_logprobs_and_echo_is_the_reference_s(client, checkpoint
                                        stream=True)
     streamed = [o for c in stream if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert streamed == offsets[len(ids):]
+    alone = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, logprobs=1)
+    prompt_chars = len(tok.decode(ids))
+    assert alone.choices[0].logprobs.text_offset == [o - prompt_chars for o in offsets[len(ids):]]
 
 
 def test_chat_goes_through_the_template_and_stops_at_a_stop_string(client, checkpoint):
